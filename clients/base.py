@@ -1,0 +1,122 @@
+"""What every method's client half shares: its data, its persistent state, models, local training.
+
+A ClientApp object does not survive between messages, so a :class:`ClientMethod` is built for each
+message. What must persist lives in the node's ``context.state`` (:class:`ClientState`); the data
+and the partition are cached per process by :func:`pflalign.federation.federated_dataset`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from flwr.app import ArrayRecord, RecordDict
+from torch import nn
+
+from pflalign.config import Settings
+from pflalign.federation import federated_dataset
+from pflalign.models import build_model
+from pflalign.train import (
+    STREAM_TRAIN,
+    EvalStats,
+    TrainStats,
+    evaluate,
+    make_generator,
+    make_sgd,
+    train_local,
+)
+
+TorchState = dict[str, torch.Tensor]
+
+
+class ClientState:
+    """A method's namespace in the node's persistent ``context.state``.
+
+    Keys are ``<method>.<name>``. Methods run one after another in a comparison, so when a client
+    starts serving a method it drops what earlier methods left behind (less to carry per message).
+    """
+
+    def __init__(self, records: RecordDict, namespace: str):
+        self.records = records
+        self.prefix = f"{namespace}."
+        for key in [k for k in records if not k.startswith(self.prefix)]:
+            del records[key]
+
+    def get_arrays(self, name: str) -> TorchState | None:
+        record = self.records.array_records.get(self.prefix + name)
+        return None if record is None else record.to_torch_state_dict()
+
+    def set_arrays(self, name: str, state: Mapping[str, torch.Tensor]) -> None:
+        self.records[self.prefix + name] = ArrayRecord(
+            {k: v.detach().cpu() for k, v in state.items()})
+
+
+_TEMPLATES: dict[tuple, nn.Module] = {}
+
+
+@dataclass
+class FitResult:
+    """What a client's training returns: its model (None if nothing is uploaded) and metrics."""
+
+    state: Mapping[str, torch.Tensor] | None
+    metrics: dict[str, float | int] = field(default_factory=dict)
+
+
+class ClientMethod:
+    """Base client half. Subclasses implement :meth:`fit` and :meth:`evaluate`."""
+
+    def __init__(self, settings: Settings, client_id: int, state: ClientState,
+                 device: torch.device):
+        self.settings = settings
+        self.client_id = client_id
+        self.state = state
+        self.device = device
+        self.federation = federated_dataset(settings)
+        self.data = self.federation.client_data(client_id, device)
+
+    # --- helpers shared by methods -------------------------------------------------------------
+    def new_model(self, state: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
+        """A fresh model (a copy of a per-process template), loaded with ``state`` if given."""
+        ds = self.federation.dataset
+        key = (self.settings["model"], ds.input_shape, ds.num_classes)
+        if key not in _TEMPLATES:
+            _TEMPLATES[key] = build_model(str(key[0]), ds.input_shape, ds.num_classes,
+                                          seed=int(self.settings["seed"]))
+        model = copy.deepcopy(_TEMPLATES[key])
+        if state is not None:
+            model.load_state_dict(state)
+        return model.to(self.device)
+
+    def local_train(self, model: nn.Module, server_round: int, stream: int = STREAM_TRAIN,
+                    epochs: int | None = None,
+                    optimizer: torch.optim.Optimizer | None = None) -> TrainStats:
+        """Train on the client's train split, shuffled by (seed, round, client, stream)."""
+        s = self.settings
+        return train_local(
+            model, self.data.train_x, self.data.train_y, self.data.normalize,
+            optimizer=optimizer or make_sgd(model.parameters(), s),
+            batch_size=int(s["batch-size"]),
+            epochs=int(s["local-epochs"]) if epochs is None else epochs,
+            max_steps=int(s["local-steps"]),
+            generator=make_generator(int(s["seed"]), server_round, self.client_id, stream))
+
+    def test(self, model: nn.Module) -> EvalStats:
+        return evaluate(model, self.data.test_x, self.data.test_y, self.data.normalize)
+
+    @staticmethod
+    def eval_metrics(personal: EvalStats, global_: EvalStats | None = None) -> dict:
+        metrics: dict[str, float | int] = {
+            "num-test": personal.count, "personal-correct": personal.correct,
+            "personal-loss": personal.loss_sum / max(personal.count, 1)}
+        if global_ is not None:
+            metrics["global-correct"] = global_.correct
+        return metrics
+
+    # --- the method's two actions --------------------------------------------------------------
+    def fit(self, global_state: TorchState | None, server_round: int) -> FitResult:
+        raise NotImplementedError
+
+    def evaluate(self, global_state: TorchState | None, server_round: int) -> dict:
+        raise NotImplementedError

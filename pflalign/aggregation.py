@@ -1,0 +1,96 @@
+"""Server-side math on model states: flattening, validation and sample-weighted averaging.
+
+A model state is a ``dict[str, np.ndarray]`` (a PyTorch ``state_dict`` as NumPy arrays). For
+arithmetic it is packed into one contiguous vector (:class:`FlatSpec`), so an aggregation is a
+handful of vector operations per client rather than a Python loop over parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+State = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class FlatSpec:
+    """Keys, shapes and dtypes of a model state, and where each lives in the flat vector."""
+
+    keys: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def of(cls, state: Mapping[str, np.ndarray]) -> FlatSpec:
+        keys = tuple(state)
+        shapes = tuple(tuple(np.shape(state[k])) for k in keys)
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        return cls(keys=keys, shapes=shapes, dtypes=tuple(np.asarray(state[k]).dtype for k in keys),
+                   offsets=tuple(np.concatenate([[0], np.cumsum(sizes)]).tolist()))
+
+    @property
+    def size(self) -> int:
+        return self.offsets[-1]
+
+    def flatten(self, state: Mapping[str, np.ndarray], dtype: type = np.float32) -> np.ndarray:
+        """Pack a state (in this spec's key order) into one vector of ``dtype``."""
+        out = np.empty(self.size, dtype=dtype)
+        for key, start, stop in zip(self.keys, self.offsets[:-1], self.offsets[1:], strict=True):
+            out[start:stop] = np.asarray(state[key]).reshape(-1)
+        return out
+
+    def unflatten(self, vector: np.ndarray) -> State:
+        """Unpack a vector into a state with the original dtypes (integer entries are rounded)."""
+        state: State = {}
+        for key, shape, dtype, start, stop in zip(self.keys, self.shapes, self.dtypes,
+                                                  self.offsets[:-1], self.offsets[1:], strict=True):
+            part = vector[start:stop]
+            if np.issubdtype(dtype, np.integer) or dtype == np.bool_:
+                part = np.rint(part)
+            state[key] = part.astype(dtype).reshape(shape)
+        return state
+
+    def problem_with(self, state: Mapping[str, np.ndarray]) -> str | None:
+        """Why ``state`` cannot be aggregated with states of this spec (None when it can)."""
+        missing = [k for k in self.keys if k not in state]
+        extra = [k for k in state if k not in self.keys]
+        if missing or extra:
+            return (f"its arrays do not match the model: missing {missing[:3]}, "
+                    f"unexpected {extra[:3]}")
+        for key, shape in zip(self.keys, self.shapes, strict=True):
+            value = np.asarray(state[key])
+            if tuple(value.shape) != shape:
+                return f"array '{key}' has shape {tuple(value.shape)}, expected {shape}"
+            if value.dtype.kind not in "biuf":
+                return f"array '{key}' has non-numeric dtype {value.dtype}"
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                return f"array '{key}' contains NaN or infinite values"
+        return None
+
+
+def weighted_average(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """``sum_i w_i v_i / sum_i w_i`` accumulated in float64 (FedAvg, ALGORITHMS.md 1.6)."""
+    if len(vectors) == 0:
+        raise ValueError("weighted_average needs at least one vector.")
+    if len(vectors) != len(weights):
+        raise ValueError(f"{len(vectors)} vectors but {len(weights)} weights.")
+    w = np.asarray(weights, dtype=np.float64)
+    if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"Aggregation weights must be finite, >= 0 and not all 0; got {w}.")
+    w = w / w.sum()
+    acc = np.zeros(vectors[0].shape, dtype=np.float64)
+    for vector, weight in zip(vectors, w, strict=True):
+        if weight:
+            acc += weight * vector
+    return acc
+
+
+def fedavg(states: Sequence[Mapping[str, np.ndarray]], num_examples: Sequence[float],
+           spec: FlatSpec | None = None) -> State:
+    """Sample-weighted average of model states, returned with the states' dtypes."""
+    spec = spec or FlatSpec.of(states[0])
+    return spec.unflatten(weighted_average([spec.flatten(s) for s in states], num_examples))

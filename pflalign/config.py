@@ -1,0 +1,335 @@
+"""Run configuration: one schema, the single source of truth for every key and default.
+
+Configs are flat ``key = value`` TOML in Flower's run-config style (hyphenated keys), so the same
+file serves ``python simulate.py --config FILE`` and ``flwr run . --run-config FILE``. Values are
+``bool``, ``int``, ``float`` or ``str`` (Flower's ``UserConfigValue``); lists are written as
+comma-separated strings (``methods = "fedavg,local"``).
+
+Every value is validated here, before any data is read or Ray is started, and every error is one
+sentence naming the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+Value = bool | int | float | str
+
+
+class ConfigError(ValueError):
+    """A configuration value, key or file is invalid; the message says which and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One configuration key: its default (which fixes its type), its help text and its checks."""
+
+    key: str
+    default: Value
+    help: str
+    group: str
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    exclusive_maximum: bool = False
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+    def describe_range(self) -> str:
+        parts = []
+        if self.minimum is not None:
+            parts.append(f"{'>' if self.exclusive_minimum else '>='} {self.minimum:g}")
+        if self.maximum is not None:
+            parts.append(f"{'<' if self.exclusive_maximum else '<='} {self.maximum:g}")
+        return " and ".join(parts)
+
+
+def _choices_of_methods() -> tuple[str, ...]:
+    from pflalign.methods import METHODS
+
+    return tuple(METHODS)
+
+
+def _choices_of_models() -> tuple[str, ...]:
+    from pflalign.models import MODELS
+
+    return tuple(MODELS)
+
+
+DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100")
+PARTITIONS = ("dirichlet", "iid", "pathological", "quantity")
+
+OPTIONS: tuple[Option, ...] = (
+    # --- run -----------------------------------------------------------------------------------
+    Option("methods", "fedavg,fedavg-ft,local",
+           "Comma-separated methods to run on the same partition and seed, or 'all'.", "run"),
+    Option("seed", 0, "Seed for the partition, model initialisation, client sampling and local "
+           "training; the same seed and config give the same metrics.", "run", minimum=0),
+    Option("rounds", 10, "Number of federated rounds per method.", "run", minimum=1),
+    Option("eval-every", 5, "Evaluate every N rounds (the last round is always evaluated).",
+           "run", minimum=1),
+    Option("out-dir", "results", "Directory for results.json (created if missing).", "run"),
+    # --- data ----------------------------------------------------------------------------------
+    Option("dataset", "fashion-mnist", "Dataset: fashion-mnist (embedded default, read from "
+           "/usr/share/datasets/fashion-mnist or data-root), mnist, cifar10, cifar100 "
+           "(torchvision files under data-root).", "data", choices=DATASETS),
+    Option("data-root", "", "Directory holding the dataset files; empty means the Debian "
+           "package's directory for fashion-mnist and ./data for the others.", "data"),
+    Option("download", False, "Let torchvision download a missing dataset into data-root.",
+           "data"),
+    Option("max-samples", 0, "Use a random (seeded) subset of this many samples of the pooled "
+           "dataset; 0 uses all of it.", "data", minimum=0),
+    Option("partition", "dirichlet", "How samples are split across clients: iid, dirichlet "
+           "(label skew), pathological (classes-per-client classes each), quantity "
+           "(power-law client sizes).", "data", choices=PARTITIONS),
+    Option("num-clients", 20, "Number of training clients (Flower SuperNodes).", "data",
+           minimum=1),
+    Option("num-unseen-clients", 0, "Extra clients that never train and are only evaluated "
+           "(generalization to new clients, reported as unseen-acc).", "data", minimum=0),
+    Option("dirichlet-alpha", 0.1, "Concentration of the per-class Dirichlet over clients; "
+           "smaller is more skewed.", "data", minimum=0.0, exclusive_minimum=True),
+    Option("classes-per-client", 2, "Classes each client holds under partition=pathological.",
+           "data", minimum=1),
+    Option("quantity-power", 1.0, "Exponent s of partition=quantity: the k-th largest client "
+           "holds a share proportional to k^-s.", "data", minimum=0.0,
+           exclusive_minimum=True),
+    Option("min-samples-per-client", 10, "Smallest number of samples any client may hold; the "
+           "partitioner retries a bounded number of times and then fails with a clear error.",
+           "data", minimum=2),
+    Option("test-fraction", 0.25, "Fraction of each client's samples held out as its test split "
+           "(stratified by label).", "data", minimum=0.0, maximum=1.0, exclusive_minimum=True,
+           exclusive_maximum=True),
+    # --- model and local training --------------------------------------------------------------
+    Option("model", "cnn", "Model: cnn (PFLlib's 4-layer CNN), mlp, resnet18.", "train"),
+    Option("batch-size", 32, "Local mini-batch size.", "train", minimum=1),
+    Option("local-epochs", 1, "Local epochs per round.", "train", minimum=1),
+    Option("local-steps", 0, "If > 0, cap the local optimizer steps per round at this number.",
+           "train", minimum=0),
+    Option("lr", 0.05, "Local learning rate (SGD).", "train", minimum=0.0,
+           exclusive_minimum=True),
+    Option("momentum", 0.0, "Local SGD momentum (0 is plain SGD, as in FedAvg).", "train",
+           minimum=0.0, maximum=1.0, exclusive_maximum=True),
+    Option("weight-decay", 0.0, "Local L2 weight decay.", "train", minimum=0.0),
+    # --- federation ----------------------------------------------------------------------------
+    Option("fraction-train", 0.5, "Fraction of training clients sampled each round (at least "
+           "one), drawn reproducibly from seed.", "federation", minimum=0.0, maximum=1.0,
+           exclusive_minimum=True),
+    # --- method hyperparameters ----------------------------------------------------------------
+    Option("finetune-epochs", 1, "fedavg-ft: local epochs of fine-tuning of the global model "
+           "before each evaluation.", "fedavg-ft", minimum=1),
+    # --- simulation engine ---------------------------------------------------------------------
+    Option("client-resources-num-cpus", 1.0, "CPU cores per simulated client (Ray resource; "
+           "also the client's torch thread count).", "simulation", minimum=0.0,
+           exclusive_minimum=True),
+    Option("client-resources-num-gpus", 0.0, "GPUs per simulated client (fractions share a "
+           "GPU); clients use cuda when this is > 0 and a GPU exists.", "simulation",
+           minimum=0.0),
+)
+
+OPTIONS_BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
+_DYNAMIC_CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {"model": _choices_of_models}
+
+
+def defaults() -> dict[str, Value]:
+    """Every key with its default value, in schema order."""
+    return {o.key: o.default for o in OPTIONS}
+
+
+def _unknown_key_error(key: str, source: str) -> ConfigError:
+    close = difflib.get_close_matches(key, OPTIONS_BY_KEY, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else "; see `simulate.py --print-config`."
+    return ConfigError(f"Unknown config key '{key}' in {source}{hint}")
+
+
+def coerce(key: str, value: object, source: str = "the config") -> Value:
+    """Check one value against its option's type, choices and range; return it in the right type."""
+    if key not in OPTIONS_BY_KEY:
+        raise _unknown_key_error(key, source)
+    opt = OPTIONS_BY_KEY[key]
+    want = opt.type
+    if want is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"Config key '{key}' expects true or false, got {value!r} "
+                              f"(from {source}).")
+    elif want is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"Config key '{key}' expects an integer, got {value!r} "
+                              f"(from {source}).")
+    elif want is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"Config key '{key}' expects a number, got {value!r} "
+                              f"(from {source}).")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"Config key '{key}' must be finite, got {value!r} "
+                              f"(from {source}).")
+    elif not isinstance(value, str):
+        raise ConfigError(f"Config key '{key}' expects a string, got {value!r} (from {source}).")
+
+    choices = opt.choices or (_DYNAMIC_CHOICES[key]() if key in _DYNAMIC_CHOICES else None)
+    if choices is not None and value not in choices:
+        raise ConfigError(f"Config key '{key}' = {value!r} is not one of: "
+                          f"{', '.join(choices)} (from {source}).")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        too_low = opt.minimum is not None and (
+            value <= opt.minimum if opt.exclusive_minimum else value < opt.minimum)
+        too_high = opt.maximum is not None and (
+            value >= opt.maximum if opt.exclusive_maximum else value > opt.maximum)
+        if too_low or too_high:
+            raise ConfigError(f"Config key '{key}' = {value!r} is out of range: it must be "
+                              f"{opt.describe_range()} (from {source}).")
+    return value
+
+
+def parse_method_list(text: str) -> list[str]:
+    """Split and check a comma-separated method list; 'all' expands to every registered method."""
+    from pflalign.methods import METHODS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ConfigError("Config key 'methods' is empty; name at least one method, e.g. "
+                          "'fedavg'.")
+    if names == ["all"]:
+        return list(METHODS)
+    for name in names:
+        if name not in METHODS:
+            close = difflib.get_close_matches(name, METHODS, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"Unknown method '{name}' in 'methods'; known methods: "
+                              f"{', '.join(METHODS)}.{hint}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"Config key 'methods' lists a method twice: {text!r}.")
+    return names
+
+
+class Settings(Mapping[str, Value]):
+    """A complete, validated configuration (every key of the schema present and checked)."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, object] | None = None, source: str = "the config"):
+        merged: dict[str, Value] = defaults()
+        for key, value in (values or {}).items():
+            merged[key] = coerce(key, value, source)
+        _check_cross_keys(merged)
+        self._values = merged
+
+    def __getitem__(self, key: str) -> Value:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Settings({self._values!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Settings) and self._values == other._values
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._values.items()))
+
+    def to_dict(self) -> dict[str, Value]:
+        return dict(self._values)
+
+    def replace(self, changes: Mapping[str, object], source: str = "an override") -> Settings:
+        """A new Settings with some keys changed (and everything re-validated)."""
+        return Settings({**self._values, **changes}, source=source)
+
+    @property
+    def methods(self) -> list[str]:
+        return parse_method_list(str(self["methods"]))
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of Flower SuperNodes: the training clients plus the unseen clients."""
+        return int(self["num-clients"]) + int(self["num-unseen-clients"])
+
+
+def _check_cross_keys(values: Mapping[str, Value]) -> None:
+    parse_method_list(str(values["methods"]))
+
+
+def load_toml(path: str | Path) -> dict[str, Value]:
+    """Read a flat run-config TOML file (no tables); unknown keys are reported by Settings."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file '{path}' does not exist; pass an existing TOML file to "
+                          "--config.")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"Config file '{path}' is not valid TOML: {err}.") from err
+    for key, value in data.items():
+        if isinstance(value, dict | list):
+            raise ConfigError(f"Config file '{path}': key '{key}' holds a table or list; run "
+                              "configs are flat 'key = value' pairs (write lists as "
+                              "comma-separated strings).")
+    return data
+
+
+def parse_override(text: str) -> tuple[str, Value]:
+    """Parse one ``key=value`` override. Values are TOML literals; string keys take the raw text."""
+    if "=" not in text:
+        raise ConfigError(f"Override '{text}' is not of the form key=value.")
+    key, raw = (part.strip() for part in text.split("=", 1))
+    if key not in OPTIONS_BY_KEY:
+        raise _unknown_key_error(key, f"--set {text}")
+    if OPTIONS_BY_KEY[key].type is str:
+        if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+            raw = raw[1:-1]
+        return key, raw
+    try:
+        value: object = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # not a TOML literal: coerce() reports the type mismatch
+    return key, coerce(key, value, f"--set {text}")
+
+
+def resolve(config_file: str | Path | None = None, overrides: Iterable[str] = (),
+            extra: Mapping[str, object] | None = None) -> Settings:
+    """Defaults, then the config file, then ``--set`` overrides, then ``extra`` (e.g. --methods)."""
+    values: dict[str, object] = {}
+    source = "the defaults"
+    if config_file is not None:
+        values.update(load_toml(config_file))
+        source = str(config_file)
+    settings = Settings(values, source=source)
+    changes = dict(parse_override(text) for text in overrides)
+    changes.update(extra or {})
+    return settings.replace(changes, source="the command line") if changes else settings
+
+
+def format_settings(settings: Mapping[str, Value]) -> str:
+    """TOML text of a full config, grouped and commented, suitable as a config file."""
+    lines: list[str] = []
+    group = None
+    for opt in OPTIONS:
+        if opt.group != group:
+            group = opt.group
+            lines.append(f"\n# --- {group} ---")
+        lines.append(f"# {opt.help}")
+        lines.append(f"{opt.key} = {toml_literal(settings[opt.key])}")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def toml_literal(value: Value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)

@@ -1,0 +1,209 @@
+"""Datasets as uint8 arrays, read once per process and normalised per batch.
+
+Fashion-MNIST is the embedded default: Debian's ``dataset-fashion-mnist`` package puts the original
+idx files in ``/usr/share/datasets/fashion-mnist``. MNIST, CIFAR-10 and CIFAR-100 come through
+torchvision (a local ``data-root`` that already holds the files, or ``download = true``).
+
+As PFLlib does, the official train and test sets are pooled before partitioning; every client then
+gets its own train/test split (see :mod:`pflalign.partition`).
+"""
+
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pflalign.config import ConfigError
+
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+
+# Per-channel mean and std of the training images (the usual published constants).
+_NORMALISATION = {
+    "fashion-mnist": ((0.2860,), (0.3530,)),
+    "mnist": ((0.1307,), (0.3081,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+_IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A pooled image-classification dataset: uint8 images N x C x H x W and int64 labels."""
+
+    name: str
+    images: np.ndarray
+    labels: np.ndarray
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return tuple(self.images.shape[1:])  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+class Normalizer:
+    """Turns a uint8 image batch into a normalised float32 batch on the batch's device."""
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
+        self.scale = torch.tensor([1.0 / (255.0 * s) for s in std]).view(1, -1, 1, 1)
+        self.shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)]).view(1, -1, 1, 1)
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.scale.device != batch.device:
+            self.scale, self.shift = self.scale.to(batch.device), self.shift.to(batch.device)
+        return batch.float().mul_(self.scale).sub_(self.shift)
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """Read an idx(.gz) file: a 4-byte magic whose last byte is the rank, then big-endian dims."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as handle:
+        raw = handle.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise ConfigError(f"Dataset file '{path}' is not an unsigned-byte idx file; replace it "
+                          "with the original download.")
+    rank = raw[3]
+    dims = np.frombuffer(raw, dtype=">u4", count=rank, offset=4).astype(np.int64)
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * rank)
+    if data.size != int(np.prod(dims)):
+        raise ConfigError(f"Dataset file '{path}' is truncated ({data.size} of "
+                          f"{int(np.prod(dims))} values); download it again.")
+    return data.reshape(tuple(dims))
+
+
+def _find_idx_dir(candidates: list[Path]) -> Path | None:
+    for directory in candidates:
+        first = directory / _IDX_FILES["train"][0]
+        if first.exists() or first.with_name(first.name + ".gz").exists():
+            return directory
+    return None
+
+
+def _load_idx_pair(directory: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    arrays = []
+    for stem in _IDX_FILES[split]:
+        path = directory / stem
+        if not path.exists():
+            path = path.with_name(stem + ".gz")
+        if not path.exists():
+            raise ConfigError(f"Dataset file '{directory / stem}(.gz)' is missing; the directory "
+                              "must hold all four idx files.")
+        arrays.append(_read_idx(path))
+    return arrays[0], arrays[1]
+
+
+def _load_mnist_like(name: str, root: Path | None, download: bool) -> tuple[np.ndarray, np.ndarray]:
+    folder = "FashionMNIST" if name == "fashion-mnist" else "MNIST"
+    candidates = []
+    if root is not None:
+        candidates += [root, root / folder / "raw"]
+    elif name == "fashion-mnist":
+        candidates.append(DEBIAN_FASHION_MNIST)
+    else:
+        candidates += [Path("data"), Path("data") / folder / "raw"]
+    directory = _find_idx_dir(candidates)
+    if directory is None and download:
+        import torchvision
+
+        target = root or Path("data")
+        cls = torchvision.datasets.FashionMNIST if folder == "FashionMNIST" else (
+            torchvision.datasets.MNIST)
+        for train in (True, False):
+            cls(str(target), train=train, download=True)
+        directory = _find_idx_dir([target / folder / "raw"])
+    if directory is None:
+        where = ", ".join(str(c) for c in candidates)
+        if name == "fashion-mnist" and root is None:
+            raise ConfigError(f"Fashion-MNIST was not found in {where}: install it with "
+                              "`apt-get install dataset-fashion-mnist` (as root), or set "
+                              "data-root to a directory holding its four idx files.")
+        raise ConfigError(f"{name} was not found in {where}: set data-root to a directory "
+                          f"holding its idx files (or {folder}/raw/), or set download = true.")
+    train_x, train_y = _load_idx_pair(directory, "train")
+    test_x, test_y = _load_idx_pair(directory, "test")
+    images = np.concatenate([train_x, test_x])[:, None, :, :]
+    return images, np.concatenate([train_y, test_y]).astype(np.int64)
+
+
+def _load_cifar(name: str, root: Path | None, download: bool) -> tuple[np.ndarray, np.ndarray]:
+    import torchvision
+
+    cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
+    target = root or Path("data")
+    parts = []
+    for train in (True, False):
+        try:
+            parts.append(cls(str(target), train=train, download=download))
+        except RuntimeError as err:
+            raise ConfigError(f"{name} was not found under '{target}' ({err}): set data-root to "
+                              "a directory holding torchvision's extracted files, or set "
+                              "download = true on a machine with internet access.") from err
+    images = np.concatenate([p.data for p in parts]).transpose(0, 3, 1, 2)
+    labels = np.concatenate([np.asarray(p.targets) for p in parts]).astype(np.int64)
+    return np.ascontiguousarray(images), labels
+
+
+@lru_cache(maxsize=2)
+def load_dataset(name: str, data_root: str = "", download: bool = False) -> Dataset:
+    """Load a dataset once per process (cached): pooled train+test images as uint8."""
+    if name not in _NORMALISATION:
+        raise ConfigError(f"Unknown dataset '{name}'; choose one of: "
+                          f"{', '.join(_NORMALISATION)}.")
+    root = Path(data_root).expanduser() if data_root else None
+    if name in ("fashion-mnist", "mnist"):
+        images, labels = _load_mnist_like(name, root, download)
+    else:
+        images, labels = _load_cifar(name, root, download)
+    if len(images) != len(labels):
+        raise ConfigError(f"Dataset '{name}' has {len(images)} images but {len(labels)} labels; "
+                          "its files are inconsistent.")
+    images.setflags(write=False)
+    labels.setflags(write=False)
+    mean, std = _NORMALISATION[name]
+    return Dataset(name=name, images=images, labels=labels,
+                   num_classes=int(labels.max()) + 1 if name != "cifar100" else 100,
+                   mean=mean, std=std)
+
+
+@dataclass
+class ClientData:
+    """One client's train and test split as tensors (uint8 images, int64 labels) on a device."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    normalize: Normalizer
+
+    @classmethod
+    def from_indices(cls, dataset: Dataset, train_idx: np.ndarray, test_idx: np.ndarray,
+                     device: torch.device | str = "cpu") -> ClientData:
+        def take(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.from_numpy(dataset.images[idx]).to(device)
+            y = torch.from_numpy(dataset.labels[idx]).to(device)
+            return x, y
+
+        train_x, train_y = take(train_idx)
+        test_x, test_y = take(test_idx)
+        return cls(train_x, train_y, test_x, test_y, Normalizer(dataset.mean, dataset.std))
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_y)
+
+    @property
+    def num_test(self) -> int:
+        return len(self.test_y)

@@ -1,0 +1,62 @@
+"""The federated dataset of a run: the pooled dataset and its partition, built once per process."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from pflalign.data import ClientData, Dataset, load_dataset
+from pflalign.partition import Partition, make_partition
+
+# The config keys that determine the data each client sees.
+DATA_KEYS = ("dataset", "data-root", "download", "max-samples", "partition", "num-clients",
+             "num-unseen-clients", "seed", "dirichlet-alpha", "classes-per-client",
+             "quantity-power", "min-samples-per-client", "test-fraction")
+
+
+@dataclass(frozen=True)
+class FederatedDataset:
+    """A dataset, the subset of it in use, and the per-client partition of that subset."""
+
+    dataset: Dataset
+    pool: np.ndarray
+    partition: Partition
+
+    def client_data(self, client: int, device: torch.device | str = "cpu") -> ClientData:
+        """Client ``client``'s train and test tensors (copied out of the cached pool)."""
+        if not 0 <= client < self.partition.num_clients:
+            raise ValueError(f"Client id {client} is outside 0..{self.partition.num_clients - 1}; "
+                             "the node's partition-id does not match this run's num-clients.")
+        return ClientData.from_indices(self.dataset, self.pool[self.partition.train[client]],
+                                       self.pool[self.partition.test[client]], device)
+
+    def summary(self) -> dict:
+        labels = self.dataset.labels[self.pool]
+        return {"dataset": self.dataset.name, "samples": len(self.pool),
+                **self.partition.summary(labels, self.dataset.num_classes)}
+
+
+@lru_cache(maxsize=2)
+def _build(key: tuple) -> FederatedDataset:
+    cfg = dict(zip(DATA_KEYS, key, strict=True))
+    dataset = load_dataset(cfg["dataset"], cfg["data-root"], cfg["download"])
+    pool = np.arange(len(dataset))
+    if 0 < cfg["max-samples"] < len(dataset):
+        pool = np.sort(np.random.default_rng([cfg["seed"], 2]).choice(
+            len(dataset), cfg["max-samples"], replace=False))
+    partition = make_partition(
+        dataset.labels[pool], dataset.num_classes, scheme=cfg["partition"],
+        num_clients=cfg["num-clients"], num_unseen=cfg["num-unseen-clients"], seed=cfg["seed"],
+        alpha=cfg["dirichlet-alpha"], classes_per_client=cfg["classes-per-client"],
+        quantity_power=cfg["quantity-power"], min_samples=cfg["min-samples-per-client"],
+        test_fraction=cfg["test-fraction"])
+    return FederatedDataset(dataset=dataset, pool=pool, partition=partition)
+
+
+def federated_dataset(settings: Mapping[str, object]) -> FederatedDataset:
+    """The run's federated dataset, cached per process (no re-reading or re-partitioning)."""
+    return _build(tuple(settings[k] for k in DATA_KEYS))

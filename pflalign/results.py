@@ -1,0 +1,112 @@
+"""results.json and the terminal report: per-round progress lines and the comparison table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+
+_PACKAGES = ("pflalign", "torch", "torchvision", "flwr", "ray", "numpy")
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version(), "platform": platform.platform()}
+    for name in _PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def new_results(config: Mapping[str, object], partition_summary: Mapping[str, object]) -> dict:
+    return {"config": dict(config), "versions": versions(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "methods": {},
+            "partition": dict(partition_summary)}
+
+
+def _json_safe(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_results(out_dir: str | Path, results: Mapping[str, object]) -> Path:
+    """Write ``out_dir/results.json`` atomically (a crash never leaves a half-written file)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_json_safe(results), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _pct(value: object) -> str:
+    return f"{100 * value:6.2f}" if isinstance(value, float) and math.isfinite(value) else "     -"
+
+
+def _mb(value: object) -> str:
+    return f"{value / 1e6:.1f}MB" if isinstance(value, int | float) else "-"
+
+
+def round_line(method: str, row: Mapping[str, object], rounds: int) -> str:
+    """One progress line for a finished round."""
+    parts = [f"[{method}] round {row['round']:>3}/{rounds}"]
+    if "train-loss" in row:
+        parts.append(f"loss {row['train-loss']:.4f}")
+    for key, label in (("personal-acc", "personal"), ("global-acc", "global"),
+                       ("unseen-acc", "unseen")):
+        if key in row:
+            parts.append(f"{label} {_pct(row[key]).strip()}%")
+    parts.append(f"{row['round-seconds']:.1f}s")
+    parts.append(f"up {_mb(row['bytes-up'])} down {_mb(row['bytes-down'])}")
+    if row.get("failures"):
+        parts.append(f"failures {row['failures']}")
+    return "  ".join(parts)
+
+
+TABLE_COLUMNS = (
+    ("personal-acc", "personal"), ("personal-acc-unweighted", "unweighted"),
+    ("personal-acc-std", "std"), ("personal-acc-bottom10", "bottom10"),
+    ("global-acc", "global"), ("unseen-acc", "unseen"),
+)
+
+
+def comparison_table(methods: Mapping[str, Mapping[str, object]]) -> str:
+    """The final metrics of each method side by side (accuracies in %)."""
+    width = max([len("method"), *map(len, methods)])
+    head = f"{'method':<{width}}  " + "  ".join(f"{label:>10}" for _, label in TABLE_COLUMNS)
+    head += f"  {'s/round':>8}  {'MB up':>8}  {'MB down':>8}"
+    lines = [head, "-" * len(head)]
+    for name, result in methods.items():
+        final = result.get("final", {})
+        cells = "  ".join(f"{_pct(final.get(key)):>10}" for key, _ in TABLE_COLUMNS)
+        up, down = final.get("bytes-up", 0) / 1e6, final.get("bytes-down", 0) / 1e6
+        lines.append(f"{name:<{width}}  {cells}  {final.get('seconds-per-round', 0):8.2f}  "
+                     f"{up:8.1f}  {down:8.1f}")
+    return "\n".join(lines)
+
+
+class Reporter:
+    """Prints progress to the terminal (stdout, flushed), unless quiet."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+
+    def info(self, text: str) -> None:
+        if not self.quiet:
+            print(text, flush=True)
+
+    def warn(self, text: str) -> None:
+        print(f"WARNING: {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,23 @@
+"""Client sampling per round, reproducible from (seed, round) and the same for every method."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+SAMPLING_STREAM = 7
+
+
+def sample_clients(pool: Iterable[int], fraction: float, seed: int, server_round: int) -> list[int]:
+    """``max(1, round(fraction * |pool|))`` distinct clients of ``pool``, sorted.
+
+    The draw depends only on (seed, round) and the sorted pool, so every method of a comparison
+    trains the same clients in the same round.
+    """
+    ordered = sorted(pool)
+    if not ordered:
+        raise ValueError("Cannot sample from an empty pool of clients.")
+    k = max(1, round(fraction * len(ordered)))
+    rng = np.random.default_rng([seed, server_round, SAMPLING_STREAM])
+    return sorted(int(c) for c in rng.choice(ordered, size=k, replace=False))

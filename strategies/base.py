@@ -1,0 +1,375 @@
+"""The server half every method shares: discovery, sampling, messages, validation, metrics.
+
+A method's strategy subclasses :class:`PFLStrategy` and overrides only what differs: which arrays a
+client receives (:meth:`train_arrays`, :meth:`eval_arrays`), whether clients upload a model
+(:attr:`uploads_model`), and how updates are combined (:meth:`aggregate`).
+
+Clients are identified by the stable ``partition-id`` each node reports in a QUERY round at start
+(never by Flower's random node ids). Replies are processed in client-id order, so aggregation is
+deterministic whatever order Ray returns them in.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+import strategies  # noqa: F401  (sets the Flower environment before flwr is imported)
+from pflalign.aggregation import FlatSpec, State, fedavg
+from pflalign.config import Settings
+from pflalign.methods import MethodSpec
+from pflalign.metrics import accuracy_summary
+from pflalign.results import Reporter, round_line
+from pflalign.sampling import sample_clients
+
+ARRAYS, CONFIG, RUN_CONFIG, METRICS = "arrays", "config", "run-config", "metrics"
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """A client as discovered at start: its stable id, its node, and its split sizes."""
+
+    id: int
+    node_id: int
+    num_train: int
+    num_test: int
+    unseen: bool
+
+
+@dataclass
+class Update:
+    """A validated training reply."""
+
+    client: int
+    num_examples: float
+    metrics: dict[str, float]
+    state: State | None
+
+
+def to_state(record: ArrayRecord) -> State:
+    return {key: array.numpy() for key, array in record.items()}
+
+
+def to_record(state: Mapping[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in state.items()})
+
+
+def payload_bytes(content: RecordDict) -> int:
+    """Bytes of array payload in a message (what dominates traffic: the model tensors)."""
+    return sum(len(array.data) for record in content.array_records.values()
+               for array in record.values())
+
+
+class ClientFailure(Exception):
+    """A reply that cannot be used; the message says which client and why."""
+
+
+class PFLStrategy(Strategy):
+    """Base strategy: FedAvg's behaviour, with hooks for personalized methods."""
+
+    uploads_model = True
+
+    def __init__(self, settings: Settings, spec: MethodSpec, initial_state: State,
+                 reporter: Reporter | None = None, timeout: float = 3600.0,
+                 discovery_timeout: float = 120.0):
+        self.settings = settings
+        self.discovery_timeout = discovery_timeout
+        self.spec = spec
+        self.reporter = reporter or Reporter()
+        self.timeout = timeout
+        self.flat = FlatSpec.of(initial_state)
+        self.initial_state = initial_state
+        self.global_state: State = initial_state
+        self.clients: dict[int, ClientInfo] = {}
+        self.node_to_client: dict[int, int] = {}
+        self.sampled: list[int] = []
+        self.rounds: list[dict] = []
+        self.client_results: list[dict] = []
+        self._run_config = ConfigRecord(settings.to_dict())
+        self._global_record: ArrayRecord | None = None
+
+    # --- Flower Strategy interface -------------------------------------------------------------
+    def summary(self) -> None:
+        s = self.settings
+        self.reporter.info(
+            f"[{self.spec.name}] {s['rounds']} rounds, {s['num-clients']} clients "
+            f"(+{s['num-unseen-clients']} unseen), fraction-train {s['fraction-train']}, "
+            f"model {s['model']} ({self.flat.size:,} values)")
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        self.sampled = self.sample(server_round)
+        return [self._message(cid, self.train_arrays(cid), MessageType.TRAIN, server_round)
+                for cid in self.largest_first(self.sampled)]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message],
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        updates, failures = self._collect(replies, expect_arrays=self.uploads_model,
+                                          required=("num-examples",))
+        train_updates = [Update(client=int(m["partition-id"]), num_examples=m["num-examples"],
+                                metrics=m, state=state) for m, state in updates]
+        metrics: dict[str, float] = {"clients-trained": len(train_updates), "failures": failures}
+        if train_updates:
+            new_state = self.aggregate(server_round, train_updates)
+            if new_state is not None:
+                self.global_state = new_state
+                self._global_record = None
+            weights = [u.num_examples for u in train_updates]
+            metrics["client-seconds"] = float(sum(u.metrics.get("client-seconds", 0.0)
+                                                  for u in train_updates))
+            if all("train-loss" in u.metrics for u in train_updates):
+                metrics["train-loss"] = float(np.average(
+                    [u.metrics["train-loss"] for u in train_updates], weights=weights))
+        else:
+            self.reporter.warn(f"[{self.spec.name}] round {server_round}: no usable training "
+                               "reply; the global model is kept unchanged.")
+        return self.global_record(), MetricRecord(metrics)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return [self._message(cid, self.eval_arrays(cid), MessageType.EVALUATE, server_round)
+                for cid in self.largest_first(self.eval_clients())]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message],
+                           ) -> MetricRecord | None:
+        rows, failures = self._collect(replies, expect_arrays=False,
+                                       required=("num-test", "personal-correct"))
+        seen = [m for m, _ in rows if not self.clients[int(m["partition-id"])].unseen]
+        unseen = [m for m, _ in rows if self.clients[int(m["partition-id"])].unseen]
+        metrics: dict[str, float] = {"eval-failures": failures}
+        if seen:
+            metrics.update(accuracy_summary([m["personal-correct"] for m in seen],
+                                            [m["num-test"] for m in seen]))
+            metrics["personal-loss"] = float(np.average(
+                [m["personal-loss"] for m in seen], weights=[m["num-test"] for m in seen]))
+            if self.spec.has_global_model and all("global-correct" in m for m in seen):
+                metrics["global-acc"] = (sum(m["global-correct"] for m in seen)
+                                         / sum(m["num-test"] for m in seen))
+        if unseen:
+            metrics["unseen-acc"] = (sum(m["personal-correct"] for m in unseen)
+                                     / sum(m["num-test"] for m in unseen))
+        self.client_results = [
+            {"id": int(m["partition-id"]), "unseen": self.clients[int(m["partition-id"])].unseen,
+             "num-train": self.clients[int(m["partition-id"])].num_train,
+             "num-test": int(m["num-test"]),
+             "personal-acc": m["personal-correct"] / m["num-test"]}
+            for m, _ in rows]
+        return MetricRecord(metrics)
+
+    # --- hooks for methods ---------------------------------------------------------------------
+    def train_arrays(self, client: int) -> ArrayRecord | None:
+        """Arrays sent to ``client`` for training (default: the global model)."""
+        return self.global_record()
+
+    def eval_arrays(self, client: int) -> ArrayRecord | None:
+        """Arrays sent to ``client`` for evaluation (default: the global model)."""
+        return self.global_record()
+
+    def eval_clients(self) -> list[int]:
+        """Clients evaluated (default: every client, unseen ones included)."""
+        return sorted(self.clients)
+
+    def aggregate(self, server_round: int, updates: list[Update]) -> State | None:
+        """The new global state from validated updates (default: FedAvg by num-examples)."""
+        return fedavg([u.state for u in updates], [u.num_examples for u in updates], self.flat)
+
+    # --- shared machinery ----------------------------------------------------------------------
+    def global_record(self) -> ArrayRecord:
+        if self._global_record is None:
+            self._global_record = to_record(self.global_state)
+        return self._global_record
+
+    def sample(self, server_round: int) -> list[int]:
+        """This round's training clients: reproducible from (seed, round), same for all methods."""
+        return sample_clients((cid for cid, info in self.clients.items() if not info.unseen),
+                              float(self.settings["fraction-train"]), int(self.settings["seed"]),
+                              server_round)
+
+    def largest_first(self, clients: Iterable[int]) -> list[int]:
+        """Clients in decreasing order of data size: the simulation hands messages to free workers
+        in order, so sending the longest jobs first keeps workers evenly busy (LPT scheduling)."""
+        return sorted(clients, key=lambda c: (-self.clients[c].num_train - self.clients[c].num_test,
+                                              c))
+
+    def _message(self, client: int, arrays: ArrayRecord | None, message_type: str,
+                 server_round: int) -> Message:
+        content = RecordDict({
+            CONFIG: ConfigRecord({"method": self.spec.name, "server-round": server_round}),
+            RUN_CONFIG: self._run_config})
+        if arrays is not None:
+            content[ARRAYS] = arrays
+        return Message(content=content, dst_node_id=self.clients[client].node_id,
+                       message_type=message_type)
+
+    def _describe(self, msg: Message) -> str:
+        node = msg.metadata.src_node_id
+        cid = self.node_to_client.get(node)
+        return f"client {cid}" if cid is not None else f"node {node}"
+
+    def _validate(self, msg: Message, expect_arrays: bool, required: tuple[str, ...],
+                  ) -> tuple[dict[str, float], State | None]:
+        who = self._describe(msg)
+        if msg.has_error():
+            raise ClientFailure(f"{who} failed: {msg.error.reason}")
+        record = msg.content.metric_records.get(METRICS)
+        if record is None:
+            raise ClientFailure(f"{who} replied without a '{METRICS}' MetricRecord")
+        metrics = dict(record)
+        for key in ("partition-id", *required):
+            if key not in metrics:
+                raise ClientFailure(f"{who} replied without the metric '{key}'")
+        for key, value in metrics.items():
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise ClientFailure(f"{who} reported a non-finite or non-scalar '{key}': {value!r}")
+        if self.node_to_client.get(msg.metadata.src_node_id) != int(metrics["partition-id"]):
+            raise ClientFailure(f"{who} reported partition-id {metrics['partition-id']}, which "
+                                "is not the id it was discovered with")
+        for key in required:
+            if key.startswith("num-") and metrics[key] <= 0:
+                raise ClientFailure(f"{who} reported {key} = {metrics[key]}, expected > 0")
+        state = None
+        if expect_arrays:
+            arrays = msg.content.array_records.get(ARRAYS)
+            if arrays is None:
+                raise ClientFailure(f"{who} replied without its model arrays")
+            state = to_state(arrays)
+            problem = self.flat.problem_with(state)
+            if problem:
+                raise ClientFailure(f"{who}'s update was rejected: {problem}")
+        return metrics, state
+
+    def _collect(self, replies: Iterable[Message], expect_arrays: bool,
+                 required: tuple[str, ...]) -> tuple[list[tuple[dict, State | None]], int]:
+        """Validated (metrics, state) pairs sorted by client id, and the number of failures."""
+        good, failures = [], 0
+        for msg in replies:
+            try:
+                good.append(self._validate(msg, expect_arrays, required))
+            except ClientFailure as failure:
+                failures += 1
+                self.reporter.warn(f"[{self.spec.name}] {failure}; the reply is skipped.")
+        good.sort(key=lambda pair: int(pair[0]["partition-id"]))
+        return good, failures
+
+    def discover(self, grid: Grid) -> None:
+        """Wait for the nodes, then ask each for its partition-id and split sizes (QUERY).
+
+        Nodes whose partition-id is outside this run (more SuperNodes than clients) are left idle
+        with a warning; a missing or duplicated id is an error naming the fix.
+        """
+        expected = self.settings.num_nodes
+        started = time.monotonic()
+        next_notice = started
+        while len(node_ids := sorted(grid.get_node_ids())) < expected:
+            waited = time.monotonic() - started
+            if waited > self.discovery_timeout:
+                raise RuntimeError(
+                    f"Only {len(node_ids)} of {expected} nodes connected within "
+                    f"{self.discovery_timeout:.0f}s. This run needs num-clients + "
+                    f"num-unseen-clients = {expected} SuperNodes: with `flwr run`, pass "
+                    f"--federation-config \"num-supernodes={expected}\"; in a deployment, "
+                    "start the missing SuperNodes.")
+            if time.monotonic() >= next_notice:
+                self.reporter.info(f"Waiting for nodes: {len(node_ids)} of {expected} connected")
+                next_notice += 15.0
+            time.sleep(0.5)
+        content = RecordDict({RUN_CONFIG: self._run_config})
+        messages = [Message(content=content, dst_node_id=node, message_type=MessageType.QUERY)
+                    for node in node_ids]
+        clients: dict[int, ClientInfo] = {}
+        for msg in grid.send_and_receive(messages, timeout=self.timeout):
+            if msg.has_error():
+                self.reporter.warn(f"Node {msg.metadata.src_node_id} is not used: "
+                                   f"{msg.error.reason}")
+                continue
+            m = msg.content.metric_records[METRICS]
+            cid = int(m["partition-id"])
+            if cid in clients:
+                raise RuntimeError(f"Two nodes report partition-id {cid}; every SuperNode needs "
+                                   "its own partition-id.")
+            clients[cid] = ClientInfo(id=cid, node_id=msg.metadata.src_node_id,
+                                      num_train=int(m["num-train"]), num_test=int(m["num-test"]),
+                                      unseen=bool(m["unseen"]))
+        missing = sorted(set(range(expected)) - set(clients))
+        if missing:
+            raise RuntimeError(f"No node answered for client ids {missing[:10]}; each of the "
+                               f"{expected} SuperNodes needs a distinct partition-id "
+                               f"0..{expected - 1}.")
+        self.clients = clients
+        self.node_to_client = {info.node_id: cid for cid, info in clients.items()}
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None,  # type: ignore[override]
+              num_rounds: int | None = None, timeout: float | None = None, **_: object) -> dict:
+        """Run all rounds; return ``{"rounds": [...], "final": {...}, "clients": [...]}``."""
+        if timeout is not None:
+            self.timeout = timeout
+        if initial_arrays is not None:
+            self.global_state = to_state(initial_arrays)
+            self._global_record = None
+        rounds = int(num_rounds or self.settings["rounds"])
+        every = int(self.settings["eval-every"])
+        self.summary()
+        self.discover(grid)
+        last_eval: dict[str, float] = {}
+        for server_round in range(1, rounds + 1):
+            started = time.perf_counter()
+            row: dict = {"round": server_round}
+            down = up = 0
+            messages = list(self.configure_train(server_round, self.global_record(),
+                                                 ConfigRecord(), grid))
+            down += sum(payload_bytes(m.content) for m in messages)
+            replies = list(grid.send_and_receive(messages, timeout=self.timeout))
+            up += sum(payload_bytes(m.content) for m in replies if not m.has_error())
+            _, train_metrics = self.aggregate_train(server_round, replies)
+            row.update(train_metrics or {})
+            row["train-seconds"] = time.perf_counter() - started
+            row.update(self.round_diagnostics(server_round))
+            if server_round % every == 0 or server_round == rounds:
+                eval_started = time.perf_counter()
+                messages = list(self.configure_evaluate(server_round, self.global_record(),
+                                                        ConfigRecord(), grid))
+                down += sum(payload_bytes(m.content) for m in messages)
+                replies = list(grid.send_and_receive(messages, timeout=self.timeout))
+                up += sum(payload_bytes(m.content) for m in replies if not m.has_error())
+                last_eval = dict(self.aggregate_evaluate(server_round, replies) or {})
+                row.update(last_eval)
+                row["eval-seconds"] = time.perf_counter() - eval_started
+            row.update({"round-seconds": time.perf_counter() - started,
+                        "bytes-up": up, "bytes-down": down})
+            self.rounds.append(row)
+            self.reporter.info(round_line(self.spec.name, row, rounds))
+        return {"rounds": self.rounds, "final": self.final_metrics(last_eval),
+                "clients": self.client_results}
+
+    def round_diagnostics(self, server_round: int) -> dict[str, float]:
+        """Extra per-round metrics a method wants recorded (default: none)."""
+        return {}
+
+    def final_metrics(self, last_eval: Mapping[str, float]) -> dict[str, float]:
+        seconds = [r["round-seconds"] for r in self.rounds]
+        final = dict(last_eval)
+        if self.rounds and "train-loss" in self.rounds[-1]:
+            final["train-loss"] = self.rounds[-1]["train-loss"]
+        final.update({
+            "rounds": len(self.rounds),
+            "seconds-per-round": float(np.mean(seconds)) if seconds else 0.0,
+            "total-seconds": float(np.sum(seconds)),
+            "bytes-up": int(sum(r["bytes-up"] for r in self.rounds)),
+            "bytes-down": int(sum(r["bytes-down"] for r in self.rounds)),
+        })
+        return final

@@ -1,0 +1,45 @@
+"""Run a list of methods one after another on the same partition, seed and clients.
+
+Used by the ServerApp in both modes: ``flwr run .`` (settings from the run config) and
+``simulate.py`` (settings resolved from the command line). Results are written after every method,
+so a later failure never loses an earlier method's results.
+"""
+
+from __future__ import annotations
+
+import time
+
+from flwr.serverapp import Grid
+
+from pflalign.config import Settings
+from pflalign.federation import federated_dataset
+from pflalign.methods import METHODS
+from pflalign.models import build_model
+from pflalign.results import Reporter, comparison_table, new_results, write_results
+
+
+def initial_state(settings: Settings) -> dict:
+    """The run's initial model (seeded), as NumPy arrays."""
+    dataset = federated_dataset(settings).dataset
+    model = build_model(str(settings["model"]), dataset.input_shape, dataset.num_classes,
+                        seed=int(settings["seed"]))
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+
+
+def run_methods(grid: Grid, settings: Settings, reporter: Reporter | None = None) -> dict:
+    """Run every method in ``settings.methods``; return (and write) the results dictionary."""
+    reporter = reporter or Reporter()
+    started = time.perf_counter()
+    federation = federated_dataset(settings)
+    results = new_results(settings.to_dict(), federation.summary())
+    for name in settings.methods:
+        spec = METHODS[name]
+        method_settings = settings.replace(spec.overrides) if spec.overrides else settings
+        strategy = spec.load_strategy()(method_settings, spec, initial_state(method_settings),
+                                        reporter)
+        results["methods"][name] = strategy.start(grid)
+        results["seconds"] = time.perf_counter() - started
+        path = write_results(str(settings["out-dir"]), results)
+    reporter.info("\n" + comparison_table(results["methods"]))
+    reporter.info(f"\nResults written to {path.resolve()}")
+    return results

@@ -1,0 +1,157 @@
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Error, Message, Metadata, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
+
+from pflalign.aggregation import FlatSpec, fedavg, weighted_average
+from pflalign.config import Settings
+from pflalign.methods import METHODS
+from pflalign.results import Reporter
+from strategies.base import ClientInfo, to_record
+from strategies.fedavg import FedAvgStrategy
+
+
+def test_weighted_average_matches_hand_computation():
+    a, b, c = np.array([1.0, 2.0]), np.array([3.0, -2.0]), np.array([0.0, 10.0])
+    # weights 1, 2, 1 -> (1*a + 2*b + 1*c) / 4
+    expected = np.array([(1 + 6 + 0) / 4, (2 - 4 + 10) / 4])
+    np.testing.assert_allclose(weighted_average([a, b, c], [1, 2, 1]), expected, rtol=0, atol=0)
+
+
+def test_fedavg_on_states_matches_hand_computation_and_keeps_dtypes():
+    s1 = {"w": np.array([[1.0, 2.0]], np.float32), "n": np.array(4, np.int64)}
+    s2 = {"w": np.array([[5.0, 0.0]], np.float32), "n": np.array(8, np.int64)}
+    out = fedavg([s1, s2], [30, 10])
+    np.testing.assert_array_equal(out["w"], np.array([[2.0, 1.5]], np.float32))
+    assert out["w"].dtype == np.float32
+    assert out["n"].dtype == np.int64 and int(out["n"]) == 5  # 0.75*4 + 0.25*8 = 5
+
+
+def test_weighted_average_rejects_bad_weights():
+    with pytest.raises(ValueError):
+        weighted_average([np.zeros(2)], [0])
+    with pytest.raises(ValueError):
+        weighted_average([np.zeros(2), np.ones(2)], [1, float("nan")])
+
+
+def test_flat_spec_round_trip_and_problems():
+    state = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array([7], np.int64)}
+    spec = FlatSpec.of(state)
+    assert spec.size == 7
+    back = spec.unflatten(spec.flatten(state))
+    assert all(np.array_equal(back[k], state[k]) and back[k].dtype == state[k].dtype
+               for k in state)
+    assert spec.problem_with(state) is None
+    assert "missing" in spec.problem_with({"a": state["a"]})
+    assert "shape" in spec.problem_with({"a": np.zeros((3, 2), np.float32), "b": state["b"]})
+    bad = {"a": state["a"].copy(), "b": state["b"]}
+    bad["a"][0, 0] = np.inf
+    assert "NaN or infinite" in spec.problem_with(bad)
+
+
+# --- the strategy's aggregation against Flower's own FedAvg --------------------------------------
+def _reply(node: int, content: RecordDict) -> Message:
+    md = Metadata(run_id=1, message_id="", src_node_id=node, dst_node_id=0,
+                  reply_to_message_id="m", group_id="", created_at=0.0, ttl=60,
+                  message_type="train")
+    return Message(metadata=md, content=content)
+
+
+def _error_reply(node: int, reason: str) -> Message:
+    md = Metadata(run_id=1, message_id="", src_node_id=node, dst_node_id=0,
+                  reply_to_message_id="m", group_id="", created_at=0.0, ttl=60,
+                  message_type="train")
+    return Message(metadata=md, error=Error(code=1, reason=reason))
+
+
+def _train_reply(node: int, cid: int, state: dict, n: int, loss: float = 0.5) -> Message:
+    return _reply(node, RecordDict({
+        "arrays": to_record(state),
+        "metrics": MetricRecord({"partition-id": cid, "num-examples": n, "train-loss": loss})}))
+
+
+def _strategy(initial: dict, num_clients: int = 3) -> FedAvgStrategy:
+    settings = Settings({"num-clients": num_clients, "methods": "fedavg"})
+    strategy = FedAvgStrategy(settings, METHODS["fedavg"], initial, Reporter(quiet=True))
+    strategy.clients = {i: ClientInfo(i, 100 + i, 10, 5, False) for i in range(num_clients)}
+    strategy.node_to_client = {100 + i: i for i in range(num_clients)}
+    return strategy
+
+
+def _states(seed: int, k: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"conv.weight": rng.normal(size=(4, 1, 3, 3)).astype(np.float32),
+             "fc.bias": rng.normal(size=(5,)).astype(np.float32)} for _ in range(k)]
+
+
+def test_strategy_aggregation_equals_hand_computed_mean_and_flowers_fedavg():
+    states = _states(0, 3)
+    sizes = [10, 30, 60]
+    replies = [_train_reply(100 + i, i, s, n)
+               for i, (s, n) in enumerate(zip(states, sizes, strict=True))]
+    strategy = _strategy(states[0])
+    arrays, metrics = strategy.aggregate_train(1, replies[::-1])  # reply order must not matter
+    ours = {k: v.numpy() for k, v in arrays.items()}
+    for key in ours:
+        expected = sum(n * s[key].astype(np.float64)
+                       for s, n in zip(states, sizes, strict=True)) / 100
+        np.testing.assert_allclose(ours[key], expected, rtol=1e-6, atol=1e-7)
+    theirs, _ = FedAvg().aggregate_train(1, replies)
+    for key in ours:
+        np.testing.assert_allclose(ours[key], theirs[key].numpy(), rtol=1e-5, atol=1e-6)
+    assert metrics["train-loss"] == pytest.approx(0.5)
+    assert metrics["clients-trained"] == 3 and metrics["failures"] == 0
+
+
+def test_malformed_and_non_finite_updates_are_rejected_and_the_rest_aggregated():
+    states = _states(1, 3)
+    nan_state = {k: v.copy() for k, v in states[1].items()}
+    nan_state["fc.bias"][2] = np.nan
+    wrong_shape = {"conv.weight": np.zeros((4, 1, 3, 3), np.float32),
+                   "fc.bias": np.zeros(6, np.float32)}
+    strategy = _strategy(states[0], num_clients=5)
+    warnings = []
+    strategy.reporter.warn = warnings.append
+    replies = [
+        _train_reply(100, 0, states[0], 10),
+        _train_reply(101, 1, nan_state, 10),
+        _train_reply(102, 2, wrong_shape, 10),
+        _error_reply(103, "out of memory"),
+        _reply(104, RecordDict({"metrics": MetricRecord(
+            {"partition-id": 4, "num-examples": 10, "train-loss": float("inf")}),
+            "arrays": to_record(states[2])})),
+    ]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert metrics["failures"] == 4 and metrics["clients-trained"] == 1
+    np.testing.assert_array_equal(arrays["fc.bias"].numpy(), states[0]["fc.bias"])
+    text = "\n".join(warnings)
+    assert "client 1's update was rejected: array 'fc.bias' contains NaN" in text
+    assert "client 2's update was rejected: array 'fc.bias' has shape (6,)" in text
+    assert "client 3 failed: out of memory" in text
+    assert "client 4 reported a non-finite" in text
+
+
+def test_when_every_update_fails_the_global_model_is_kept():
+    states = _states(2, 1)
+    strategy = _strategy(states[0])
+    arrays, metrics = strategy.aggregate_train(1, [_error_reply(100, "boom")])
+    assert metrics["clients-trained"] == 0
+    np.testing.assert_array_equal(arrays["conv.weight"].numpy(), states[0]["conv.weight"])
+
+
+def test_client_sampling_is_reproducible_and_method_independent():
+    strategy = _strategy(_states(0, 1)[0], num_clients=10)
+    s2 = Settings({"num-clients": 10, "fraction-train": 0.3, "seed": 5})
+    strategy.settings = s2
+    first = [strategy.sample(r) for r in range(1, 6)]
+    assert first == [strategy.sample(r) for r in range(1, 6)]
+    assert all(len(s) == 3 for s in first) and len({tuple(s) for s in first}) > 1
+    strategy.settings = Settings({"num-clients": 10, "fraction-train": 0.3, "seed": 6})
+    assert [strategy.sample(r) for r in range(1, 6)] != first
+
+
+def test_arrayrecord_round_trip_is_exact():
+    state = _states(3, 1)[0]
+    back = {k: v.numpy() for k, v in to_record(state).items()}
+    assert all(np.array_equal(back[k], state[k]) for k in state)
+    assert isinstance(to_record(state), ArrayRecord)

@@ -1,0 +1,142 @@
+import subprocess
+import sys
+import time
+
+import pytest
+import tomllib
+from conftest import ROOT
+
+from pflalign.config import (
+    OPTIONS,
+    ConfigError,
+    Settings,
+    defaults,
+    format_settings,
+    parse_override,
+    resolve,
+)
+from pflalign.methods import METHODS
+
+
+def test_defaults_are_valid_and_complete():
+    settings = Settings()
+    assert settings.to_dict() == defaults()
+    assert len(settings) == len(OPTIONS)
+
+
+def test_unknown_key_suggests_the_closest():
+    with pytest.raises(ConfigError, match="Unknown config key 'dirichlet-alfa'.*dirichlet-alpha"):
+        Settings({"dirichlet-alfa": 0.5})
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("rounds", "ten", "expects an integer"),
+    ("rounds", 2.5, "expects an integer"),
+    ("rounds", True, "expects an integer"),
+    ("lr", "fast", "expects a number"),
+    ("download", 1, "expects true or false"),
+    ("dataset", 3, "expects a string"),
+    ("dataset", "imagenet", "is not one of"),
+    ("partition", "shards", "is not one of"),
+    ("model", "vgg", "is not one of"),
+    ("dirichlet-alpha", 0.0, "out of range.*> 0"),
+    ("dirichlet-alpha", -1.0, "out of range"),
+    ("test-fraction", 1.0, "out of range"),
+    ("fraction-train", 0.0, "out of range"),
+    ("num-clients", 0, "out of range"),
+    ("lr", float("nan"), "finite"),
+    ("methods", "fedavg,fedprox2", "Unknown method 'fedprox2'"),
+    ("methods", "fedavg,fedavg", "twice"),
+])
+def test_bad_values_raise_clear_errors(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        Settings({key: value})
+
+
+def test_int_is_accepted_for_float_keys():
+    assert Settings({"lr": 1})["lr"] == 1.0 and isinstance(Settings({"lr": 1})["lr"], float)
+
+
+def test_overrides_parse_toml_literals_and_raw_strings():
+    assert parse_override("rounds=3") == ("rounds", 3)
+    assert parse_override("lr=0.5") == ("lr", 0.5)
+    assert parse_override("download=true") == ("download", True)
+    assert parse_override("methods=fedavg,local") == ("methods", "fedavg,local")
+    assert parse_override('data-root="/tmp/x y"') == ("data-root", "/tmp/x y")
+    with pytest.raises(ConfigError, match="not of the form"):
+        parse_override("rounds")
+    with pytest.raises(ConfigError, match="expects an integer"):
+        parse_override("rounds=abc")
+
+
+def test_resolve_layers_file_then_overrides_then_extra(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('rounds = 7\nlr = 0.2\nmethods = "local"\n')
+    s = resolve(cfg, ["lr=0.3"], {"out-dir": "/tmp/o"})
+    assert (s["rounds"], s["lr"], s["methods"], s["out-dir"]) == (7, 0.3, "local", "/tmp/o")
+    assert s["seed"] == defaults()["seed"]
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rounds = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        resolve(bad)
+    nested = tmp_path / "nested.toml"
+    nested.write_text("[section]\nrounds = 3\n")
+    with pytest.raises(ConfigError, match="flat"):
+        resolve(nested)
+
+
+def test_all_methods_expand_to_the_registry():
+    assert Settings({"methods": "all"}).methods == list(METHODS)
+
+
+def test_format_settings_round_trips_through_toml():
+    s = Settings({"rounds": 3, "data-root": 'a "quoted" dir', "download": True})
+    assert Settings(tomllib.loads(format_settings(s))) == s
+
+
+def test_pyproject_app_config_matches_the_schema_defaults():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    app_config = pyproject["tool"]["flwr"]["app"]["config"]
+    assert app_config == defaults(), "run `python scripts/sync_pyproject.py`"
+
+
+def _simulate(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "simulate.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_print_config_shows_every_key_with_resolved_values():
+    out = _simulate("--print-config", "--set", "rounds=4", "--methods", "local").stdout
+    parsed = tomllib.loads(out)
+    assert set(parsed) == set(defaults())
+    assert parsed["rounds"] == 4 and parsed["methods"] == "local"
+
+
+def test_help_documents_every_option_and_key():
+    out = _simulate("--help").stdout
+    for flag in ("--config", "--set", "--methods", "--out", "--print-config"):
+        assert flag in out
+    for opt in OPTIONS:
+        assert f"{opt.key} = " in out
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--set", "no-such-key=1"], "Unknown config key 'no-such-key'"),
+    (["--set", "rounds=two"], "expects an integer"),
+    (["--set", "dirichlet-alpha=0"], "must be > 0"),
+    (["--set", "num-clients=100000"], "lower num-clients"),
+    (["--methods", "fedavg,nope"], "Unknown method 'nope'"),
+])
+def test_cli_config_errors_fail_fast_before_ray(args, match):
+    started = time.perf_counter()
+    result = _simulate(*args)
+    assert result.returncode == 2
+    assert match in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "Ray" not in result.stdout + result.stderr
+    assert time.perf_counter() - started < 30

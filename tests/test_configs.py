@@ -1,0 +1,27 @@
+"""Every shipped config file must be valid and say what its header promises."""
+
+import pytest
+from conftest import ROOT
+
+from pflalign.config import resolve
+
+CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_are_valid(path):
+    resolve(path)
+
+
+def test_default_config_is_the_documented_setting():
+    s = resolve(ROOT / "configs" / "default.toml")
+    assert (s["dataset"], s["num-clients"], s["partition"], s["dirichlet-alpha"], s["model"]) == (
+        "fashion-mnist", 20, "dirichlet", 0.1, "cnn")
+    assert s.methods == ["fedavg", "fedavg-ft", "local"]
+
+
+def test_pfllib_config_matches_pfllibs_benchmark():
+    s = resolve(ROOT / "configs" / "pfllib-fmnist.toml")
+    assert (s["num-clients"], s["dirichlet-alpha"], s["test-fraction"], s["model"],
+            s["batch-size"], s["local-epochs"], s["lr"], s["rounds"], s["fraction-train"]) == (
+        20, 0.1, 0.25, "cnn", 10, 1, 0.005, 2000, 1.0)
