@@ -123,11 +123,13 @@ def test_same_seed_gives_the_same_metrics(first_run, tmp_path):
 def test_flwr_run_dot_with_a_run_config_override(tmp_path):
     """`flwr run .` against Flower's managed local SuperLink (stopped afterwards)."""
     ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
-    env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr-home"),
+    bin_dir = os.path.dirname(sys.executable)  # flwr starts `flower-superlink` from PATH
+    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
+               FLWR_HOME=str(tmp_path / "flwr-home"),
                RAY_TMPDIR=ray_tmp, FLWR_LOCAL_SUPERLINK_HTTP_API_PORT="39191",
                FLWR_LOCAL_CONTROL_API_PORT="39193")
     out = tmp_path / "out"
-    flwr = os.path.join(os.path.dirname(sys.executable), "flwr")
+    flwr = os.path.join(bin_dir, "flwr")
     try:
         result = subprocess.run(
             [flwr, "run", ".", "--stream", "--run-config",
