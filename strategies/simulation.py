@@ -9,10 +9,11 @@ shut down so that no process outlives the run.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 
-from pflalign.config import Settings
+from pflalign.config import ConfigError, Settings
 from pflalign.federation import federated_dataset
 from pflalign.results import Reporter
 from pflalign.runtime import set_flower_environment
@@ -23,17 +24,38 @@ class _DropDeprecation(logging.Filter):
         return "run_simulation` function is deprecated" not in record.getMessage()
 
 
-def backend_config(settings: Settings) -> dict:
+def backend_config(settings: Settings, verbose: bool = False) -> dict:
+    """Ray backend settings; the workers' own log lines reach the terminal only when verbose
+    (client errors still come back as error replies, which the strategy reports)."""
     return {
         "client_resources": {"num_cpus": float(settings["client-resources-num-cpus"]),
                              "num_gpus": float(settings["client-resources-num-gpus"])},
-        "init_args": {"logging_level": "ERROR", "log_to_driver": True},
+        "init_args": {"logging_level": "ERROR", "log_to_driver": verbose},
     }
+
+
+def check_resources(settings: Settings) -> None:
+    """Fail before Ray starts when the requested client resources cannot exist on this machine."""
+    import torch
+
+    cpus, gpus = float(settings["client-resources-num-cpus"]), float(
+        settings["client-resources-num-gpus"])
+    if cpus > (os.cpu_count() or 1):
+        raise ConfigError(f"client-resources-num-cpus = {cpus:g} exceeds this machine's "
+                          f"{os.cpu_count()} CPU cores; no client could be scheduled.")
+    if gpus > 0 and not torch.cuda.is_available():
+        raise ConfigError(f"client-resources-num-gpus = {gpus:g} but no GPU is visible to "
+                          "PyTorch here; set it to 0 to train on the CPU.")
+    if gpus > max(torch.cuda.device_count(), 0):
+        raise ConfigError(f"client-resources-num-gpus = {gpus:g} exceeds the "
+                          f"{torch.cuda.device_count()} GPU(s) here; use a fraction of one "
+                          "(e.g. 0.25) to share a GPU between clients.")
 
 
 def simulate(settings: Settings, reporter: Reporter | None = None, verbose: bool = False) -> dict:
     """Validate the data, run every method of ``settings`` on Ray, and return the results."""
     federated_dataset(settings)  # data and partition errors surface here, before Ray starts
+    check_resources(settings)
     run_dir = tempfile.mkdtemp(prefix="pflalign-")
     set_flower_environment(run_dir)
     import ray
@@ -52,7 +74,8 @@ def simulate(settings: Settings, reporter: Reporter | None = None, verbose: bool
     try:
         run_simulation(server_app=make_server_app(settings, reporter, collected.append),
                        client_app=client_app, num_supernodes=settings.num_nodes,
-                       backend_config=backend_config(settings), verbose_logging=verbose)
+                       backend_config=backend_config(settings, verbose),
+                       verbose_logging=verbose)
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -131,6 +131,7 @@ def test_help_documents_every_option_and_key():
     (["--set", "dirichlet-alpha=0"], "must be > 0"),
     (["--set", "num-clients=100000"], "lower num-clients"),
     (["--methods", "fedavg,nope"], "Unknown method 'nope'"),
+    (["--set", "client-resources-num-cpus=100000"], "exceeds this machine's"),
 ])
 def test_cli_config_errors_fail_fast_before_ray(args, match):
     started = time.perf_counter()
@@ -140,3 +141,12 @@ def test_cli_config_errors_fail_fast_before_ray(args, match):
     assert "Traceback" not in result.stderr
     assert "Ray" not in result.stdout + result.stderr
     assert time.perf_counter() - started < 30
+
+
+def test_asking_for_a_gpu_without_one_fails_before_ray():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = _simulate("--set", "client-resources-num-gpus=0.5")
+    assert result.returncode == 2 and "no GPU is visible" in result.stderr
