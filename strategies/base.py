@@ -93,11 +93,9 @@ class PFLStrategy(Strategy):
         self.reporter = reporter or Reporter()
         self.timeout = timeout
         self.flat = FlatSpec.of(initial_state)
-        self.initial_state = initial_state
         self.global_state: State = initial_state
         self.clients: dict[int, ClientInfo] = {}
         self.node_to_client: dict[int, int] = {}
-        self.sampled: list[int] = []
         self.rounds: list[dict] = []
         self.client_results: list[dict] = []
         self._run_config = ConfigRecord(settings.to_dict())
@@ -113,9 +111,8 @@ class PFLStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        self.sampled = self.sample(server_round)
         return [self._message(cid, self.train_arrays(cid), MessageType.TRAIN, server_round)
-                for cid in self.largest_first(self.sampled)]
+                for cid in self.largest_first(self.sample(server_round))]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message],
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -148,9 +145,10 @@ class PFLStrategy(Strategy):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message],
                            ) -> MetricRecord | None:
         rows, failures = self._collect(replies, expect_arrays=False,
-                                       required=("num-test", "personal-correct"))
-        seen = [m for m, _ in rows if not self.clients[int(m["partition-id"])].unseen]
-        unseen = [m for m, _ in rows if self.clients[int(m["partition-id"])].unseen]
+                                       required=("num-test", "personal-correct", "personal-loss"))
+        info = {int(m["partition-id"]): self.clients[int(m["partition-id"])] for m, _ in rows}
+        seen = [m for m, _ in rows if not info[int(m["partition-id"])].unseen]
+        unseen = [m for m, _ in rows if info[int(m["partition-id"])].unseen]
         metrics: dict[str, float] = {"eval-failures": failures}
         if seen:
             metrics.update(accuracy_summary([m["personal-correct"] for m in seen],
@@ -164,11 +162,9 @@ class PFLStrategy(Strategy):
             metrics["unseen-acc"] = (sum(m["personal-correct"] for m in unseen)
                                      / sum(m["num-test"] for m in unseen))
         self.client_results = [
-            {"id": int(m["partition-id"]), "unseen": self.clients[int(m["partition-id"])].unseen,
-             "num-train": self.clients[int(m["partition-id"])].num_train,
-             "num-test": int(m["num-test"]),
-             "personal-acc": m["personal-correct"] / m["num-test"]}
-            for m, _ in rows]
+            {"id": cid, "unseen": info[cid].unseen, "num-train": info[cid].num_train,
+             "num-test": int(m["num-test"]), "personal-acc": m["personal-correct"] / m["num-test"]}
+            for m, _ in rows for cid in [int(m["partition-id"])]]
         return MetricRecord(metrics)
 
     # --- hooks for methods ---------------------------------------------------------------------
@@ -242,6 +238,10 @@ class PFLStrategy(Strategy):
         for key in required:
             if key.startswith("num-") and metrics[key] <= 0:
                 raise ClientFailure(f"{who} reported {key} = {metrics[key]}, expected > 0")
+        for key in ("personal-correct", "global-correct"):
+            if key in metrics and not 0 <= metrics[key] <= metrics.get("num-test", 0):
+                raise ClientFailure(f"{who} reported {key} = {metrics[key]} for "
+                                    f"{metrics.get('num-test')} test samples")
         state = None
         if expect_arrays:
             arrays = msg.content.array_records.get(ARRAYS)

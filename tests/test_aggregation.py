@@ -155,3 +155,27 @@ def test_arrayrecord_round_trip_is_exact():
     back = {k: v.numpy() for k, v in to_record(state).items()}
     assert all(np.array_equal(back[k], state[k]) for k in state)
     assert isinstance(to_record(state), ArrayRecord)
+
+
+def _eval_reply(node: int, cid: int, correct: int, count: int, global_correct: int) -> Message:
+    return _reply(node, RecordDict({"metrics": MetricRecord({
+        "partition-id": cid, "num-test": count, "personal-correct": correct,
+        "personal-loss": 0.3, "global-correct": global_correct})}))
+
+
+def test_evaluation_metrics_from_client_replies():
+    strategy = _strategy(_states(0, 1)[0], num_clients=4)
+    strategy.clients[3] = ClientInfo(3, 103, 10, 5, True)  # an unseen client
+    warnings = []
+    strategy.reporter.warn = warnings.append
+    metrics = strategy.aggregate_evaluate(1, [
+        _eval_reply(100, 0, 8, 10, 5), _eval_reply(101, 1, 10, 30, 20),
+        _eval_reply(102, 2, 12, 10, 3),  # more correct than samples: rejected
+        _eval_reply(103, 3, 3, 4, 3)])
+    assert metrics["personal-acc"] == pytest.approx(18 / 40)
+    assert metrics["personal-acc-unweighted"] == pytest.approx((0.8 + 1 / 3) / 2)
+    assert metrics["global-acc"] == pytest.approx(25 / 40)
+    assert metrics["unseen-acc"] == pytest.approx(3 / 4)
+    assert metrics["eval-failures"] == 1
+    assert "client 2 reported personal-correct = 12" in warnings[0]
+    assert [c["id"] for c in strategy.client_results] == [0, 1, 3]
