@@ -26,9 +26,18 @@ ROUND_KEYS = {"round", "train-loss", "personal-acc", "personal-acc-unweighted",
 
 
 def _ray_processes() -> set[int]:
+    """Live Ray processes (zombies awaiting their parent's reaping do not count)."""
     out = subprocess.run(["pgrep", "-f", "raylet|gcs_server|ray::"], capture_output=True,
                          text=True).stdout
-    return {int(pid) for pid in out.split()}
+    live = set()
+    for pid in out.split():
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            live.add(int(pid))
+    return live
 
 
 def _simulate(out_dir, *extra: str) -> subprocess.CompletedProcess:
@@ -45,8 +54,9 @@ def first_run(tmp_path_factory):
     before = _ray_processes()
     out = tmp_path_factory.mktemp("run1")
     result = _simulate(out)
-    time.sleep(1.0)
-    leftover = _ray_processes() - before
+    deadline = time.monotonic() + 15
+    while (leftover := _ray_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
     return result, json.loads((out / "results.json").read_text()), leftover
 
 
