@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 import clients  # noqa: F401  (sets the Flower environment before flwr is imported)
-from clients.base import ClientMethod, ClientState, TorchState
+from clients.base import ClientMethod, ClientState, RoundInput
 from pflalign.config import Settings
 from pflalign.federation import federated_dataset
 from pflalign.methods import METHODS
@@ -41,20 +41,17 @@ def client_id_of(context: Context) -> int:
     return int(context.node_config["partition-id"])
 
 
-def _build(msg: Message, context: Context) -> tuple[ClientMethod, int]:
+def _build(msg: Message, context: Context) -> tuple[ClientMethod, RoundInput]:
     settings = settings_of(msg)
     config: ConfigRecord = msg.content.config_records[CONFIG]
     spec = METHODS[str(config["method"])]
     configure_threads(float(settings["client-resources-num-cpus"]))
     device = pick_device(float(settings["client-resources-num-gpus"]))
-    state = ClientState(context.state, spec.name)
+    state = ClientState(context.state, str(config.get("label", spec.name)))
     method = spec.load_client()(settings, client_id_of(context), state, device)
-    return method, int(config["server-round"])
-
-
-def _global_state(msg: Message) -> TorchState | None:
-    record = msg.content.array_records.get(ARRAYS)
-    return record.to_torch_state_dict() if record is not None and len(record) else None
+    records = {name: record.to_torch_state_dict()
+               for name, record in msg.content.array_records.items() if len(record)}
+    return method, RoundInput(int(config["server-round"]), records, dict(config))
 
 
 @app.query()
@@ -74,8 +71,8 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
-    method, server_round = _build(msg, context)
-    result = method.fit(_global_state(msg), server_round)
+    method, inputs = _build(msg, context)
+    result = method.fit(inputs)
     metrics = MetricRecord({"partition-id": method.client_id,
                             "num-examples": method.data.num_train, **result.metrics,
                             "client-seconds": time.perf_counter() - started})
@@ -87,7 +84,7 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    method, server_round = _build(msg, context)
-    metrics = method.evaluate(_global_state(msg), server_round)
+    method, inputs = _build(msg, context)
+    metrics = method.evaluate(inputs)
     metrics = MetricRecord({"partition-id": method.client_id, **metrics})
     return Message(RecordDict({METRICS: metrics}), reply_to=msg)

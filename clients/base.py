@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
 from pflalign.config import Settings
@@ -52,8 +52,29 @@ class ClientState:
         self.records[self.prefix + name] = ArrayRecord(
             {k: v.detach().cpu() for k, v in state.items()})
 
+    def get_metrics(self, name: str) -> dict[str, float] | None:
+        record = self.records.metric_records.get(self.prefix + name)
+        return None if record is None else dict(record)
+
+    def set_metrics(self, name: str, values: Mapping[str, float | int]) -> None:
+        self.records[self.prefix + name] = MetricRecord(dict(values))
+
 
 _TEMPLATES: dict[tuple, nn.Module] = {}
+
+
+@dataclass
+class RoundInput:
+    """What a message brings a client: its array records (as torch state dicts) and config."""
+
+    server_round: int
+    records: dict[str, TorchState] = field(default_factory=dict)
+    config: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def global_state(self) -> TorchState | None:
+        """The ``arrays`` record: the global model (or what the strategy sends in its place)."""
+        return self.records.get("arrays")
 
 
 @dataclass
@@ -115,8 +136,8 @@ class ClientMethod:
         return metrics
 
     # --- the method's two actions --------------------------------------------------------------
-    def fit(self, global_state: TorchState | None, server_round: int) -> FitResult:
+    def fit(self, inputs: RoundInput) -> FitResult:
         raise NotImplementedError
 
-    def evaluate(self, global_state: TorchState | None, server_round: int) -> dict:
+    def evaluate(self, inputs: RoundInput) -> dict:
         raise NotImplementedError

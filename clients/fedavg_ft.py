@@ -8,15 +8,15 @@ the global model.
 
 from __future__ import annotations
 
-from clients.base import TorchState
+from clients.base import RoundInput
 from clients.fedavg import FedAvgClient
 from pflalign.train import STREAM_FINETUNE
 
 
 class FedAvgFineTuneClient(FedAvgClient):
-    def evaluate(self, global_state: TorchState | None, server_round: int) -> dict:
-        model = self.new_model(global_state)
+    def evaluate(self, inputs: RoundInput) -> dict:
+        model = self.new_model(inputs.global_state)
         global_result = self.test(model)
-        self.local_train(model, server_round, stream=STREAM_FINETUNE,
+        self.local_train(model, inputs.server_round, stream=STREAM_FINETUNE,
                          epochs=int(self.settings["finetune-epochs"]))
         return self.eval_metrics(self.test(model), global_result)

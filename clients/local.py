@@ -6,18 +6,20 @@ trained yet starts from the run's common initial model, which the server sends o
 
 from __future__ import annotations
 
-from clients.base import ClientMethod, FitResult, TorchState
+from torch import nn
+
+from clients.base import ClientMethod, FitResult, RoundInput
 
 
 class LocalClient(ClientMethod):
-    def _model(self, initial_state: TorchState | None):
-        return self.new_model(self.state.get_arrays("model") or initial_state)
+    def _model(self, inputs: RoundInput) -> nn.Module:
+        return self.new_model(self.state.get_arrays("model") or inputs.global_state)
 
-    def fit(self, global_state: TorchState | None, server_round: int) -> FitResult:
-        model = self._model(global_state)
-        stats = self.local_train(model, server_round)
+    def fit(self, inputs: RoundInput) -> FitResult:
+        model = self._model(inputs)
+        stats = self.local_train(model, inputs.server_round)
         self.state.set_arrays("model", model.state_dict())
         return FitResult(None, {"train-loss": stats.loss, "local-steps": stats.steps})
 
-    def evaluate(self, global_state: TorchState | None, server_round: int) -> dict:
-        return self.eval_metrics(self.test(self._model(global_state)))
+    def evaluate(self, inputs: RoundInput) -> dict:
+        return self.eval_metrics(self.test(self._model(inputs)))

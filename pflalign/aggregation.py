@@ -94,3 +94,32 @@ def fedavg(states: Sequence[Mapping[str, np.ndarray]], num_examples: Sequence[fl
     """Sample-weighted average of model states, returned with the states' dtypes."""
     spec = spec or FlatSpec.of(states[0])
     return spec.unflatten(weighted_average([spec.flatten(s) for s in states], num_examples))
+
+
+def mean_cosine(vectors: Sequence[np.ndarray], reference: np.ndarray) -> float:
+    """Mean over ``vectors`` of their cosine with ``reference`` (0 for zero-length vectors)."""
+    ref_norm = float(np.linalg.norm(reference))
+    cosines = []
+    for vector in vectors:
+        norm = float(np.linalg.norm(vector)) * ref_norm
+        cosines.append(float(vector @ reference) / norm if norm > 0 else 0.0)
+    return float(np.mean(cosines)) if cosines else float("nan")
+
+
+def personal_offset(end_state: Mapping[str, np.ndarray], global_state: Mapping[str, np.ndarray],
+                    keys: Sequence[str]) -> State:
+    """pFLAlign's ``Delta_i = theta_i^end - theta_g`` over the trainable entries ``keys``
+    (ALGORITHMS.md 1.7; buffers carry no offset, 1.13 A6)."""
+    return {k: np.asarray(end_state[k]) - np.asarray(global_state[k]) for k in keys}
+
+
+def personalized_init(global_state: Mapping[str, np.ndarray],
+                      offset: Mapping[str, np.ndarray]) -> State:
+    """pFLAlign's personalized initialization ``theta_g + Delta_i`` (entries without an offset,
+    such as batch-norm buffers, are the global model's)."""
+    return {k: (v + offset[k] if k in offset else v) for k, v in global_state.items()}
+
+
+def l2_norm(state: Mapping[str, np.ndarray]) -> float:
+    """Euclidean norm of a state viewed as one vector."""
+    return float(np.sqrt(sum(float(np.vdot(v, v)) for v in state.values())))

@@ -70,8 +70,10 @@ PARTITIONS = ("dirichlet", "iid", "pathological", "quantity")
 
 OPTIONS: tuple[Option, ...] = (
     # --- run -----------------------------------------------------------------------------------
-    Option("methods", "fedavg,fedavg-ft,local",
-           "Comma-separated methods to run on the same partition and seed, or 'all'.", "run"),
+    Option("methods", "fedavg,fedavg-ft,local,pflalign",
+           "Comma-separated methods to run on the same partition and seed, or 'all' (every "
+           "method except ablation variants). An entry may carry its own settings: "
+           "'pflalign(pflalign-lr=2,pflalign-gamma=one)'.", "run"),
     Option("seed", 0, "Seed for the partition, model initialisation, client sampling and local "
            "training; the same seed and config give the same metrics.", "run", minimum=0),
     Option("rounds", 10, "Number of federated rounds per method.", "run", minimum=1),
@@ -109,7 +111,8 @@ OPTIONS: tuple[Option, ...] = (
            "(stratified by label).", "data", minimum=0.0, maximum=1.0, exclusive_minimum=True,
            exclusive_maximum=True),
     # --- model and local training --------------------------------------------------------------
-    Option("model", "cnn", "Model: cnn (PFLlib's 4-layer CNN), mlp, resnet18.", "train"),
+    Option("model", "cnn", "Model: cnn (PFLlib's 4-layer CNN), cnn-bn (the same with batch "
+           "norm), mlp, resnet18.", "train"),
     Option("batch-size", 32, "Local mini-batch size.", "train", minimum=1),
     Option("local-epochs", 1, "Local epochs per round.", "train", minimum=1),
     Option("local-steps", 0, "If > 0, cap the local optimizer steps per round at this number.",
@@ -120,12 +123,34 @@ OPTIONS: tuple[Option, ...] = (
            minimum=0.0, maximum=1.0, exclusive_maximum=True),
     Option("weight-decay", 0.0, "Local L2 weight decay.", "train", minimum=0.0),
     # --- federation ----------------------------------------------------------------------------
-    Option("fraction-train", 0.5, "Fraction of training clients sampled each round (at least "
+    Option("fraction-train", 0.4, "Fraction of training clients sampled each round (at least "
            "one), drawn reproducibly from seed.", "federation", minimum=0.0, maximum=1.0,
            exclusive_minimum=True),
     # --- method hyperparameters ----------------------------------------------------------------
     Option("finetune-epochs", 1, "fedavg-ft: local epochs of fine-tuning of the global model "
            "before each evaluation.", "fedavg-ft", minimum=1),
+    Option("pflalign-lr", 3.0, "pflalign: local learning rate. The preconditioner P is far below "
+           "1 (it starts at (1-beta)^2 = 0.01), so this is of order 1, not an SGD rate.",
+           "pflalign", minimum=0.0, exclusive_minimum=True),
+    Option("pflalign-beta", 0.9, "pflalign: EMA decay of m, v and P.", "pflalign", minimum=0.0,
+           maximum=1.0, exclusive_maximum=True),
+    Option("pflalign-eps", 1e-12, "pflalign: numerical constant in the denominators.",
+           "pflalign", minimum=0.0, exclusive_minimum=True),
+    Option("pflalign-precondition", True, "pflalign: multiply the gradient by P (false: step on "
+           "the raw gradient with the SGD rate 'lr').", "pflalign"),
+    Option("pflalign-gamma", "adaptive", "pflalign: weight of the offset correction: adaptive "
+           "(Gaussian sign agreement), zero, half, one, or hard (sign test).", "pflalign",
+           choices=("adaptive", "zero", "half", "one", "hard")),
+    Option("pflalign-personalize", True, "pflalign: start each round from global + the client's "
+           "offset Delta (false: Delta = 0, no personalized initialization or correction).",
+           "pflalign"),
+    Option("pflalign-state", "client", "pflalign: where each client's offset Delta lives: client "
+           "(its own state; the server sends the global model) or server (the strategy keeps it "
+           "and sends the personalized initialization and Delta in the client's message).",
+           "pflalign", choices=("client", "server")),
+    Option("pflalign-bn", "global", "pflalign: batch-norm buffers come from the global model "
+           "(global, ALGORITHMS.md 1.13 A6) or stay on each client (local, FedBN-style).",
+           "pflalign", choices=("global", "local")),
     # --- simulation engine ---------------------------------------------------------------------
     Option("client-resources-num-cpus", 1.0, "CPU cores per simulated client (Ray resource; "
            "also the client's torch thread count).", "simulation", minimum=0.0,
@@ -190,25 +215,84 @@ def coerce(key: str, value: object, source: str = "the config") -> Value:
     return value
 
 
-def parse_method_list(text: str) -> list[str]:
-    """Split and check a comma-separated method list; 'all' expands to every registered method."""
+# Keys a method entry may not override: they define the shared data, clients and engine.
+RUN_WIDE_KEYS = ("methods", "seed", "out-dir", "dataset", "data-root", "download", "max-samples",
+                 "partition", "num-clients", "num-unseen-clients", "dirichlet-alpha",
+                 "classes-per-client", "quantity-power", "min-samples-per-client",
+                 "test-fraction", "client-resources-num-cpus", "client-resources-num-gpus")
+
+
+@dataclass(frozen=True)
+class MethodChoice:
+    """One entry of 'methods': a registered method, optionally with its own config overrides.
+
+    Written ``name`` or ``name(key=value, key=value)``, e.g. ``pflalign(pflalign-lr=2)``; the
+    whole entry is its label in tables and results.
+    """
+
+    label: str
+    name: str
+    overrides: tuple[tuple[str, Value], ...] = ()
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, []
+    for char in text:
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+            continue
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth < 0:
+            raise ConfigError(f"Config key 'methods' has an unmatched ')': {text!r}.")
+        current.append(char)
+    if depth:
+        raise ConfigError(f"Config key 'methods' has an unclosed '(': {text!r}.")
+    parts.append("".join(current))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _parse_method_entry(entry: str) -> MethodChoice:
     from pflalign.methods import METHODS
 
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
+    name, _, rest = entry.partition("(")
+    name = name.strip()
+    if name not in METHODS:
+        close = difflib.get_close_matches(name, METHODS, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"Unknown method '{name}' in 'methods'; known methods: "
+                          f"{', '.join(METHODS)}.{hint}")
+    overrides: list[tuple[str, Value]] = []
+    if rest:
+        if not rest.rstrip().endswith(")"):
+            raise ConfigError(f"Method entry {entry!r} must end with ')'.")
+        for item in _split_top_level(rest.rstrip()[:-1]):
+            key, value = parse_override(item)
+            if key in RUN_WIDE_KEYS:
+                raise ConfigError(f"Method entry {entry!r} overrides '{key}', which is shared by "
+                                  "all methods of a run; set it for the whole run instead.")
+            overrides.append((key, value))
+    label = name if not overrides else (
+        f"{name}(" + ",".join(f"{k}={toml_literal(v)}" for k, v in overrides) + ")")
+    return MethodChoice(label=label, name=name, overrides=tuple(overrides))
+
+
+def parse_methods(text: str) -> list[MethodChoice]:
+    """Parse 'methods': comma-separated entries, or 'all' (every method but ablation variants)."""
+    from pflalign.methods import METHODS
+
+    entries = _split_top_level(text)
+    if not entries:
         raise ConfigError("Config key 'methods' is empty; name at least one method, e.g. "
                           "'fedavg'.")
-    if names == ["all"]:
-        return list(METHODS)
-    for name in names:
-        if name not in METHODS:
-            close = difflib.get_close_matches(name, METHODS, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"Unknown method '{name}' in 'methods'; known methods: "
-                              f"{', '.join(METHODS)}.{hint}")
-    if len(set(names)) != len(names):
+    if entries == ["all"]:
+        return [MethodChoice(label=name, name=name) for name, spec in METHODS.items()
+                if spec.variant_of is None]
+    choices = [_parse_method_entry(entry) for entry in entries]
+    labels = [c.label for c in choices]
+    if len(set(labels)) != len(labels):
         raise ConfigError(f"Config key 'methods' lists a method twice: {text!r}.")
-    return names
+    return choices
 
 
 class Settings(Mapping[str, Value]):
@@ -250,7 +334,12 @@ class Settings(Mapping[str, Value]):
 
     @property
     def methods(self) -> list[str]:
-        return parse_method_list(str(self["methods"]))
+        """The labels of the methods to run, in order."""
+        return [choice.label for choice in self.method_choices]
+
+    @property
+    def method_choices(self) -> list[MethodChoice]:
+        return parse_methods(str(self["methods"]))
 
     @property
     def num_nodes(self) -> int:
@@ -259,7 +348,7 @@ class Settings(Mapping[str, Value]):
 
 
 def _check_cross_keys(values: Mapping[str, Value]) -> None:
-    parse_method_list(str(values["methods"]))
+    parse_methods(str(values["methods"]))
 
 
 def load_toml(path: str | Path) -> dict[str, Value]:

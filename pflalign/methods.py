@@ -26,6 +26,7 @@ class MethodSpec:
     keys: tuple[str, ...] = ()
     overrides: Mapping[str, Any] = field(default_factory=dict)
     has_global_model: bool = True
+    variant_of: str | None = None
 
     def load_client(self) -> Any:
         return _load(self.client)
@@ -40,6 +41,21 @@ def _load(path: str) -> Any:
 
 
 _TRAIN_KEYS = ("lr", "momentum", "weight-decay", "batch-size", "local-epochs", "local-steps")
+_PFLALIGN_KEYS = ("pflalign-lr", "pflalign-beta", "pflalign-eps", "pflalign-precondition",
+                  "pflalign-gamma", "pflalign-personalize", "pflalign-state", "pflalign-bn",
+                  "batch-size", "local-epochs", "local-steps", "lr")
+_PFLALIGN_PAPER = ("Kim et al., Personalized Federated Learning for Gradient Alignment "
+                   "(pFLAlign), arXiv 2605.02143")
+
+
+def _pflalign_variant(name: str, summary: str, **overrides: Any) -> MethodSpec:
+    """An ablation of pFLAlign (ALGORITHMS.md 1.11): pflalign with some switches fixed."""
+    return MethodSpec(name=name, summary=summary, paper=_PFLALIGN_PAPER,
+                      client="clients.pflalign:PFLAlignClient",
+                      strategy="strategies.pflalign:PFLAlignStrategy", keys=_PFLALIGN_KEYS,
+                      overrides={f"pflalign-{k}": v for k, v in overrides.items()},
+                      variant_of="pflalign")
+
 
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec
@@ -74,5 +90,28 @@ METHODS: dict[str, MethodSpec] = {
             keys=_TRAIN_KEYS,
             has_global_model=False,
         ),
+        MethodSpec(
+            name="pflalign",
+            summary="pFLAlign: clients start from global + their offset Delta and train with a "
+                    "persistent multiplicative preconditioner P and a gamma-weighted removal of "
+                    "Delta; the server averages (ALGORITHMS.md 1).",
+            paper=_PFLALIGN_PAPER,
+            client="clients.pflalign:PFLAlignClient",
+            strategy="strategies.pflalign:PFLAlignStrategy",
+            keys=_PFLALIGN_KEYS,
+        ),
+        _pflalign_variant("pflalign-noprecond", "pFLAlign without the preconditioner (raw "
+                          "gradient, SGD rate 'lr').", precondition=False),
+        _pflalign_variant("pflalign-gamma0", "pFLAlign with gamma = 0 (the offset is kept).",
+                          gamma="zero"),
+        _pflalign_variant("pflalign-gamma05", "pFLAlign with gamma = 1/2.", gamma="half"),
+        _pflalign_variant("pflalign-gamma1", "pFLAlign with gamma = 1 (the offset is removed "
+                          "over the round).", gamma="one"),
+        _pflalign_variant("pflalign-hardgamma", "pFLAlign with gamma = 1/2 + 1/2 sign(m Delta).",
+                          gamma="hard"),
+        _pflalign_variant("pflalign-nopersonal", "pFLAlign with Delta = 0 (no personalized "
+                          "initialization, no correction).", personalize=False),
+        _pflalign_variant("pflalign-sgd", "pFLAlign with P = 1 and Delta = 0: FedAvg with plain "
+                          "SGD.", precondition=False, personalize=False),
     )
 }

@@ -14,14 +14,21 @@ class CNN(nn.Module):
     """The 4-layer CNN of McMahan et al. as used by PFLlib (``FedAvgCNN``).
 
     conv 5x5 (32) -> ReLU -> max-pool 2 -> conv 5x5 (64) -> ReLU -> max-pool 2 -> fc 512 -> ReLU ->
-    fc classes. 582,026 parameters on 28 x 28 greyscale inputs with 10 classes.
+    fc classes. 582,026 parameters on 28 x 28 greyscale inputs with 10 classes. With
+    ``batch_norm`` (``cnn-bn``) a BatchNorm2d follows each convolution (for FedBN-style methods).
     """
 
-    def __init__(self, in_channels: int, image_size: int, num_classes: int):
+    def __init__(self, in_channels: int, image_size: int, num_classes: int,
+                 batch_norm: bool = False):
         super().__init__()
+
+        def norm(channels: int) -> nn.Module:
+            return nn.BatchNorm2d(channels) if batch_norm else nn.Identity()
+
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, 32, kernel_size=5), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, kernel_size=5), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(in_channels, 32, kernel_size=5), norm(32), nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, kernel_size=5), norm(64), nn.ReLU(inplace=True), nn.MaxPool2d(2),
         )
         side = ((image_size - 4) // 2 - 4) // 2
         self.fc1 = nn.Sequential(nn.Flatten(), nn.Linear(64 * side * side, 512),
@@ -60,6 +67,7 @@ def _resnet18(in_channels: int, image_size: int, num_classes: int) -> nn.Module:
 ModelFactory = Callable[[int, int, int], nn.Module]
 MODELS: dict[str, ModelFactory] = {
     "cnn": lambda c, s, k: CNN(c, s, k),
+    "cnn-bn": lambda c, s, k: CNN(c, s, k, batch_norm=True),
     "mlp": lambda c, s, k: MLP(c * s * s, k),
     "resnet18": _resnet18,
 }

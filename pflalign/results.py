@@ -73,6 +73,8 @@ def round_line(method: str, row: Mapping[str, object], rounds: int) -> str:
     parts.append(f"up {_mb(row['bytes-up'])} down {_mb(row['bytes-down'])}")
     if row.get("failures"):
         parts.append(f"failures {row['failures']}")
+    if row.get("eval-failures"):
+        parts.append(f"eval-failures {row['eval-failures']}")
     return "  ".join(parts)
 
 
@@ -107,6 +109,10 @@ class Reporter:
     def info(self, text: str) -> None:
         if not self.quiet:
             print(text, flush=True)
+
+    def result(self, text: str) -> None:
+        """Final results: printed even when quiet."""
+        print(text, flush=True)
 
     def warn(self, text: str) -> None:
         print(f"WARNING: {text}", file=sys.stderr, flush=True)

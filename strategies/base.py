@@ -1,8 +1,9 @@
 """The server half every method shares: discovery, sampling, messages, validation, metrics.
 
-A method's strategy subclasses :class:`PFLStrategy` and overrides only what differs: which arrays a
-client receives (:meth:`train_arrays`, :meth:`eval_arrays`), whether clients upload a model
-(:attr:`uploads_model`), and how updates are combined (:meth:`aggregate`).
+A method's strategy subclasses :class:`PFLStrategy` and overrides only what differs: which
+records a client receives (:meth:`train_records`, :meth:`eval_records`, :meth:`train_config`),
+whether clients upload a model (:attr:`uploads_model`), and how updates are combined
+(:meth:`aggregate`).
 
 Clients are identified by the stable ``partition-id`` each node reports in a QUERY round at start
 (never by Flower's random node ids). Replies are processed in client-id order, so aggregation is
@@ -30,7 +31,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 import strategies  # noqa: F401  (sets the Flower environment before flwr is imported)
-from pflalign.aggregation import FlatSpec, State, fedavg
+from pflalign.aggregation import FlatSpec, State, fedavg, mean_cosine
 from pflalign.config import Settings
 from pflalign.methods import MethodSpec
 from pflalign.metrics import accuracy_summary
@@ -83,11 +84,17 @@ class PFLStrategy(Strategy):
     """Base strategy: FedAvg's behaviour, with hooks for personalized methods."""
 
     uploads_model = True
+    #: client metrics averaged over the round's clients into the round's row
+    client_diagnostics: tuple[str, ...] = ()
 
     def __init__(self, settings: Settings, spec: MethodSpec, initial_state: State,
                  reporter: Reporter | None = None, timeout: float = 3600.0,
-                 discovery_timeout: float = 120.0):
+                 discovery_timeout: float = 120.0, trainable: tuple[str, ...] | None = None,
+                 label: str | None = None):
         self.settings = settings
+        self.label = label or spec.name
+        self.trainable = trainable if trainable is not None else tuple(
+            k for k, v in initial_state.items() if np.asarray(v).dtype.kind == "f")
         self.discovery_timeout = discovery_timeout
         self.spec = spec
         self.reporter = reporter or Reporter()
@@ -105,13 +112,14 @@ class PFLStrategy(Strategy):
     def summary(self) -> None:
         s = self.settings
         self.reporter.info(
-            f"[{self.spec.name}] {s['rounds']} rounds, {s['num-clients']} clients "
+            f"[{self.label}] {s['rounds']} rounds, {s['num-clients']} clients "
             f"(+{s['num-unseen-clients']} unseen), fraction-train {s['fraction-train']}, "
             f"model {s['model']} ({self.flat.size:,} values)")
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        return [self._message(cid, self.train_arrays(cid), MessageType.TRAIN, server_round)
+        return [self._message(cid, self.train_records(cid), MessageType.TRAIN, server_round,
+                              self.train_config(cid, server_round))
                 for cid in self.largest_first(self.sample(server_round))]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message],
@@ -122,10 +130,16 @@ class PFLStrategy(Strategy):
                                 metrics=m, state=state) for m, state in updates]
         metrics: dict[str, float] = {"clients-trained": len(train_updates), "failures": failures}
         if train_updates:
+            previous = self.global_state
             new_state = self.aggregate(server_round, train_updates)
             if new_state is not None:
+                metrics["update-cosine"] = self.update_cosine(previous, new_state, train_updates)
                 self.global_state = new_state
                 self._global_record = None
+            for key in self.client_diagnostics:
+                values = [u.metrics[key] for u in train_updates if key in u.metrics]
+                if values:
+                    metrics[key] = float(np.mean(values))
             weights = [u.num_examples for u in train_updates]
             metrics["client-seconds"] = float(sum(u.metrics.get("client-seconds", 0.0)
                                                   for u in train_updates))
@@ -133,13 +147,13 @@ class PFLStrategy(Strategy):
                 metrics["train-loss"] = float(np.average(
                     [u.metrics["train-loss"] for u in train_updates], weights=weights))
         else:
-            self.reporter.warn(f"[{self.spec.name}] round {server_round}: no usable training "
+            self.reporter.warn(f"[{self.label}] round {server_round}: no usable training "
                                "reply; the global model is kept unchanged.")
         return self.global_record(), MetricRecord(metrics)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        return [self._message(cid, self.eval_arrays(cid), MessageType.EVALUATE, server_round)
+        return [self._message(cid, self.eval_records(cid), MessageType.EVALUATE, server_round)
                 for cid in self.largest_first(self.eval_clients())]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message],
@@ -155,9 +169,11 @@ class PFLStrategy(Strategy):
                                             [m["num-test"] for m in seen]))
             metrics["personal-loss"] = float(np.average(
                 [m["personal-loss"] for m in seen], weights=[m["num-test"] for m in seen]))
+            tested = sum(m["num-test"] for m in seen)
             if self.spec.has_global_model and all("global-correct" in m for m in seen):
-                metrics["global-acc"] = (sum(m["global-correct"] for m in seen)
-                                         / sum(m["num-test"] for m in seen))
+                metrics["global-acc"] = sum(m["global-correct"] for m in seen) / tested
+            if all("next-correct" in m for m in seen):
+                metrics["personal-acc-next"] = sum(m["next-correct"] for m in seen) / tested
         if unseen:
             metrics["unseen-acc"] = (sum(m["personal-correct"] for m in unseen)
                                      / sum(m["num-test"] for m in unseen))
@@ -168,13 +184,17 @@ class PFLStrategy(Strategy):
         return MetricRecord(metrics)
 
     # --- hooks for methods ---------------------------------------------------------------------
-    def train_arrays(self, client: int) -> ArrayRecord | None:
-        """Arrays sent to ``client`` for training (default: the global model)."""
-        return self.global_record()
+    def train_records(self, client: int) -> dict[str, ArrayRecord]:
+        """Array records sent to ``client`` for training (default: the global model)."""
+        return {ARRAYS: self.global_record()}
 
-    def eval_arrays(self, client: int) -> ArrayRecord | None:
-        """Arrays sent to ``client`` for evaluation (default: the global model)."""
-        return self.global_record()
+    def eval_records(self, client: int) -> dict[str, ArrayRecord]:
+        """Array records sent to ``client`` for evaluation (default: the global model)."""
+        return {ARRAYS: self.global_record()}
+
+    def train_config(self, client: int, server_round: int) -> dict[str, bool | int | float]:
+        """Extra per-client entries of the training message's config (default: none)."""
+        return {}
 
     def eval_clients(self) -> list[int]:
         """Clients evaluated (default: every client, unseen ones included)."""
@@ -202,13 +222,20 @@ class PFLStrategy(Strategy):
         return sorted(clients, key=lambda c: (-self.clients[c].num_train - self.clients[c].num_test,
                                               c))
 
-    def _message(self, client: int, arrays: ArrayRecord | None, message_type: str,
-                 server_round: int) -> Message:
+    def update_cosine(self, previous: State, new: State, updates: list[Update]) -> float:
+        """Mean cosine between each client's update and the aggregated update (trainable
+        entries), a measure of how much aggregation agrees with the clients' directions."""
+        spec = FlatSpec.of({k: previous[k] for k in self.trainable})
+        base = spec.flatten(previous, np.float64)
+        return mean_cosine([spec.flatten(u.state, np.float64) - base for u in updates
+                            if u.state is not None], spec.flatten(new, np.float64) - base)
+
+    def _message(self, client: int, records: dict[str, ArrayRecord], message_type: str,
+                 server_round: int, extra_config: dict | None = None) -> Message:
         content = RecordDict({
-            CONFIG: ConfigRecord({"method": self.spec.name, "server-round": server_round}),
-            RUN_CONFIG: self._run_config})
-        if arrays is not None:
-            content[ARRAYS] = arrays
+            CONFIG: ConfigRecord({"method": self.spec.name, "label": self.label,
+                                  "server-round": server_round, **(extra_config or {})}),
+            RUN_CONFIG: self._run_config, **records})
         return Message(content=content, dst_node_id=self.clients[client].node_id,
                        message_type=message_type)
 
@@ -262,7 +289,7 @@ class PFLStrategy(Strategy):
                 good.append(self._validate(msg, expect_arrays, required))
             except ClientFailure as failure:
                 failures += 1
-                self.reporter.warn(f"[{self.spec.name}] {failure}; the reply is skipped.")
+                self.reporter.warn(f"[{self.label}] {failure}; the reply is skipped.")
         good.sort(key=lambda pair: int(pair[0]["partition-id"]))
         return good, failures
 
@@ -352,7 +379,7 @@ class PFLStrategy(Strategy):
             row.update({"round-seconds": time.perf_counter() - started,
                         "bytes-up": up, "bytes-down": down})
             self.rounds.append(row)
-            self.reporter.info(round_line(self.spec.name, row, rounds))
+            self.reporter.info(round_line(self.label, row, rounds))
         return {"rounds": self.rounds, "final": self.final_metrics(last_eval),
                 "clients": self.client_results}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from flwr.app import ArrayRecord
 
 from pflalign.aggregation import State
-from strategies.base import PFLStrategy, Update
+from strategies.base import ARRAYS, PFLStrategy, Update
 
 
 class LocalStrategy(PFLStrategy):
@@ -21,11 +21,11 @@ class LocalStrategy(PFLStrategy):
         super().__init__(*args, **kwargs)
         self.trained: set[int] = set()
 
-    def train_arrays(self, client: int) -> ArrayRecord | None:
-        return None if client in self.trained else self.global_record()
+    def train_records(self, client: int) -> dict[str, ArrayRecord]:
+        return {} if client in self.trained else {ARRAYS: self.global_record()}
 
-    def eval_arrays(self, client: int) -> ArrayRecord | None:
-        return self.train_arrays(client)
+    def eval_records(self, client: int) -> dict[str, ArrayRecord]:
+        return self.train_records(client)
 
     def eval_clients(self) -> list[int]:
         return sorted(cid for cid, info in self.clients.items() if not info.unseen)

@@ -18,12 +18,13 @@ from pflalign.models import build_model
 from pflalign.results import Reporter, comparison_table, new_results, write_results
 
 
-def initial_state(settings: Settings) -> dict:
-    """The run's initial model (seeded), as NumPy arrays."""
+def initial_state(settings: Settings) -> tuple[dict, tuple[str, ...]]:
+    """The run's initial model (seeded) as NumPy arrays, and the names of its trainable entries."""
     dataset = federated_dataset(settings).dataset
     model = build_model(str(settings["model"]), dataset.input_shape, dataset.num_classes,
                         seed=int(settings["seed"]))
-    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    return state, tuple(name for name, p in model.named_parameters() if p.requires_grad)
 
 
 def run_methods(grid: Grid, settings: Settings, reporter: Reporter | None = None) -> dict:
@@ -32,14 +33,17 @@ def run_methods(grid: Grid, settings: Settings, reporter: Reporter | None = None
     started = time.perf_counter()
     federation = federated_dataset(settings)
     results = new_results(settings.to_dict(), federation.summary())
-    for name in settings.methods:
-        spec = METHODS[name]
-        method_settings = settings.replace(spec.overrides) if spec.overrides else settings
-        strategy = spec.load_strategy()(method_settings, spec, initial_state(method_settings),
-                                        reporter)
-        results["methods"][name] = strategy.start(grid)
+    for choice in settings.method_choices:
+        spec = METHODS[choice.name]
+        overrides = {**spec.overrides, **dict(choice.overrides)}
+        method_settings = settings.replace(overrides) if overrides else settings
+        state, trainable = initial_state(method_settings)
+        strategy = spec.load_strategy()(method_settings, spec, state, reporter,
+                                        trainable=trainable, label=choice.label)
+        results["methods"][choice.label] = {**strategy.start(grid), "method": spec.name,
+                                            "overrides": overrides}
         results["seconds"] = time.perf_counter() - started
         path = write_results(str(settings["out-dir"]), results)
-    reporter.info("\n" + comparison_table(results["methods"]))
-    reporter.info(f"\nResults written to {path.resolve()}")
+    reporter.result("\n" + comparison_table(results["methods"]))
+    reporter.result(f"\nResults written to {path.resolve()}")
     return results

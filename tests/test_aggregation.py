@@ -179,3 +179,26 @@ def test_evaluation_metrics_from_client_replies():
     assert metrics["eval-failures"] == 1
     assert "client 2 reported personal-correct = 12" in warnings[0]
     assert [c["id"] for c in strategy.client_results] == [0, 1, 3]
+
+
+def test_personal_offset_and_personalized_init_by_hand():
+    from pflalign.aggregation import l2_norm, personal_offset, personalized_init
+
+    theta_g = {"w": np.array([1.0, 2.0], np.float32), "bn": np.array([5.0], np.float32)}
+    end = {"w": np.array([4.0, -2.0], np.float32), "bn": np.array([7.0], np.float32)}
+    delta = personal_offset(end, theta_g, ["w"])
+    assert set(delta) == {"w"}
+    np.testing.assert_array_equal(delta["w"], [3.0, -4.0])
+    assert l2_norm(delta) == 5.0
+    init = personalized_init({"w": np.array([0.5, 0.5], np.float32), "bn": theta_g["bn"]}, delta)
+    np.testing.assert_array_equal(init["w"], [3.5, -3.5])
+    np.testing.assert_array_equal(init["bn"], [5.0])  # buffers come from the global model
+
+
+def test_mean_cosine_by_hand():
+    from pflalign.aggregation import mean_cosine
+
+    ref = np.array([1.0, 0.0])
+    assert mean_cosine([np.array([2.0, 0.0]), np.array([0.0, 3.0]), np.array([-1.0, 0.0])],
+                       ref) == pytest.approx((1 + 0 - 1) / 3)
+    assert mean_cosine([np.zeros(2)], ref) == 0.0

@@ -90,8 +90,10 @@ def test_config_file_errors(tmp_path):
         resolve(nested)
 
 
-def test_all_methods_expand_to_the_registry():
-    assert Settings({"methods": "all"}).methods == list(METHODS)
+def test_all_methods_expand_to_the_registry_without_ablation_variants():
+    names = Settings({"methods": "all"}).methods
+    assert names == [n for n, spec in METHODS.items() if spec.variant_of is None]
+    assert "pflalign" in names and "pflalign-sgd" not in names
 
 
 def test_format_settings_round_trips_through_toml():
@@ -150,3 +152,25 @@ def test_asking_for_a_gpu_without_one_fails_before_ray():
         pytest.skip("this machine has a GPU")
     result = _simulate("--set", "client-resources-num-gpus=0.5")
     assert result.returncode == 2 and "no GPU is visible" in result.stderr
+
+
+def test_method_entries_carry_their_own_overrides():
+    choices = Settings({"methods": "fedavg, pflalign(pflalign-lr=2, pflalign-gamma=one),"
+                                   "pflalign(pflalign-lr=0.5)"}).method_choices
+    assert [c.name for c in choices] == ["fedavg", "pflalign", "pflalign"]
+    assert choices[1].overrides == (("pflalign-lr", 2.0), ("pflalign-gamma", "one"))
+    assert choices[1].label == 'pflalign(pflalign-lr=2.0,pflalign-gamma="one")'
+    assert choices[0].label == "fedavg" and choices[0].overrides == ()
+
+
+@pytest.mark.parametrize("methods,match", [
+    ("pflalign(pflalign-lr=2", "unclosed"),
+    ("pflalign)", "unmatched"),
+    ("pflalign(pflalign-lr=fast)", "expects a number"),
+    ("pflalign(no-such=1)", "Unknown config key 'no-such'"),
+    ("pflalign(seed=3)", "shared by all methods"),
+    ("pflalign(pflalign-lr=2),pflalign(pflalign-lr=2)", "twice"),
+])
+def test_bad_method_entries_are_clear_errors(methods, match):
+    with pytest.raises(ConfigError, match=match):
+        Settings({"methods": methods})
