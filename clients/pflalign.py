@@ -64,11 +64,11 @@ class PFLAlignClient(ClientMethod):
                              beta=float(s["pflalign-beta"]), eps=float(s["pflalign-eps"]),
                              precondition=precondition, gamma=str(s["pflalign-gamma"]))
         saved = self.state.get_arrays(OPTIMIZER)
-        if saved:
+        if saved:  # freshly deserialized tensors: the optimizer may own them
             for name, p in named:
                 state = optimizer.state[p]
-                state["v"] = saved[f"{name}.v"].to(p.device).clone()
-                state["P"] = saved[f"{name}.P"].to(p.device).clone()
+                state["v"] = saved[f"{name}.v"].to(p.device)
+                state["P"] = saved[f"{name}.P"].to(p.device)
         return optimizer, [n for n, _ in named]
 
     def _save_optimizer(self, optimizer: PFLAlign, names: list[str]) -> None:
@@ -85,10 +85,10 @@ class PFLAlignClient(ClientMethod):
         model = self._model(received)
         optimizer, names = self._optimizer(model)
         params = dict(model.named_parameters())
+        trained = [params[n] for n in names]
         if offset and not self.server_mode:  # server mode receives theta_g + Delta already
             with torch.no_grad():
-                for name in names:
-                    params[name].add_(offset[name].to(self.device))
+                torch._foreach_add_(trained, [offset[n].to(self.device) for n in names])
         steps = num_local_steps(self.data.num_train, int(self.settings["batch-size"]),
                                 int(self.settings["local-epochs"]),
                                 int(self.settings["local-steps"]))
@@ -96,8 +96,10 @@ class PFLAlignClient(ClientMethod):
         stats = self.local_train(model, inputs.server_round, optimizer=optimizer)
 
         if self.settings["pflalign-personalize"] and not self.server_mode:
-            self.state.set_arrays(OFFSET, {n: params[n].detach() - received[n].to(self.device)
-                                           for n in names})
+            with torch.no_grad():
+                new_offset = torch._foreach_sub(trained, [received[n].to(self.device)
+                                                          for n in names])
+            self.state.set_arrays(OFFSET, dict(zip(names, new_offset, strict=True)))
         self._save_optimizer(optimizer, names)
         if self.local_bn:
             trainable = set(names)
@@ -120,10 +122,10 @@ class PFLAlignClient(ClientMethod):
             return None
         model = self._model(inputs.global_state)
         if offset:
+            named = [(n, p) for n, p in model.named_parameters() if n in offset]
             with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if name in offset:
-                        p.add_(offset[name].to(self.device))
+                torch._foreach_add_([p for _, p in named],
+                                    [offset[n].to(self.device) for n, _ in named])
         return model
 
     def evaluate(self, inputs: RoundInput) -> dict:

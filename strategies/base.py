@@ -265,7 +265,7 @@ class PFLStrategy(Strategy):
         for key in required:
             if key.startswith("num-") and metrics[key] <= 0:
                 raise ClientFailure(f"{who} reported {key} = {metrics[key]}, expected > 0")
-        for key in ("personal-correct", "global-correct"):
+        for key in ("personal-correct", "global-correct", "next-correct"):
             if key in metrics and not 0 <= metrics[key] <= metrics.get("num-test", 0):
                 raise ClientFailure(f"{who} reported {key} = {metrics[key]} for "
                                     f"{metrics.get('num-test')} test samples")
