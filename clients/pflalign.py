@@ -55,7 +55,9 @@ class PFLAlignClient(ClientMethod):
             model.load_state_dict(buffers, strict=False)
         return model
 
-    def _optimizer(self, model: nn.Module) -> tuple[PFLAlign, list[str]]:
+    def _optimizer(self, model: nn.Module,
+                   ) -> tuple[PFLAlign, list[str], list[torch.nn.Parameter]]:
+        """PFLAlign over the trainable parameters, with this client's persisted v and P."""
         s = self.settings
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         precondition = bool(s["pflalign-precondition"])
@@ -69,7 +71,7 @@ class PFLAlignClient(ClientMethod):
                 state = optimizer.state[p]
                 state["v"] = saved[f"{name}.v"].to(p.device)
                 state["P"] = saved[f"{name}.P"].to(p.device)
-        return optimizer, [n for n, _ in named]
+        return optimizer, [n for n, _ in named], [p for _, p in named]
 
     def _save_optimizer(self, optimizer: PFLAlign, names: list[str]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -83,9 +85,7 @@ class PFLAlignClient(ClientMethod):
         received = inputs.global_state
         offset = self.offset(inputs)
         model = self._model(received)
-        optimizer, names = self._optimizer(model)
-        params = dict(model.named_parameters())
-        trained = [params[n] for n in names]
+        optimizer, names, trained = self._optimizer(model)
         if offset and not self.server_mode:  # server mode receives theta_g + Delta already
             with torch.no_grad():
                 torch._foreach_add_(trained, [offset[n].to(self.device) for n in names])
