@@ -48,13 +48,14 @@ _PFLALIGN_PAPER = ("Kim et al., Personalized Federated Learning for Gradient Ali
                    "(pFLAlign), arXiv 2605.02143")
 
 
-def _pflalign_variant(name: str, summary: str, **overrides: Any) -> MethodSpec:
-    """An ablation of pFLAlign (ALGORITHMS.md 1.11): pflalign with some switches fixed."""
+def _pflalign(name: str, summary: str, **overrides: Any) -> MethodSpec:
+    """pFLAlign, or with ``overrides`` one of its ablations (ALGORITHMS.md 1.11): pflalign with
+    some ``pflalign-*`` switches fixed."""
     return MethodSpec(name=name, summary=summary, paper=_PFLALIGN_PAPER,
                       client="clients.pflalign:PFLAlignClient",
                       strategy="strategies.pflalign:PFLAlignStrategy", keys=_PFLALIGN_KEYS,
                       overrides={f"pflalign-{k}": v for k, v in overrides.items()},
-                      variant_of="pflalign")
+                      variant_of="pflalign" if overrides else None)
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -90,28 +91,21 @@ METHODS: dict[str, MethodSpec] = {
             keys=_TRAIN_KEYS,
             has_global_model=False,
         ),
-        MethodSpec(
-            name="pflalign",
-            summary="pFLAlign: clients start from global + their offset Delta and train with a "
-                    "persistent multiplicative preconditioner P and a gamma-weighted removal of "
-                    "Delta; the server averages (ALGORITHMS.md 1).",
-            paper=_PFLALIGN_PAPER,
-            client="clients.pflalign:PFLAlignClient",
-            strategy="strategies.pflalign:PFLAlignStrategy",
-            keys=_PFLALIGN_KEYS,
-        ),
-        _pflalign_variant("pflalign-noprecond", "pFLAlign without the preconditioner (raw "
+        _pflalign("pflalign", "pFLAlign: clients start from global + their offset Delta and "
+                  "train with a persistent multiplicative preconditioner P and a gamma-weighted "
+                  "removal of Delta; the server averages (ALGORITHMS.md 1)."),
+        _pflalign("pflalign-noprecond", "pFLAlign without the preconditioner (raw "
                           "gradient, SGD rate 'lr').", precondition=False),
-        _pflalign_variant("pflalign-gamma0", "pFLAlign with gamma = 0 (the offset is kept).",
+        _pflalign("pflalign-gamma0", "pFLAlign with gamma = 0 (the offset is kept).",
                           gamma="zero"),
-        _pflalign_variant("pflalign-gamma05", "pFLAlign with gamma = 1/2.", gamma="half"),
-        _pflalign_variant("pflalign-gamma1", "pFLAlign with gamma = 1 (the offset is removed "
+        _pflalign("pflalign-gamma05", "pFLAlign with gamma = 1/2.", gamma="half"),
+        _pflalign("pflalign-gamma1", "pFLAlign with gamma = 1 (the offset is removed "
                           "over the round).", gamma="one"),
-        _pflalign_variant("pflalign-hardgamma", "pFLAlign with gamma = 1/2 + 1/2 sign(m Delta).",
+        _pflalign("pflalign-hardgamma", "pFLAlign with gamma = 1/2 + 1/2 sign(m Delta).",
                           gamma="hard"),
-        _pflalign_variant("pflalign-nopersonal", "pFLAlign with Delta = 0 (no personalized "
+        _pflalign("pflalign-nopersonal", "pFLAlign with Delta = 0 (no personalized "
                           "initialization, no correction).", personalize=False),
-        _pflalign_variant("pflalign-sgd", "pFLAlign with P = 1 and Delta = 0: FedAvg with plain "
+        _pflalign("pflalign-sgd", "pFLAlign with P = 1 and Delta = 0: FedAvg with plain "
                           "SGD.", precondition=False, personalize=False),
     )
 }

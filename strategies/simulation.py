@@ -46,7 +46,7 @@ def check_resources(settings: Settings) -> None:
     if gpus > 0 and not torch.cuda.is_available():
         raise ConfigError(f"client-resources-num-gpus = {gpus:g} but no GPU is visible to "
                           "PyTorch here; set it to 0 to train on the CPU.")
-    if gpus > max(torch.cuda.device_count(), 0):
+    if gpus > torch.cuda.device_count():
         raise ConfigError(f"client-resources-num-gpus = {gpus:g} exceeds the "
                           f"{torch.cuda.device_count()} GPU(s) here; use a fraction of one "
                           "(e.g. 0.25) to share a GPU between clients.")
