@@ -79,6 +79,8 @@ def train(msg: Message, context: Context) -> Message:
     content = RecordDict({METRICS: metrics})
     if result.state is not None:
         content[ARRAYS] = ArrayRecord({k: v.detach().cpu() for k, v in result.state.items()})
+    for name, record in result.records.items():
+        content[name] = ArrayRecord({k: v.detach().cpu() for k, v in record.items()})
     return Message(content, reply_to=msg)
 
 

@@ -8,7 +8,7 @@ and the partition are cached per process by :func:`pflalign.federation.federated
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -17,11 +17,12 @@ from torch import nn
 
 from pflalign.config import Settings
 from pflalign.federation import federated_dataset
-from pflalign.models import build_model
+from pflalign.models import build_model, is_deterministic_in_training, parameter_modules
 from pflalign.train import (
     STREAM_TRAIN,
     EvalStats,
     TrainStats,
+    batch_indices,
     evaluate,
     make_generator,
     make_sgd,
@@ -83,6 +84,8 @@ class FitResult:
 
     state: Mapping[str, torch.Tensor] | None
     metrics: dict[str, float | int] = field(default_factory=dict)
+    #: further array records uploaded beside the model (SCAFFOLD's control-variate change)
+    records: dict[str, Mapping[str, torch.Tensor]] = field(default_factory=dict)
 
 
 class ClientMethod:
@@ -100,19 +103,25 @@ class ClientMethod:
     # --- helpers shared by methods -------------------------------------------------------------
     def new_model(self, state: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
         """A fresh model (a copy of a per-process template), loaded with ``state`` if given."""
-        ds = self.federation.dataset
-        key = (self.settings["model"], ds.input_shape, ds.num_classes)
-        if key not in _TEMPLATES:
-            _TEMPLATES[key] = build_model(str(key[0]), ds.input_shape, ds.num_classes,
-                                          seed=int(self.settings["seed"]))
-        model = copy.deepcopy(_TEMPLATES[key])
+        model = copy.deepcopy(self.template())
         if state is not None:
             model.load_state_dict(state)
         return model.to(self.device)
 
+    def template(self) -> nn.Module:
+        """The run's initial model (seeded; identical to the server's), cached per process.
+        Read-only: :meth:`new_model` hands out copies."""
+        ds = self.federation.dataset
+        key = (self.settings["model"], ds.input_shape, ds.num_classes, int(self.settings["seed"]))
+        if key not in _TEMPLATES:
+            _TEMPLATES[key] = build_model(str(key[0]), ds.input_shape, ds.num_classes,
+                                          seed=key[3])
+        return _TEMPLATES[key]
+
     def local_train(self, model: nn.Module, server_round: int, stream: int = STREAM_TRAIN,
                     epochs: int | None = None,
-                    optimizer: torch.optim.Optimizer | None = None) -> TrainStats:
+                    optimizer: torch.optim.Optimizer | None = None,
+                    before_step: Callable[[], None] | None = None) -> TrainStats:
         """Train on the client's train split, shuffled by (seed, round, client, stream)."""
         s = self.settings
         return train_local(
@@ -121,7 +130,57 @@ class ClientMethod:
             batch_size=int(s["batch-size"]),
             epochs=int(s["local-epochs"]) if epochs is None else epochs,
             max_steps=int(s["local-steps"]),
-            generator=make_generator(int(s["seed"]), server_round, self.client_id, stream))
+            generator=make_generator(int(s["seed"]), server_round, self.client_id, stream),
+            before_step=before_step)
+
+    def batches(self, server_round: int, stream: int = STREAM_TRAIN, epochs: int | None = None,
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Normalised (inputs, targets) batches of the train split, in the seeded order
+        :meth:`local_train` uses for the same ``(round, stream)``."""
+        data = self.data
+        for idx in self.batch_order(server_round, stream, epochs):
+            yield data.normalize(data.train_x[idx]), data.train_y[idx]
+
+    def batch_order(self, server_round: int, stream: int = STREAM_TRAIN,
+                    epochs: int | None = None) -> Iterator[torch.Tensor]:
+        """The index batches behind :meth:`batches`."""
+        s = self.settings
+        return batch_indices(self.data.num_train, int(s["batch-size"]),
+                             int(s["local-epochs"]) if epochs is None else epochs,
+                             int(s["local-steps"]),
+                             make_generator(int(s["seed"]), server_round, self.client_id, stream),
+                             self.data.train_x.device)
+
+    @staticmethod
+    def last_layer_owning(model: nn.Module, keys: Iterable[str]) -> nn.Module | None:
+        """The model's last parameterised layer when it owns exactly the parameters ``keys`` and
+        the rest of the model is deterministic in train mode (no batch norm, no dropout), so its
+        inputs can be computed once and reused; else None."""
+        if not is_deterministic_in_training(model):
+            return None
+        name, last = parameter_modules(model)[-1]
+        own = {f"{name}.{k}" if name else k for k, _ in last.named_parameters(recurse=False)}
+        return last if own == set(keys) else None
+
+    @torch.no_grad()
+    def head_inputs(self, model: nn.Module, head: nn.Module,
+                    indices: torch.Tensor | None = None) -> torch.Tensor:
+        """What ``head`` (the model's last layer) receives for the train samples ``indices``
+        (all when None), computed in batches of 256."""
+        data = self.data
+        chosen = torch.arange(data.num_train, device=data.train_x.device) \
+            if indices is None else indices
+        captured: list[torch.Tensor] = []
+        hook = head.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+        was_training = model.training
+        try:
+            model.eval()
+            for start in range(0, len(chosen), 256):
+                model(data.normalize(data.train_x[chosen[start:start + 256]]))
+        finally:
+            hook.remove()
+            model.train(was_training)
+        return torch.cat(captured)
 
     def test(self, model: nn.Module) -> EvalStats:
         return evaluate(model, self.data.test_x, self.data.test_y, self.data.normalize)

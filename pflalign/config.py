@@ -151,6 +151,51 @@ OPTIONS: tuple[Option, ...] = (
     Option("pflalign-bn", "global", "pflalign: batch-norm buffers come from the global model "
            "(global, ALGORITHMS.md 1.13 A6) or stay on each client (local, FedBN-style).",
            "pflalign", choices=("global", "local")),
+    # --- pFL baselines (each method's paper; README "Methods") ---------------------------------
+    Option("fedprox-mu", 0.01, "fedprox: weight mu of the proximal term mu/2 ||w - w_global||^2 "
+           "(0 is FedAvg).", "fedprox", minimum=0.0),
+    Option("scaffold-server-lr", 1.0, "scaffold: global step size eta_g applied to the averaged "
+           "model change.", "scaffold", minimum=0.0, exclusive_minimum=True),
+    Option("ditto-lambda", 0.1, "ditto: weight lambda of the personal model's proximal pull "
+           "lambda/2 ||v - w_global||^2.", "ditto", minimum=0.0),
+    Option("ditto-personal-epochs", 1, "ditto: local epochs of the personal model per round.",
+           "ditto", minimum=1),
+    Option("head-layers", 1, "fedper, fedrep: number of final parameterised layers kept on the "
+           "clients (the personal head); 1 is the classifier.", "fedper/fedrep", minimum=1),
+    Option("fedrep-head-epochs", 10, "fedrep: epochs of head training (body frozen) before the "
+           "body's local-epochs (head frozen).", "fedrep", minimum=1),
+    Option("apfl-alpha", 0.5, "apfl: initial mixing weight alpha of the personal model in "
+           "alpha v + (1 - alpha) w.", "apfl", minimum=0.0, maximum=1.0),
+    Option("apfl-adaptive", True, "apfl: learn alpha per client by gradient descent (false keeps "
+           "it fixed).", "apfl"),
+    Option("apfl-alpha-lr", 0.05, "apfl: step size of alpha's gradient step.", "apfl",
+           minimum=0.0, exclusive_minimum=True),
+    Option("perfedavg-alpha", 0.05, "perfedavg: inner (adaptation) step size alpha, also used "
+           "for the personalization steps at evaluation.", "perfedavg", minimum=0.0,
+           exclusive_minimum=True),
+    Option("perfedavg-beta", 0.05, "perfedavg: outer (meta) step size beta.", "perfedavg",
+           minimum=0.0, exclusive_minimum=True),
+    Option("perfedavg-eval-steps", 1, "perfedavg: SGD steps of personalization from the global "
+           "model before evaluation.", "perfedavg", minimum=1),
+    Option("pfedme-lambda", 15.0, "pfedme: Moreau-envelope weight lambda.", "pfedme",
+           minimum=0.0, exclusive_minimum=True),
+    Option("pfedme-k", 5, "pfedme: gradient steps K on the inner problem per mini-batch.",
+           "pfedme", minimum=1),
+    Option("pfedme-personal-lr", 0.05, "pfedme: step size of the inner (personal) steps.",
+           "pfedme", minimum=0.0, exclusive_minimum=True),
+    Option("pfedme-beta", 1.0, "pfedme: server mixing beta in (1 - beta) w + beta avg(w_i) "
+           "(1 is FedAvg's average).", "pfedme", minimum=0.0, exclusive_minimum=True),
+    Option("fedala-eta", 1.0, "fedala: step size of the aggregation weights W.", "fedala",
+           minimum=0.0, exclusive_minimum=True),
+    Option("fedala-rand-percent", 80, "fedala: percent of the client's train split used to "
+           "learn W each round.", "fedala", minimum=1, maximum=100),
+    Option("fedala-layers", 1, "fedala: number of final parameterised layers merged with learned "
+           "weights (lower layers take the global model).", "fedala", minimum=1),
+    Option("fedala-threshold", 0.1, "fedala: the first adaptation stops when the std of the last "
+           "fedala-num-pre-loss losses is below this.", "fedala", minimum=0.0,
+           exclusive_minimum=True),
+    Option("fedala-num-pre-loss", 10, "fedala: number of recent losses in the stopping rule.",
+           "fedala", minimum=2),
     # --- simulation engine ---------------------------------------------------------------------
     Option("client-resources-num-cpus", 1.0, "CPU cores per simulated client (Ray resource; "
            "also the client's torch thread count).", "simulation", minimum=0.0,
@@ -348,7 +393,10 @@ class Settings(Mapping[str, Value]):
 
 
 def _check_cross_keys(values: Mapping[str, Value]) -> None:
-    parse_methods(str(values["methods"]))
+    from pflalign.methods import METHODS, method_overrides
+
+    for choice in parse_methods(str(values["methods"])):
+        method_overrides(METHODS[choice.name], values, dict(choice.overrides))
 
 
 def load_toml(path: str | Path) -> dict[str, Value]:

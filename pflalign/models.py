@@ -86,3 +86,39 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return MODELS[name](channels, height, num_classes)
+
+
+def parameter_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules that own parameters directly (a layer, not a container), in registration order."""
+    return [(name, module) for name, module in model.named_modules()
+            if any(True for _ in module.parameters(recurse=False))]
+
+
+def _entries(prefix: str, module: nn.Module) -> list[str]:
+    return [f"{prefix}.{name}" if prefix else name
+            for name, _ in [*module.named_parameters(recurse=False),
+                            *module.named_buffers(recurse=False)]]
+
+
+def head_keys(model: nn.Module, layers: int = 1) -> tuple[str, ...]:
+    """State-dict keys of the model's head: its last ``layers`` parameterised layers (for the
+    registered models, ``layers = 1`` is the final linear classifier ``fc``)."""
+    modules = parameter_modules(model)
+    if not 1 <= layers < len(modules):
+        raise ConfigError(f"The model has {len(modules)} parameterised layers; a head of {layers} "
+                          f"must leave a body: choose 1..{len(modules) - 1}.")
+    return tuple(key for name, module in modules[-layers:] for key in _entries(name, module))
+
+
+def batch_norm_keys(model: nn.Module) -> tuple[str, ...]:
+    """State-dict keys (affine parameters and running statistics) of every batch-norm layer."""
+    return tuple(key for name, module in model.named_modules()
+                 if isinstance(module, nn.modules.batchnorm._BatchNorm)
+                 for key in _entries(name, module))
+
+
+def is_deterministic_in_training(model: nn.Module) -> bool:
+    """True when train mode computes the same function as eval mode (no batch norm, no dropout),
+    so activations can be computed once and reused across epochs."""
+    return not any(isinstance(m, nn.modules.batchnorm._BatchNorm | nn.modules.dropout._DropoutNd)
+                   for m in model.modules())

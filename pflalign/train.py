@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +16,8 @@ from pflalign.data import Normalizer
 # Independent random streams derived from (seed, round, client, stream).
 STREAM_TRAIN = 1
 STREAM_FINETUNE = 2
+STREAM_PERSONAL = 3  # a second local model (Ditto's personal model, APFL's mixture)
+STREAM_ADAPT = 4  # a method's own adaptation data (FedALA's random subset)
 
 
 def derive_seed(*parts: int) -> int:
@@ -72,35 +74,48 @@ class EvalStats:
         return self.correct / self.count if self.count else float("nan")
 
 
+def batch_indices(num_samples: int, batch_size: int, epochs: int, max_steps: int,
+                  generator: torch.Generator, device: torch.device | str = "cpu",
+                  ) -> Iterator[torch.Tensor]:
+    """Index batches of shuffled epochs: exactly :func:`num_local_steps` of them (the last batch
+    of an epoch may be smaller). Shuffling uses ``generator`` only, so the same generator seed
+    gives the same batches."""
+    total = num_local_steps(num_samples, batch_size, epochs, max_steps)
+    steps = 0
+    while steps < total:
+        order = torch.randperm(num_samples, generator=generator).to(device)
+        for start in range(0, num_samples, batch_size):
+            if steps == total:
+                return
+            yield order[start:start + batch_size]
+            steps += 1
+
+
 def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Normalizer, *,
                 optimizer: torch.optim.Optimizer, batch_size: int, epochs: int = 1,
                 max_steps: int = 0, generator: torch.Generator,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-                ) -> TrainStats:
-    """Mini-batch training over shuffled epochs (the last batch may be smaller).
+                before_step: Callable[[], None] | None = None) -> TrainStats:
+    """Mini-batch training over :func:`batch_indices`.
 
-    Runs exactly :func:`num_local_steps` steps. Shuffling uses ``generator`` only, so the same
-    generator seed gives the same batches.
+    ``before_step`` runs between ``backward()`` and ``optimizer.step()``: the place where a
+    method adds its gradient correction (FedProx's proximal term, SCAFFOLD's control variates).
     """
     model.train()
-    total_steps = num_local_steps(len(y), batch_size, epochs, max_steps)
     loss_sum = torch.zeros((), device=x.device)
     seen = 0
     steps = 0
-    while steps < total_steps:
-        order = torch.randperm(len(y), generator=generator).to(x.device)
-        for start in range(0, len(y), batch_size):
-            if steps == total_steps:
-                break
-            idx = order[start:start + batch_size]
-            inputs, targets = normalize(x[idx]), y[idx]
-            loss = loss_fn(model(inputs), targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            loss_sum += loss.detach() * len(idx)
-            seen += len(idx)
-            steps += 1
+    for idx in batch_indices(len(y), batch_size, epochs, max_steps, generator, x.device):
+        inputs, targets = normalize(x[idx]), y[idx]
+        loss = loss_fn(model(inputs), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if before_step is not None:
+            before_step()
+        optimizer.step()
+        loss_sum += loss.detach() * len(idx)
+        seen += len(idx)
+        steps += 1
     return TrainStats(loss=float(loss_sum) / max(seen, 1), steps=steps, samples=seen)
 
 

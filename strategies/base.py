@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -33,8 +34,10 @@ from flwr.serverapp.strategy import Strategy
 import strategies  # noqa: F401  (sets the Flower environment before flwr is imported)
 from pflalign.aggregation import FlatSpec, State, fedavg, mean_cosine
 from pflalign.config import Settings
+from pflalign.federation import federated_dataset
 from pflalign.methods import MethodSpec
 from pflalign.metrics import accuracy_summary
+from pflalign.models import build_model
 from pflalign.results import Reporter, round_line
 from pflalign.sampling import sample_clients
 
@@ -60,6 +63,8 @@ class Update:
     num_examples: float
     metrics: dict[str, float]
     state: State | None
+    #: further validated array records of the reply (e.g. SCAFFOLD's control-variate change)
+    records: dict[str, State] = field(default_factory=dict)
 
 
 def to_state(record: ArrayRecord) -> State:
@@ -99,8 +104,12 @@ class PFLStrategy(Strategy):
         self.spec = spec
         self.reporter = reporter or Reporter()
         self.timeout = timeout
-        self.flat = FlatSpec.of(initial_state)
         self.global_state: State = initial_state
+        self.shared = tuple(k for k in initial_state if k not in set(self.personal_keys()))
+        #: the exchanged part of the model: what is sent, uploaded, validated and averaged
+        self.flat = FlatSpec.of({k: initial_state[k] for k in self.shared})
+        #: further array records each training reply must carry, with their specs
+        self.reply_records: dict[str, FlatSpec] = {}
         self.clients: dict[int, ClientInfo] = {}
         self.node_to_client: dict[int, int] = {}
         self.rounds: list[dict] = []
@@ -127,14 +136,16 @@ class PFLStrategy(Strategy):
         updates, failures = self._collect(replies, expect_arrays=self.uploads_model,
                                           required=("num-examples",))
         train_updates = [Update(client=int(m["partition-id"]), num_examples=m["num-examples"],
-                                metrics=m, state=state) for m, state in updates]
+                                metrics=m, state=state[ARRAYS] if state else None,
+                                records={k: v for k, v in (state or {}).items() if k != ARRAYS})
+                         for m, state in updates]
         metrics: dict[str, float] = {"clients-trained": len(train_updates), "failures": failures}
         if train_updates:
             previous = self.global_state
             new_state = self.aggregate(server_round, train_updates)
             if new_state is not None:
                 metrics["update-cosine"] = self.update_cosine(previous, new_state, train_updates)
-                self.global_state = new_state
+                self.global_state = {**self.global_state, **new_state}
                 self._global_record = None
             for key in self.client_diagnostics:
                 values = [u.metrics[key] for u in train_updates if key in u.metrics]
@@ -200,14 +211,25 @@ class PFLStrategy(Strategy):
         """Clients evaluated (default: every client, unseen ones included)."""
         return sorted(self.clients)
 
+    def personal_keys(self) -> tuple[str, ...]:
+        """Model entries that stay on the clients: never sent, uploaded or averaged (default:
+        none). Called once, at construction."""
+        return ()
+
+    def template_model(self) -> torch.nn.Module:
+        """A freshly built model of this run (for looking up its layers, not for training)."""
+        dataset = federated_dataset(self.settings).dataset
+        return build_model(str(self.settings["model"]), dataset.input_shape, dataset.num_classes)
+
     def aggregate(self, server_round: int, updates: list[Update]) -> State | None:
-        """The new global state from validated updates (default: FedAvg by num-examples)."""
+        """The new global state of the shared entries from validated updates (default: FedAvg
+        by num-examples)."""
         return fedavg([u.state for u in updates], [u.num_examples for u in updates], self.flat)
 
     # --- shared machinery ----------------------------------------------------------------------
     def global_record(self) -> ArrayRecord:
         if self._global_record is None:
-            self._global_record = to_record(self.global_state)
+            self._global_record = to_record({k: self.global_state[k] for k in self.shared})
         return self._global_record
 
     def sample(self, server_round: int) -> list[int]:
@@ -225,7 +247,7 @@ class PFLStrategy(Strategy):
     def update_cosine(self, previous: State, new: State, updates: list[Update]) -> float:
         """Mean cosine between each client's update and the aggregated update (trainable
         entries), a measure of how much aggregation agrees with the clients' directions."""
-        spec = FlatSpec.of({k: previous[k] for k in self.trainable})
+        spec = FlatSpec.of({k: previous[k] for k in self.trainable if k in new})
         base = spec.flatten(previous, np.float64)
         return mean_cosine([spec.flatten(u.state, np.float64) - base for u in updates
                             if u.state is not None], spec.flatten(new, np.float64) - base)
@@ -245,7 +267,7 @@ class PFLStrategy(Strategy):
         return f"client {cid}" if cid is not None else f"node {node}"
 
     def _validate(self, msg: Message, expect_arrays: bool, required: tuple[str, ...],
-                  ) -> tuple[dict[str, float], State | None]:
+                  ) -> tuple[dict[str, float], dict[str, State] | None]:
         who = self._describe(msg)
         if msg.has_error():
             raise ClientFailure(f"{who} failed: {msg.error.reason}")
@@ -269,20 +291,26 @@ class PFLStrategy(Strategy):
             if key in metrics and not 0 <= metrics[key] <= metrics.get("num-test", 0):
                 raise ClientFailure(f"{who} reported {key} = {metrics[key]} for "
                                     f"{metrics.get('num-test')} test samples")
-        state = None
-        if expect_arrays:
-            arrays = msg.content.array_records.get(ARRAYS)
+        if not expect_arrays:
+            return metrics, None
+        records: dict[str, State] = {}
+        for name, spec in {ARRAYS: self.flat, **self.reply_records}.items():
+            arrays = msg.content.array_records.get(name)
             if arrays is None:
-                raise ClientFailure(f"{who} replied without its model arrays")
-            state = to_state(arrays)
-            problem = self.flat.problem_with(state)
+                what = "its model arrays" if name == ARRAYS else f"the array record '{name}'"
+                raise ClientFailure(f"{who} replied without {what}")
+            records[name] = to_state(arrays)
+            problem = spec.problem_with(records[name])
             if problem:
-                raise ClientFailure(f"{who}'s update was rejected: {problem}")
-        return metrics, state
+                what = "update" if name == ARRAYS else f"'{name}' record"
+                raise ClientFailure(f"{who}'s {what} was rejected: {problem}")
+        return metrics, records
 
     def _collect(self, replies: Iterable[Message], expect_arrays: bool,
-                 required: tuple[str, ...]) -> tuple[list[tuple[dict, State | None]], int]:
-        """Validated (metrics, state) pairs sorted by client id, and the number of failures."""
+                 required: tuple[str, ...],
+                 ) -> tuple[list[tuple[dict, dict[str, State] | None]], int]:
+        """Validated (metrics, array records) pairs sorted by client id, and the number of
+        failures."""
         good, failures = [], 0
         for msg in replies:
             try:

@@ -13,7 +13,7 @@ from flwr.serverapp import Grid
 
 from pflalign.config import Settings
 from pflalign.federation import federated_dataset
-from pflalign.methods import METHODS
+from pflalign.methods import METHODS, method_overrides
 from pflalign.models import build_model
 from pflalign.results import Reporter, comparison_table, new_results, write_results
 
@@ -35,8 +35,11 @@ def run_methods(grid: Grid, settings: Settings, reporter: Reporter | None = None
     results = new_results(settings.to_dict(), federation.summary())
     for choice in settings.method_choices:
         spec = METHODS[choice.name]
-        overrides = {**spec.overrides, **dict(choice.overrides)}
+        overrides = method_overrides(spec, settings, dict(choice.overrides))
         method_settings = settings.replace(overrides) if overrides else settings
+        if method_settings["model"] != settings["model"] and "model" not in dict(choice.overrides):
+            reporter.info(f"[{choice.label}] runs on model {method_settings['model']} (the "
+                          "method needs batch norm).")
         state, trainable = initial_state(method_settings)
         strategy = spec.load_strategy()(method_settings, spec, state, reporter,
                                         trainable=trainable, label=choice.label)

@@ -1,0 +1,160 @@
+"""The baselines' defining rules on small tensors, against values computed by hand."""
+
+import numpy as np
+import pytest
+import torch
+
+from pflalign.aggregation import fedavg
+from pflalign.baselines import (
+    add_control_variates_,
+    add_proximal_,
+    ala_converged,
+    ala_merge,
+    ala_weight_step_,
+    apfl_alpha_grad,
+    apfl_alpha_step,
+    lerp_models,
+    pfedme_inner_step_,
+    pfedme_outer_step_,
+    pfedme_server_update,
+    scaffold_client_control,
+    scaffold_server_update,
+)
+
+
+def _param(values, grad=None) -> torch.Tensor:
+    p = torch.tensor(values, dtype=torch.float32, requires_grad=True)
+    if grad is not None:
+        p.grad = torch.tensor(grad, dtype=torch.float32)
+    return p
+
+
+def test_proximal_term_adds_mu_times_the_distance_to_the_anchor():
+    p = _param([1.0, 2.0], grad=[0.1, 0.2])
+    add_proximal_([p], [torch.tensor([0.5, 0.5])], mu=0.5)
+    torch.testing.assert_close(p.grad, torch.tensor([0.35, 0.95]))
+
+
+def test_proximal_term_with_mu_zero_leaves_the_gradient_bit_for_bit():
+    g = torch.randn(5, generator=torch.Generator().manual_seed(0))
+    p = _param(torch.randn(5).tolist(), grad=g.tolist())
+    add_proximal_([p], [torch.randn(5)], mu=0.0)
+    assert torch.equal(p.grad, g)
+
+
+def test_proximal_term_needs_gradients():
+    with pytest.raises(ValueError, match="backward"):
+        add_proximal_([_param([1.0])], [torch.zeros(1)], mu=1.0)
+
+
+def test_scaffold_corrected_gradient_is_g_minus_ci_plus_c():
+    p = _param([0.0, 0.0], grad=[1.0, -1.0])
+    add_control_variates_([p], [torch.tensor([0.5, 0.25])], [torch.tensor([0.25, 1.0])])
+    torch.testing.assert_close(p.grad, torch.tensor([1.25, -1.75]))
+
+
+def test_scaffold_option_two_control_variate():
+    # c_i+ = c_i - c + (x - y) / (K lr) = 1 - 0.5 + 0.5 / (5 * 0.1) = 1.5
+    new = scaffold_client_control([torch.tensor([1.0])], [torch.tensor([0.5])],
+                                  [torch.tensor([2.0])], [torch.tensor([1.5])], steps=5, lr=0.1)
+    torch.testing.assert_close(new[0], torch.tensor([1.5]))
+    with pytest.raises(ValueError):
+        scaffold_client_control([torch.zeros(1)], [torch.zeros(1)], [torch.zeros(1)],
+                                [torch.zeros(1)], steps=0, lr=0.1)
+
+
+def test_scaffold_server_step_by_hand():
+    x, c = np.array([0.0, 0.0]), np.array([1.0, 0.0])
+    dys = [np.array([1.0, 0.0]), np.array([0.0, 2.0])]
+    dcs = [np.array([0.4, 0.0]), np.array([0.0, 0.8])]
+    model, control = scaffold_server_update(x, c, dys, dcs, [1.0, 3.0], num_clients=4,
+                                            server_lr=1.0)
+    np.testing.assert_allclose(model, [0.25, 1.5])
+    np.testing.assert_allclose(control, [1.1, 0.2])  # c + (dc_1 + dc_2) / N
+    half, _ = scaffold_server_update(x, c, dys, dcs, [1.0, 3.0], num_clients=4, server_lr=0.5)
+    np.testing.assert_allclose(half, [0.125, 0.75])
+
+
+def test_scaffold_server_step_with_unit_rate_is_fedavg():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=7)
+    ys = [rng.normal(size=7) for _ in range(3)]
+    sizes = [5.0, 1.0, 9.0]
+    model, _ = scaffold_server_update(x, np.zeros(7), [y - x for y in ys], [np.zeros(7)] * 3,
+                                      sizes, num_clients=3, server_lr=1.0)
+    expected = fedavg([{"w": y} for y in ys], sizes)["w"]
+    np.testing.assert_allclose(model, expected, rtol=1e-6, atol=1e-7)  # fedavg packs float32
+
+
+def test_apfl_mixture_and_alpha_gradient_match_autograd():
+    gen = torch.Generator().manual_seed(1)
+    w, v, target = (torch.randn(6, generator=gen) for _ in range(3))
+    alpha = torch.tensor(0.3, requires_grad=True)
+    mixed = alpha * v + (1 - alpha) * w
+    torch.testing.assert_close(lerp_models([w], [v], 0.3)[0], mixed.detach())
+    loss = ((mixed - target) ** 2).sum()
+    loss.backward()
+    grad_mixed = 2 * (mixed.detach() - target)
+    assert apfl_alpha_grad([v], [w], [grad_mixed]) == pytest.approx(float(alpha.grad), rel=1e-5)
+
+
+def test_apfl_alpha_step_is_projected_onto_the_unit_interval():
+    assert apfl_alpha_step(0.5, 2.0, 0.1) == pytest.approx(0.3)
+    assert apfl_alpha_step(0.5, 100.0, 0.1) == 0.0
+    assert apfl_alpha_step(0.5, -100.0, 0.1) == 1.0
+
+
+def test_pfedme_inner_and_outer_steps_by_hand():
+    theta = _param([1.0], grad=[0.5])
+    pfedme_inner_step_([theta], [torch.tensor([0.0])], lam=2.0, lr=0.1)
+    torch.testing.assert_close(theta.detach(), torch.tensor([0.75]))  # 1 - 0.1 (0.5 + 2 * 1)
+    w = torch.tensor([1.0])
+    pfedme_outer_step_([w], [torch.tensor([0.5])], lam=2.0, lr=0.1)
+    torch.testing.assert_close(w, torch.tensor([0.9]))  # 1 - 0.1 * 2 * (1 - 0.5)
+
+
+def test_pfedme_inner_steps_converge_to_the_moreau_proximal_point():
+    # f(theta) = 1/2 ||theta - a||^2: argmin f + lam/2 ||theta - w||^2 = (a + lam w) / (1 + lam)
+    a, w, lam = torch.tensor([3.0, -1.0]), torch.tensor([0.0, 1.0]), 4.0
+    theta = w.clone().requires_grad_(True)
+    for _ in range(200):
+        theta.grad = theta.detach() - a
+        pfedme_inner_step_([theta], [w], lam=lam, lr=0.1)
+    torch.testing.assert_close(theta.detach(), (a + lam * w) / (1 + lam))
+
+
+def test_pfedme_server_mixing():
+    np.testing.assert_allclose(pfedme_server_update(np.array([0.0, 4.0]), np.array([2.0, 0.0]),
+                                                    beta=1.0), [2.0, 0.0])
+    np.testing.assert_allclose(pfedme_server_update(np.array([0.0, 4.0]), np.array([2.0, 0.0]),
+                                                    beta=0.5), [1.0, 2.0])
+
+
+def test_ala_merge_and_weight_step_by_hand():
+    local, global_ = [torch.tensor([0.0, 2.0])], [torch.tensor([1.0, 0.0])]
+    weights = [torch.tensor([1.0, 0.5])]
+    torch.testing.assert_close(ala_merge(local, global_, weights)[0], torch.tensor([1.0, 1.0]))
+    # W - eta * g * (Theta - theta) = [1 - 0.1 * 2 * 1, 0.5 - 0.1 * (-1) * (-2)] = [0.8, 0.3]
+    ala_weight_step_(weights, [torch.tensor([2.0, -1.0])], local, global_, eta=0.1)
+    torch.testing.assert_close(weights[0], torch.tensor([0.8, 0.3]))
+    ala_weight_step_(weights, [torch.tensor([-100.0, 100.0])], local, global_, eta=1.0)
+    torch.testing.assert_close(weights[0], torch.tensor([1.0, 1.0]))  # clipped into [0, 1]
+    ala_weight_step_(weights, [torch.tensor([100.0, -100.0])], local, global_, eta=1.0)
+    torch.testing.assert_close(weights[0], torch.tensor([0.0, 0.0]))
+
+
+def test_ala_weight_gradient_is_the_chain_rule_through_the_merge():
+    gen = torch.Generator().manual_seed(2)
+    local, global_, target = (torch.randn(4, generator=gen) for _ in range(3))
+    w = torch.rand(4, generator=gen).requires_grad_(True)
+    merged = local + (global_ - local) * w
+    ((merged - target) ** 2).sum().backward()
+    weights = [w.detach().clone()]
+    ala_weight_step_(weights, [2 * (merged.detach() - target)], [local], [global_], eta=0.01)
+    torch.testing.assert_close(weights[0], (w - 0.01 * w.grad).detach().clamp(0, 1))
+
+
+def test_ala_stopping_rule():
+    assert not ala_converged([1.0, 1.0], window=3, threshold=0.1)
+    assert ala_converged([5.0, 1.0, 1.01, 0.99], window=3, threshold=0.1)
+    assert not ala_converged([1.0, 2.0, 1.0], window=3, threshold=0.1)
