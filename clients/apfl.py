@@ -46,6 +46,9 @@ class APFLClient(ClientMethod):
 
     def fit(self, inputs: RoundInput) -> FitResult:
         s = self.settings
+        if float(s["momentum"]):
+            raise ValueError("apfl updates its personal model by plain SGD (Algorithm 1); set "
+                             "momentum = 0 for it, so that both of its models use the same rule.")
         lr, alpha_lr = float(s["lr"]), float(s["apfl-alpha-lr"])
         adaptive = bool(s["apfl-adaptive"])
         model = self.new_model(inputs.global_state)

@@ -122,14 +122,18 @@ class ClientMethod:
                     epochs: int | None = None,
                     optimizer: torch.optim.Optimizer | None = None,
                     before_step: Callable[[], None] | None = None) -> TrainStats:
-        """Train on the client's train split, shuffled by (seed, round, client, stream)."""
+        """Train on the client's train split, shuffled by (seed, round, client, stream).
+
+        ``epochs=None`` is the round's local training: ``local-epochs``, capped at ``local-steps``.
+        An explicit ``epochs`` (a method's other phases: fine-tuning, personal models, heads) is
+        run in full."""
         s = self.settings
         return train_local(
             model, self.data.train_x, self.data.train_y, self.data.normalize,
             optimizer=optimizer or make_sgd(model.parameters(), s),
             batch_size=int(s["batch-size"]),
             epochs=int(s["local-epochs"]) if epochs is None else epochs,
-            max_steps=int(s["local-steps"]),
+            max_steps=int(s["local-steps"]) if epochs is None else 0,
             generator=make_generator(int(s["seed"]), server_round, self.client_id, stream),
             before_step=before_step)
 
@@ -143,11 +147,11 @@ class ClientMethod:
 
     def batch_order(self, server_round: int, stream: int = STREAM_TRAIN,
                     epochs: int | None = None) -> Iterator[torch.Tensor]:
-        """The index batches behind :meth:`batches`."""
+        """The index batches behind :meth:`batches` (the step cap as in :meth:`local_train`)."""
         s = self.settings
         return batch_indices(self.data.num_train, int(s["batch-size"]),
                              int(s["local-epochs"]) if epochs is None else epochs,
-                             int(s["local-steps"]),
+                             int(s["local-steps"]) if epochs is None else 0,
                              make_generator(int(s["seed"]), server_round, self.client_id, stream),
                              self.data.train_x.device)
 

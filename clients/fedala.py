@@ -14,8 +14,10 @@ has no batch norm or dropout, the lower layers' outputs are computed once per ro
 The merged model is trained as in FedAvg, kept as ``theta_i`` and uploaded.
 
 A client without ``theta_i`` (its first round, or an unseen client) takes ``Theta`` as is: the
-merge is the identity. ``personal-acc`` scores ``theta_i`` (the global model for clients that
-never trained), ``global-acc`` scores ``Theta``.
+merge is the identity. ``personal-acc`` scores what the client would start its next round from,
+the merge of the current ``Theta`` into its ``theta_i`` (as in the reference implementation, where
+every client adapts the new global model before evaluation; here the evaluation's adaptation is
+not stored); for clients that never trained that is ``Theta``. ``global-acc`` scores ``Theta``.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ MAX_FIRST_EPOCHS = 50
 
 class FedALAClient(ClientMethod):
     def adapt(self, own: dict[str, torch.Tensor], received: dict[str, torch.Tensor],
-              server_round: int) -> tuple[nn.Module, int]:
-        """The merged model and the number of passes spent learning ``W``."""
+              server_round: int, save: bool = True) -> tuple[nn.Module, int]:
+        """The merged model and the number of passes spent learning ``W`` (kept in the state
+        when ``save``). Buffers (batch-norm statistics) are the received model's."""
         s = self.settings
         model = self.new_model(received)
         higher = [k for k in head_keys(model, int(s["fedala-layers"]))
@@ -82,7 +85,10 @@ class FedALAClient(ClientMethod):
             torch._foreach_copy_(top, ala_merge(local, global_, weights))
         for p in params.values():
             p.requires_grad_(True)
-        self.state.set_arrays(WEIGHTS, dict(zip(higher, weights, strict=True)))
+        model.load_state_dict({k: v for k, v in received.items() if k not in params},
+                              strict=False)  # undo what the adaptation passes did to buffers
+        if save:
+            self.state.set_arrays(WEIGHTS, dict(zip(higher, weights, strict=True)))
         return model, passes
 
     def fit(self, inputs: RoundInput) -> FitResult:
@@ -100,5 +106,7 @@ class FedALAClient(ClientMethod):
     def evaluate(self, inputs: RoundInput) -> dict:
         global_result = self.test(self.new_model(inputs.global_state))
         own = self.state.get_arrays(MODEL)
-        personal = global_result if own is None else self.test(self.new_model(own))
-        return self.eval_metrics(personal, global_result)
+        if own is None:
+            return self.eval_metrics(global_result, global_result)
+        merged, _ = self.adapt(own, inputs.global_state, inputs.server_round, save=False)
+        return self.eval_metrics(self.test(merged), global_result)

@@ -22,5 +22,4 @@ class FedRepClient(HeadClient):
         self.train_part(model, head, server_round, STREAM_PERSONAL,
                         int(self.settings["fedrep-head-epochs"]))
         body = tuple(n for n, _ in model.named_parameters() if n not in set(head))
-        return self.train_part(model, body, server_round, STREAM_TRAIN,
-                               int(self.settings["local-epochs"]))
+        return self.train_part(model, body, server_round, STREAM_TRAIN, None)

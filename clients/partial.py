@@ -48,12 +48,20 @@ class PartialModelClient(ClientMethod):
         return {k: v for k, v in model.state_dict().items() if k not in keys}
 
     def train_part(self, model: nn.Module, keys: tuple[str, ...], server_round: int, stream: int,
-                   epochs: int) -> TrainStats:
-        """Train only the parameters named in ``keys``; the others are frozen."""
+                   epochs: int | None) -> TrainStats:
+        """Train only the parameters named in ``keys``; the others are frozen, and so are the
+        buffers (batch-norm statistics) of layers with no trained parameter. ``epochs=None`` is
+        the round's local training (``local-epochs`` capped at ``local-steps``)."""
         wanted = set(keys)
         named = [(n, p) for n, p in model.named_parameters()]
         chosen = [p for n, p in named if n in wanted]
         frozen = [p for n, p in named if n not in wanted and p.requires_grad]
+        kept = {}  # buffers of layers none of whose parameters are trained
+        for module_name, module in model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            if not any(prefix + n in wanted for n, _ in module.named_parameters(recurse=False)):
+                kept.update({prefix + n: b.clone()
+                             for n, b in module.named_buffers(recurse=False)})
         for p in frozen:
             p.requires_grad_(False)
         try:
@@ -65,9 +73,11 @@ class PartialModelClient(ClientMethod):
         finally:
             for p in frozen:
                 p.requires_grad_(True)
+            if kept:
+                model.load_state_dict(kept, strict=False)
 
     def _train_head_on_features(self, model: nn.Module, head: nn.Module, server_round: int,
-                                stream: int, epochs: int) -> TrainStats:
+                                stream: int, epochs: int | None) -> TrainStats:
         """Head-only training on the frozen body's features computed once: the same batches and
         updates as training through the frozen body, at the cost of one forward pass of it."""
         features = self.head_inputs(model, head)

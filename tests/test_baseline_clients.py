@@ -92,6 +92,29 @@ def test_scaffold_round_two_uses_the_control_variates():
     assert not torch.equal(with_c.state["fc.weight"], without.state["fc.weight"])
 
 
+def test_scaffold_step_and_control_update_with_nonzero_variates_by_hand():
+    records = RecordDict()
+    client = _client(ScaffoldClient, records, **{"local-steps": 1})
+    theta = _global(client)
+    names = _params(client)
+    c_i = {n: torch.full_like(theta[n], 0.02) for n in names}
+    c = {n: torch.full_like(theta[n], -0.01) for n in names}
+    client.state.set_arrays(CONTROL, c_i)
+    out = client.fit(RoundInput(2, {"arrays": theta, CONTROL: c}))
+    (x, y), = list(client.batches(2))
+    model = client.new_model(theta)
+    grads = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
+    lr = 0.05
+    for name, g in zip(names, grads, strict=True):
+        # y = x - lr (g - c_i + c); c_i+ = c_i - c + (x - y) / lr = g; dc = c_i+ - c_i
+        step = theta[name] - lr * (g - c_i[name] + c[name])
+        torch.testing.assert_close(out.state[name], step, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(client.state.get_arrays(CONTROL)[name], g, rtol=1e-3,
+                                   atol=1e-4)
+        torch.testing.assert_close(out.records[CONTROL_DELTA][name], g - c_i[name], rtol=1e-3,
+                                   atol=1e-4)
+
+
 def test_scaffold_refuses_momentum():
     client = _client(ScaffoldClient, momentum=0.9)
     with pytest.raises(ValueError, match="plain SGD"):
@@ -119,15 +142,18 @@ def test_ditto_with_lambda_zero_trains_the_personal_model_as_plain_sgd():
     theta = _global(client)
     client.fit(RoundInput(1, {"arrays": theta}))
     reference = client.new_model(theta)
-    client.local_train(reference, 1, stream=STREAM_PERSONAL)
+    client.local_train(reference, 1, stream=STREAM_PERSONAL, epochs=1)
     for key, value in reference.state_dict().items():
         assert torch.equal(client.state.get_arrays(PERSONAL)[key], value)
 
 
 def test_ditto_new_client_fits_a_personal_model_at_evaluation():
     client = _client(DittoClient)
-    metrics = client.evaluate(RoundInput(1, {"arrays": _global(client)}))
-    assert metrics["personal-correct"] != metrics["global-correct"]
+    theta = _global(client)
+    metrics = client.evaluate(RoundInput(1, {"arrays": theta}))
+    untrained = client.test(client.new_model(theta))
+    # one proximal epoch on its own data from the (untrained) global model lowers its test loss
+    assert metrics["personal-loss"] < 0.9 * untrained.loss_sum / untrained.count
     assert client.state.get_arrays(PERSONAL) is None  # evaluation does not store state
 
 
@@ -204,6 +230,40 @@ def test_apfl_with_alpha_zero_and_no_adaptation_is_fedavg():
     assert metrics["personal-correct"] == metrics["global-correct"]
 
 
+def test_apfl_one_step_by_hand():
+    records = RecordDict()
+    client = _client(APFLClient, records, **{"local-steps": 1, "apfl-alpha": 0.3,
+                                             "apfl-alpha-lr": 0.5})
+    w0 = _global(client)
+    names = _params(client)
+    v0 = {k: (v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(9))
+              if k in names else v) for k, v in w0.items()}
+    client.state.set_arrays(PERSONAL, v0)
+    out = client.fit(RoundInput(1, {"arrays": w0}))
+    (x, y), = list(client.batches(1))
+    w_model, mixed = client.new_model(w0), client.new_model(w0)
+    with torch.no_grad():
+        for name, p in mixed.named_parameters():
+            p.copy_(0.3 * v0[name] + 0.7 * w0[name])
+    g_w = torch.autograd.grad(F.cross_entropy(w_model(x), y), list(w_model.parameters()))
+    g_bar = torch.autograd.grad(F.cross_entropy(mixed(x), y), list(mixed.parameters()))
+    alpha_grad = sum(float(((v0[n] - w0[n]) * g).sum()) for n, g in zip(names, g_bar,
+                                                                         strict=True))
+    v1 = ClientState(records, "m").get_arrays(PERSONAL)
+    for name, gw, gb in zip(names, g_w, g_bar, strict=True):
+        torch.testing.assert_close(out.state[name], w0[name] - 0.05 * gw, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v1[name], v0[name] - 0.05 * 0.3 * gb, rtol=1e-5, atol=1e-6)
+    alpha = ClientState(records, "m").get_metrics(ALPHA)["alpha"]
+    assert alpha == pytest.approx(min(1.0, max(0.0, 0.3 - 0.5 * alpha_grad)), abs=1e-6)
+    assert alpha != pytest.approx(0.3)
+
+
+def test_apfl_refuses_momentum():
+    client = _client(APFLClient, momentum=0.5)
+    with pytest.raises(ValueError, match="momentum"):
+        client.fit(RoundInput(1, {"arrays": _global(client)}))
+
+
 def test_apfl_learns_alpha_within_the_unit_interval():
     records = RecordDict()
     client = _client(APFLClient, records)
@@ -253,6 +313,27 @@ def test_pfedme_one_batch_one_inner_step_by_hand():
     torch.testing.assert_close(personal["fc.bias"], theta["fc.bias"] - plr * grads[-1])
 
 
+def test_pfedme_two_inner_steps_by_hand():
+    lam, plr, lr = 15.0, 0.05, 0.05
+    client = _client(PFedMeClient, **{"local-steps": 1, "pfedme-k": 2})
+    w = _global(client)
+    out = client.fit(RoundInput(1, {"arrays": w}))
+    (x, y), = list(client.batches(1))
+    names = _params(client)
+    theta = client.new_model(w)
+    for _ in range(2):  # theta -= plr (grad f(theta) + lam (theta - w))
+        grads = torch.autograd.grad(F.cross_entropy(theta(x), y), list(theta.parameters()))
+        with torch.no_grad():
+            for (name, p), g in zip(theta.named_parameters(), grads, strict=True):
+                p -= plr * (g + lam * (p - w[name]))
+    theta_state = theta.state_dict()
+    for name in names:  # w <- w - lr lam (w - theta)
+        torch.testing.assert_close(out.state[name], w[name] - lr * lam * (w[name] - theta_state[
+            name]), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(client.state.get_arrays("personal")[name], theta_state[name],
+                                   rtol=1e-4, atol=1e-6)
+
+
 def test_fedala_merges_the_top_layer_with_learned_weights_and_takes_the_global_body():
     records = RecordDict()
     client = _client(FedALAClient, records)
@@ -285,8 +366,9 @@ def _strategy(cls, method, num_clients=4, **changes):
     return strategy
 
 
-def _reply(strategy, cid, arrays, **records):
-    content = RecordDict({"metrics": MetricRecord({"partition-id": cid, "num-examples": 10}),
+def _reply(strategy, cid, arrays, examples=10, **records):
+    content = RecordDict({"metrics": MetricRecord({"partition-id": cid,
+                                                   "num-examples": examples}),
                           "arrays": to_record(arrays), **{k: to_record(v)
                                                           for k, v in records.items()}})
     md = Metadata(run_id=1, message_id="", src_node_id=100 + cid, dst_node_id=0,
@@ -307,14 +389,17 @@ def test_batch_norm_strategy_refuses_a_model_without_batch_norm():
         _strategy(BatchNormStrategy, "fedavg")
 
 
-def test_pfedme_strategy_mixes_with_beta():
+def test_pfedme_strategy_mixes_the_weighted_average_with_beta():
     for beta in (1.0, 0.5):
         strategy = _strategy(PFedMeStrategy, "pfedme", **{"pfedme-beta": beta})
         start = {k: v.copy() for k, v in strategy.global_state.items()}
-        ones = {k: np.full_like(v, 1.0) if v.dtype.kind == "f" else v for k, v in start.items()}
-        arrays, _ = strategy.aggregate_train(1, [_reply(strategy, 0, ones)])
+        ones = {k: np.full_like(v, 1.0) for k, v in start.items()}
+        fives = {k: np.full_like(v, 5.0) for k, v in start.items()}
+        arrays, _ = strategy.aggregate_train(1, [_reply(strategy, 0, ones, examples=30),
+                                                 _reply(strategy, 1, fives, examples=10)])
+        average = (30 * 1.0 + 10 * 5.0) / 40  # 2.0
         np.testing.assert_allclose(arrays["fc.bias"].numpy(),
-                                   (1 - beta) * start["fc.bias"] + beta * 1.0, rtol=1e-6)
+                                   (1 - beta) * start["fc.bias"] + beta * average, rtol=1e-6)
 
 
 def test_scaffold_strategy_sends_c_and_updates_it_from_the_control_deltas():
@@ -322,12 +407,31 @@ def test_scaffold_strategy_sends_c_and_updates_it_from_the_control_deltas():
     assert CONTROL in strategy.train_records(0)
     x = {k: v.copy() for k, v in strategy.global_state.items()}
     delta = {k: np.full_like(x[k], 2.0) for k in strategy.trainable}
-    y = {k: v + 1.0 for k, v in x.items()}
+    y1 = {k: v + 1.0 for k, v in x.items()}
+    y2 = {k: v + 3.0 for k, v in x.items()}
     arrays, metrics = strategy.aggregate_train(1, [
-        _reply(strategy, 0, y, **{CONTROL_DELTA: delta}),
-        _reply(strategy, 1, y)])  # no control-delta: rejected, the rest aggregated
-    assert metrics["failures"] == 1 and metrics["clients-trained"] == 1
-    np.testing.assert_allclose(arrays["fc.bias"].numpy(), x["fc.bias"] + 1.0, rtol=1e-6)
+        _reply(strategy, 0, y1, examples=30, **{CONTROL_DELTA: delta}),
+        _reply(strategy, 1, y2, examples=10, **{CONTROL_DELTA: delta}),
+        _reply(strategy, 2, y1)])  # no control-delta: rejected, the rest aggregated
+    assert metrics["failures"] == 1 and metrics["clients-trained"] == 2
+    np.testing.assert_allclose(arrays["fc.bias"].numpy(), x["fc.bias"] + 1.5, rtol=1e-6)
     control = strategy.train_records(0)[CONTROL]
-    np.testing.assert_allclose(control["fc.bias"].numpy(), 2.0 / 4)  # c + sum(dc) / N
+    np.testing.assert_allclose(control["fc.bias"].numpy(), 4.0 / 4)  # c + sum(dc) / N
     assert isinstance(control, ArrayRecord)
+
+
+def test_fedala_scores_the_merge_of_the_current_global_model_without_storing_it():
+    records = RecordDict()
+    client = _client(FedALAClient, records)
+    theta = _global(client)
+    client.fit(RoundInput(1, {"arrays": theta}))
+    client = _client(FedALAClient, records)
+    new_global = _global(client, shift=0.05)
+    before = {k: v.clone() for k, v in client.state.get_arrays(MODEL).items()}
+    metrics = client.evaluate(RoundInput(3, {"arrays": new_global}))
+    merged, _ = _client(FedALAClient, records).adapt(before, new_global, 3, save=False)
+    expected = client.test(merged)
+    assert (metrics["personal-correct"], metrics["personal-loss"]) == (
+        expected.correct, expected.loss_sum / expected.count)
+    assert client.state.get_arrays(WEIGHTS) is None  # evaluation stored nothing
+    assert all(torch.equal(v, before[k]) for k, v in client.state.get_arrays(MODEL).items())
