@@ -170,8 +170,9 @@ OPTIONS: tuple[Option, ...] = (
            "it fixed).", "apfl"),
     Option("apfl-alpha-lr", 0.05, "apfl: step size of alpha's gradient step.", "apfl",
            minimum=0.0, exclusive_minimum=True),
-    Option("perfedavg-alpha", 0.05, "perfedavg: inner (adaptation) step size alpha, also used "
-           "for the personalization steps at evaluation.", "perfedavg", minimum=0.0,
+    Option("perfedavg-alpha", 0.01, "perfedavg: inner (adaptation) step size alpha, also used "
+           "for the personalization steps at evaluation (README: alpha >= 0.02 drives the "
+           "meta-model itself to chance accuracy).", "perfedavg", minimum=0.0,
            exclusive_minimum=True),
     Option("perfedavg-beta", 0.05, "perfedavg: outer (meta) step size beta.", "perfedavg",
            minimum=0.0, exclusive_minimum=True),

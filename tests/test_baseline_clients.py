@@ -284,7 +284,8 @@ def test_perfedavg_meta_step_by_hand():
     (x1, y1), (x2, y2) = list(client.batches(1))
     model = client.new_model(theta)
     params = list(model.parameters())
-    alpha = beta = 0.05
+    alpha, beta = client.settings["perfedavg-alpha"], client.settings["perfedavg-beta"]
+    assert (alpha, beta) == (0.01, 0.05)
     grads = torch.autograd.grad(F.cross_entropy(model(x1), y1), params)
     adapted = client.new_model(theta)
     with torch.no_grad():
