@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -198,3 +199,108 @@ def gga_l_gradients_(model: nn.Module, batches: Sequence[Batch], *, gamma: float
         p.grad = total[offset:offset + p.numel()].view_as(p).clone()
         offset += p.numel()
     return alpha, sim
+
+
+# --- federated annealed warm start (ALGORITHMS.md 4.3 item 1; the domains are clients) --------
+OBJECTIVES = ("min", "mean")
+
+
+def candidate_noise(seed: int, server_round: int, candidate: int, numel: int, rho: float,
+                    ) -> torch.Tensor:
+    """Candidate ``k``'s perturbation ``eps_k ~ U(-rho, rho)^numel`` (float32), regenerated from
+    (seed, round, k) alike by the server and every client: only the seed is broadcast."""
+    from pflalign.train import make_generator
+
+    gen = make_generator(seed, server_round, candidate, 0x66A)
+    return (torch.rand(numel, generator=gen) * 2 - 1) * rho
+
+
+def count_sketch(vector: torch.Tensor, dim: int, seed: int) -> torch.Tensor:
+    """A ``dim``-entry count sketch of ``vector`` (a sparse random projection: each coordinate is
+    added with a random sign to one random bucket, both from ``seed``), which preserves inner
+    products, hence cosines, in expectation. ``dim = 0`` returns the vector itself."""
+    if dim <= 0 or dim >= vector.numel():
+        return vector.detach().clone()
+    gen = torch.Generator().manual_seed(seed)
+    buckets = torch.randint(0, dim, (vector.numel(),), generator=gen)
+    signs = torch.randint(0, 2, (vector.numel(),), generator=gen).to(vector.dtype) * 2 - 1
+    return torch.zeros(dim, dtype=vector.dtype).index_add_(0, buckets, vector.detach() * signs)
+
+
+def candidate_statistics(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                         perturb: Sequence[str], *, seed: int, server_round: int,
+                         candidates: int, rho: float, sketch_dim: int,
+                         loss_fn: LossFn = F.cross_entropy,
+                         ) -> tuple[list[float], torch.Tensor]:
+    """A client's answer to an annealing round: for the anchor (k = 0) and each candidate
+    ``theta + eps_k`` (k = 1..K; ``eps_k`` on the named ``perturb`` parameters), its loss on
+    the batch ``(x, y)`` and a sketch of its gradient over all trainable parameters. The model is
+    left at the anchor. Returns the K+1 losses and a (K+1) x sketch-dim tensor."""
+    named = dict(model.named_parameters())
+    moved = [named[n] for n in perturb]
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in moved)
+    with torch.no_grad():
+        anchor = [p.detach().clone() for p in moved]
+    losses, sketches = [], []
+    for k in range(candidates + 1):
+        if k:
+            noise = candidate_noise(seed, server_round, k, numel, rho).to(anchor[0].device)
+            parts = [part.view_as(p) for part, p in
+                     zip(noise.split([p.numel() for p in moved]), moved, strict=True)]
+            with torch.no_grad():
+                torch._foreach_copy_(moved, anchor)
+                torch._foreach_add_(moved, parts)
+        loss = loss_fn(model(x), y)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).cpu()
+                          for g, p in zip(grads, params, strict=True)])
+        losses.append(float(loss.detach()))
+        sketches.append(count_sketch(flat, sketch_dim, seed * 1_000_003 + server_round))
+    with torch.no_grad():
+        torch._foreach_copy_(moved, anchor)
+    return losses, torch.stack(sketches)
+
+
+def choose_candidate(losses: Sequence[Sequence[float]], sketches: Sequence[torch.Tensor],
+                     weights: Sequence[float], loss_tolerance: float, objective: str = "min",
+                     ) -> tuple[int, list[float], list[float]]:
+    """The server's acceptance (4.3 item 1): per candidate k, the clients' alignment ``s_k``
+    (min, or mean, pairwise cosine of their gradient sketches) and the sample-weighted mean loss
+    ``L_k``; the chosen candidate maximises ``s_k`` among those with ``s_k > s_0`` and
+    ``L_k - L_0 < loss_tolerance`` (0, the anchor, when none qualifies). ``losses[i][k]`` and
+    ``sketches[i][k]`` are client i's. Returns (k*, s, L)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"choose_candidate: objective must be one of {OBJECTIVES}.")
+    if len(sketches) < 2:
+        raise ValueError("choose_candidate needs at least two clients' sketches.")
+    agree = min_pairwise_cosine if objective == "min" else mean_pairwise_cosine
+    count = len(losses[0])
+    w = torch.tensor(weights, dtype=torch.float64)
+    w = w / w.sum()
+    scores = [agree([s[k] for s in sketches]) for k in range(count)]
+    mean_loss = [float((torch.tensor([row[k] for row in losses], dtype=torch.float64) * w).sum())
+                 for k in range(count)]
+    best = 0
+    for k in range(1, count):
+        if (scores[k] > scores[0] and mean_loss[k] - mean_loss[0] < loss_tolerance
+                and scores[k] > scores[best]):
+            best = k
+    return best, scores, mean_loss
+
+
+def apply_candidate(state: dict, perturb: Sequence[str], *, seed: int, server_round: int,
+                    candidate: int, rho: float) -> dict:
+    """``state`` (NumPy arrays) with candidate ``k``'s perturbation added to the ``perturb``
+    entries: the same float32 sums the clients computed (k = 0 returns ``state``)."""
+    if candidate == 0:
+        return state
+    sizes = [int(np.prod(state[n].shape)) for n in perturb]
+    noise = candidate_noise(seed, server_round, candidate, sum(sizes), rho).numpy()
+    out = dict(state)
+    start = 0
+    for name, size in zip(perturb, sizes, strict=True):
+        out[name] = (state[name] + noise[start:start + size].reshape(state[name].shape)).astype(
+            state[name].dtype)
+        start += size
+    return out

@@ -134,3 +134,56 @@ def test_gga_l_noise_scales_with_disagreement():
     same = [batches[0], batches[0]]
     alpha_same, sim_same = gga_l_gradients_(model, same, gamma=0.5)
     assert sim_same == pytest.approx(1.0) and alpha_same == pytest.approx(0.0, abs=1e-7)
+
+
+# --- federated warm start pieces ---------------------------------------------------------------
+def test_count_sketch_preserves_cosines_roughly_and_is_seeded():
+    from pflalign.gga import count_sketch
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(20_000, generator=gen)
+    b = 0.6 * a + 0.8 * torch.randn(20_000, generator=gen)
+    exact = float(F.cosine_similarity(a, b, dim=0))
+    sa, sb = count_sketch(a, 1024, seed=3), count_sketch(b, 1024, seed=3)
+    assert float(F.cosine_similarity(sa, sb, dim=0)) == pytest.approx(exact, abs=0.1)
+    assert torch.equal(sa, count_sketch(a, 1024, seed=3))
+    assert torch.equal(count_sketch(a, 0, seed=3), a)
+
+
+def test_candidate_statistics_and_server_application_agree():
+    import numpy as np
+
+    from pflalign.gga import apply_candidate, candidate_statistics
+
+    (x, y), _ = _conflicting_domains()
+    model = _model()
+    perturb = ["0.weight", "0.bias"]
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    losses, sketches = candidate_statistics(model, x, y, perturb, seed=1, server_round=2,
+                                            candidates=3, rho=0.05, sketch_dim=0)
+    assert len(losses) == 4 and sketches.shape == (4, sum(p.numel() for p in model.parameters()))
+    assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())  # back at anchor
+    assert losses[0] == pytest.approx(float(F.cross_entropy(model(x), y).detach()))
+    moved = apply_candidate({k: v.numpy() for k, v in start.items()}, perturb, seed=1,
+                            server_round=2, candidate=2, rho=0.05)
+    assert np.array_equal(moved["2.weight"], start["2.weight"].numpy())  # classifier untouched
+    assert 0 < np.abs(moved["0.weight"] - start["0.weight"].numpy()).max() <= 0.05
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in moved.items()})
+    again, grads = candidate_statistics(model, x, y, perturb, seed=1, server_round=9,
+                                        candidates=0, rho=0.05, sketch_dim=0)
+    assert again[0] == pytest.approx(losses[2], rel=1e-6)  # the client scored this very point
+    torch.testing.assert_close(grads[0], sketches[2], rtol=1e-5, atol=1e-7)
+
+
+def test_choose_candidate_takes_the_best_aligned_within_tolerance():
+    from pflalign.gga import choose_candidate
+
+    e = torch.eye(3)
+    # candidate 0: clients orthogonal; 1: aligned but loss +1; 2: fairly aligned; 3: aligned
+    sketches = [torch.stack([e[0], e[0], e[0] + e[1], e[0]]),
+                torch.stack([e[1], e[0], e[0], e[0] + 0.1 * e[2]])]
+    losses = [[1.0, 2.0, 1.0, 1.05], [1.0, 2.0, 1.0, 1.05]]
+    best, scores, mean_loss = choose_candidate(losses, sketches, [1, 1], loss_tolerance=0.1)
+    assert best == 3 and scores[1] == pytest.approx(1.0) and mean_loss[1] == 2.0
+    assert choose_candidate(losses, sketches, [1, 1], loss_tolerance=0.01)[0] == 2
+    assert choose_candidate(losses, [sketches[0], sketches[0]], [1, 1], 0.1)[0] == 0  # no gain
