@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -245,6 +246,8 @@ def _step_foreach(params: list[torch.Tensor], states: list[dict], group: dict,
 #: GENIE's internal constants (ALGORITHMS.md 2.3): the variance floor and the clamp of 1/var
 GENIE_FLOOR = 1e-8
 GENIE_CLAMP = 10.0
+#: in float32, tanh(x) == 1 exactly for every x >= this (a test checks all float32 values up to 10)
+TANH_ONE = 9.5
 
 
 class GENIE(Optimizer):
@@ -258,7 +261,7 @@ class GENIE(Optimizer):
        sample size: 1 at t = 1, then down to (1-beta)/(1+beta))
     3. ``m <- beta m + (1-beta) g``; ``s <- beta s + (1-beta) g^2``
     4. ``mu = m / b``; ``q = s / b`` (bias-corrected)
-    5. ``var = (q - mu^2) / (1 - rho)``, replaced by 1e-8 where not > 0 or not finite (at t = 1,
+    5. ``var = (q - mu^2) / (1 - rho)``, replaced by 1e-8 where it is <= 0 or NaN (at t = 1,
        where ``1 - rho = 0``, everywhere)
     6. ``tau = tanh(clamp(1 / var, 0, 10))`` (confidence gate)
     7. ``var_mu = rho var`` (1e-8 where not > 0)
@@ -266,7 +269,8 @@ class GENIE(Optimizer):
     9. ``u = r tau mu`` (the OSGR-equalizing preconditioner ``P = r tau`` on the EMA mean)
     10. ``nu = sum(tau r |mu|) / sum(tau)`` (a scalar per tensor); ``n = (1 - tau) nu xi``,
         ``xi ~ N(0, I)``: noise only where the gate is low
-    11. ``M = 1[U > p] / (1 - p)``, ``U ~ Uniform(0, 1)`` (inverted dropout of the update)
+    11. ``M = 1[U > p] / (1 - p)``, ``U ~ Uniform(0, 1)`` on a 2^-16 grid (inverted dropout of
+        the update; 16 random bits per coordinate keep the draw cheap)
     12. ``theta <- theta - lr (u + n) M``
 
     ``lr`` is the step size (the paper's convergence rate eta; 2.8: the reference code's ``lr``
@@ -300,12 +304,16 @@ class GENIE(Optimizer):
         self.generator = generator
 
     def _draw(self, kind: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """One flat vector of ``numel`` standard normals or uniforms, on ``like``'s device."""
-        draw = torch.randn if kind == "normal" else torch.rand
-        if self.generator is None:
-            return draw(numel, device=like.device, dtype=like.dtype)
-        out = draw(numel, generator=self.generator, device=self.generator.device,
-                   dtype=like.dtype)
+        """One flat vector of ``numel`` standard normals (``"normal"``) or 16-bit uniform
+        integers (``"bits"``: four per 64-bit draw, the cheap source of the mask), on ``like``'s
+        device."""
+        device = self.generator.device if self.generator is not None else like.device
+        if kind == "normal":
+            out = torch.randn(numel, generator=self.generator, device=device, dtype=like.dtype)
+        else:
+            words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device)
+            words.random_(-2 ** 63, None, generator=self.generator)  # the full 64-bit range
+            out = words.view(torch.int16)[:numel]
         return out.to(like.device)
 
     @torch.no_grad()
@@ -350,8 +358,8 @@ def _genie_constants(beta: float, step: int) -> tuple[float, float]:
 
 def _genie_random(opt: GENIE, params: list[torch.Tensor], group: dict, need_noise: bool,
                   ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
-    """This step's noise ``xi`` and mask ``M`` per tensor (None when switched off); the mask is
-    drawn first."""
+    """This step's noise ``xi`` and keep-mask ``1[U > p]`` per tensor (None when switched off;
+    the caller rescales by ``1/(1-p)``); the mask is drawn first."""
     sizes = [p.numel() for p in params]
     total = sum(sizes)
 
@@ -360,9 +368,12 @@ def _genie_random(opt: GENIE, params: list[torch.Tensor], group: dict, need_nois
 
     masks = None
     if group["mask"]:
-        p = group["p"]
-        masks = split((opt._draw("uniform", total, params[0]) > p).to(params[0].dtype)
-                      .div_(1.0 - p))
+        # U = (bits + 2^15) / 2^16 is uniform on a 2^-16 grid in [0, 1); U > p exactly when
+        # bits > threshold, i.e. when clamp(bits - threshold, 0, 1) = 1 (integers: a 0/1 mask
+        # in float arithmetic, no boolean tensors, which are slow on CPU)
+        threshold = math.floor(group["p"] * 65536) - 32768
+        bits = opt._draw("bits", total, params[0])
+        masks = split(bits.to(params[0].dtype).sub_(threshold).clamp_(0.0, 1.0))
     xi = split(opt._draw("normal", total, params[0])) if need_noise else None
     return xi, masks
 
@@ -380,7 +391,7 @@ def _genie_single(opt: GENIE, params: list[torch.Tensor], states: list[dict], gr
         mu, q = state["m"] / b, state["s"] / b
         if 1.0 - rho > 0:
             var = (q - mu * mu) / (1.0 - rho)
-            var = torch.where((var > 0) & torch.isfinite(var), var, GENIE_FLOOR)
+            var = torch.where(var > 0, var, GENIE_FLOOR)  # <= 0 or NaN -> 1e-8
         else:
             var = torch.full_like(mu, GENIE_FLOOR)
         tau = torch.tanh(torch.clamp(1.0 / var, 0.0, GENIE_CLAMP))
@@ -396,14 +407,21 @@ def _genie_single(opt: GENIE, params: list[torch.Tensor], states: list[dict], gr
             nu = (tau * r * mu.abs()).sum() / tau.sum()
             update += (1.0 - tau) * nu * xi[i]
         if masks is not None:
-            update *= masks[i]
+            update *= masks[i] / (1.0 - group["p"])
         p.sub_(lr * update)
 
 
 def _genie_foreach(opt: GENIE, params: list[torch.Tensor], states: list[dict], group: dict,
                    step: int) -> None:
     """:func:`_genie_single` with torch's multi-tensor (foreach) kernels: same algebra and the
-    same random draws; the per-tensor sums of step 10 are L1 norms (their terms are >= 0)."""
+    same random draws; the per-tensor sums of step 10 are L1 norms (their terms are >= 0).
+
+    Fast path: in float32, ``tanh(x)`` rounds to exactly 1 for ``x >= TANH_ONE`` (9.5; checked
+    exhaustively by a test), so when every ``1/var`` reaches it the gate is ``tau = 1`` everywhere,
+    ``1 - tau = 0`` and the tanh, the gate product and the noise are skipped: the same numbers for
+    a fraction of the work. The mask is a boolean multiply; its ``1/(1-p)`` joins the step's
+    scalar.
+    """
     beta, lr, wd = group["moving_avg"], group["lr"], group["weight_decay"]
     b, rho = _genie_constants(beta, step)
     grads = [p.grad for p in params]
@@ -420,21 +438,24 @@ def _genie_foreach(opt: GENIE, params: list[torch.Tensor], states: list[dict], g
         var = torch._foreach_div(ss, b)
         torch._foreach_sub_(var, mu2)
         torch._foreach_div_(var, 1.0 - rho)
-        var = [torch.where((v > 0) & torch.isfinite(v), v, GENIE_FLOOR) for v in var]
+        _floor_(var)
     else:
         var = [torch.full_like(m, GENIE_FLOOR) for m in mu]
-    tau = torch._foreach_reciprocal(var)
-    torch._foreach_clamp_min_(tau, 0.0)
-    torch._foreach_clamp_max_(tau, GENIE_CLAMP)
-    torch._foreach_tanh_(tau)
-    var_mu = torch._foreach_mul(var, rho)  # var >= 1e-8 and rho > 0: positive unless underflow
-    var_mu = [torch.where(v > 0, v, GENIE_FLOOR) for v in var_mu]
+    tau = None  # None: exactly 1 everywhere
+    if not all(p.dtype == torch.float32 for p in params) or float(
+            torch.reciprocal(torch.stack(torch._foreach_max(var))).min()) < TANH_ONE:
+        tau = torch._foreach_reciprocal(var)
+        torch._foreach_clamp_min_(tau, 0.0)
+        torch._foreach_clamp_max_(tau, GENIE_CLAMP)
+        torch._foreach_tanh_(tau)
+    var_mu = torch._foreach_mul(var, rho)
+    _floor_(var_mu)  # var > 0 and rho > 0: changes only values that underflowed to 0
     torch._foreach_add_(mu2, GENIE_FLOOR)
-    ratio = torch._foreach_div(var_mu, mu2)
-    torch._foreach_add_(ratio, 1.0)
-    r = torch._foreach_reciprocal(ratio)  # r
-    gate = torch._foreach_mul(r, tau)  # P = r tau
-    need_noise = group["noise"] and any(bool((t < 1).any()) for t in tau)
+    r = torch._foreach_div(var_mu, mu2)
+    torch._foreach_add_(r, 1.0)
+    torch._foreach_reciprocal_(r)
+    gate = torch._foreach_mul(r, tau) if tau is not None else r  # P = r tau
+    need_noise = group["noise"] and tau is not None and any(bool((t < 1).any()) for t in tau)
     xi, masks = _genie_random(opt, params, group, need_noise)
     update = torch._foreach_mul(gate, mu) if group["precondition"] else mu
     if xi is not None:
@@ -448,4 +469,18 @@ def _genie_foreach(opt: GENIE, params: list[torch.Tensor], states: list[dict], g
         torch._foreach_add_(update, low)
     if masks is not None:
         torch._foreach_mul_(update, masks)
-    torch._foreach_add_(params, update, alpha=-lr)
+        torch._foreach_add_(params, update, alpha=-lr / (1.0 - group["p"]))
+    else:
+        torch._foreach_add_(params, update, alpha=-lr)
+
+
+def _floor_(values: list[torch.Tensor]) -> None:
+    """In place, ``where(v > 0, v, 1e-8)`` (NaN -> 1e-8) in float arithmetic only: NaN -> 0, clamp
+    at 0, then add ``1e-8 (1 - sign(v))``, which is 1e-8 exactly where v = 0 and exactly 0 where
+    v > 0. Boolean tensors (comparisons, ``where``) are several times slower on CPU."""
+    torch._foreach_copy_(values, [torch.nan_to_num(v, nan=0.0, posinf=math.inf) for v in values])
+    torch._foreach_clamp_min_(values, 0.0)
+    gap = torch._foreach_sign(values)
+    torch._foreach_mul_(gap, -GENIE_FLOOR)
+    torch._foreach_add_(gap, GENIE_FLOOR)
+    torch._foreach_add_(values, gap)

@@ -20,8 +20,9 @@ def _step(opt, p, grad):
 def test_first_step_is_lr_times_gradient_times_mask():
     start = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
     g = torch.tensor([0.4, -0.2, 1.0, 0.0], dtype=torch.float64)
-    keep = (torch.rand(4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-            > 0.4).double() / 0.6
+    words = torch.empty(1, dtype=torch.int64).random_(-2 ** 63, None,
+                                                      generator=torch.Generator().manual_seed(0))
+    keep = (words.view(torch.int16)[:4] > int(0.4 * 65536) - 32768).double() / 0.6
     # at t = 1: rho = 1, var = 1e-8, tau = tanh(10), r = 1 / (1 + 1e-8 / (g^2 + 1e-8))
     r = 1 / (1 + 1e-8 / (g * g + 1e-8))
     for noise in (False, True):
@@ -160,3 +161,31 @@ def test_lr_is_the_step_size_and_schedulers_drive_it():
 def test_invalid_arguments_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GENIE([torch.zeros(1, requires_grad=True)], **kwargs)
+
+
+def test_float32_tanh_is_exactly_one_from_the_fast_path_threshold():
+    from pflalign.optim import GENIE_CLAMP, TANH_ONE
+
+    lo = int(torch.tensor(TANH_ONE).view(torch.int32))
+    hi = int(torch.tensor(GENIE_CLAMP).view(torch.int32))
+    grid = torch.arange(lo, hi + 1, dtype=torch.int32).view(torch.float32)
+    assert bool((torch.tanh(grid) == 1).all())
+    assert all(float(torch.tanh(torch.tensor([x]))) == 1.0 for x in (TANH_ONE, 9.75, 10.0))
+
+
+def test_fast_path_gives_the_reference_numbers_in_float32():
+    gen = torch.Generator().manual_seed(4)
+    init = [torch.randn(6, 5, generator=gen), torch.randn(7, generator=gen)]
+    grads = [[torch.randn(t.shape, generator=gen) * 0.01 for t in init] for _ in range(5)]
+    results = []
+    for foreach in (False, True):
+        params = [t.clone().requires_grad_(True) for t in init]
+        opt = GENIE(params, lr=0.05, foreach=foreach,
+                    generator=torch.Generator().manual_seed(1))
+        for step_grads in grads:  # small gradients: var << 0.1, tau == 1 in float32
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        results.append(params)
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
