@@ -56,7 +56,18 @@ def _build(msg: Message, context: Context) -> tuple[ClientMethod, RoundInput]:
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Report this node's stable client id and split sizes (the server's client discovery)."""
+    """Report this node's stable client id and split sizes (the server's client discovery), or,
+    when the config asks for ``action = gga``, answer an annealing round."""
+    if CONFIG in msg.content.config_records:
+        method, inputs = _build(msg, context)
+        if inputs.config.get("action") != "gga":
+            raise ValueError(f"Unknown query action {inputs.config.get('action')!r}.")
+        losses, sketches = method.gga_statistics(inputs)
+        metrics = MetricRecord({"partition-id": method.client_id,
+                                "num-examples": method.data.num_train,
+                                **{f"gga-loss-{k}": v for k, v in enumerate(losses)}})
+        return Message(RecordDict({METRICS: metrics, "sketch": ArrayRecord(
+            {"sketch": sketches})}), reply_to=msg)
     cid = client_id_of(context)
     partition = federated_dataset(settings_of(msg)).partition
     if cid >= partition.num_clients:

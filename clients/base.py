@@ -17,15 +17,18 @@ from torch import nn
 
 from pflalign.config import Settings
 from pflalign.federation import federated_dataset
+from pflalign.gga import candidate_statistics
 from pflalign.models import build_model, is_deterministic_in_training, parameter_modules
 from pflalign.train import (
+    STREAM_GGA,
+    STREAM_OPTIMIZER,
     STREAM_TRAIN,
     EvalStats,
     TrainStats,
     batch_indices,
     evaluate,
     make_generator,
-    make_sgd,
+    make_local_optimizer,
     train_local,
 )
 
@@ -130,12 +133,19 @@ class ClientMethod:
         s = self.settings
         return train_local(
             model, self.data.train_x, self.data.train_y, self.data.normalize,
-            optimizer=optimizer or make_sgd(model.parameters(), s),
+            optimizer=optimizer or self.make_optimizer(model.parameters(), server_round, stream),
             batch_size=int(s["batch-size"]),
             epochs=int(s["local-epochs"]) if epochs is None else epochs,
             max_steps=int(s["local-steps"]) if epochs is None else 0,
             generator=make_generator(int(s["seed"]), server_round, self.client_id, stream),
             before_step=before_step)
+
+    def make_optimizer(self, params: Iterable[torch.Tensor], server_round: int,
+                       stream: int = STREAM_TRAIN) -> torch.optim.Optimizer:
+        """The run's ``local-optimizer`` over ``params``; its randomness (GENIE's) is seeded by
+        (seed, round, client, training stream)."""
+        return make_local_optimizer(params, self.settings, make_generator(
+            int(self.settings["seed"]), server_round, self.client_id, STREAM_OPTIMIZER, stream))
 
     def batches(self, server_round: int, stream: int = STREAM_TRAIN, epochs: int | None = None,
                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -197,6 +207,25 @@ class ClientMethod:
         if global_ is not None:
             metrics["global-correct"] = global_.correct
         return metrics
+
+    def gga_statistics(self, inputs: RoundInput) -> tuple[list[float], torch.Tensor]:
+        """This client's answer to an annealing round of the federated warm start
+        (:func:`pflalign.gga.candidate_statistics`): the global model (shared entries over the
+        run's initial model), ``gga-batch-size`` of its train samples drawn by (seed, round,
+        client), the candidates named by the server's seed."""
+        s = self.settings
+        model = self.new_model()
+        model.load_state_dict(inputs.global_state, strict=False)
+        model.train()
+        gen = make_generator(int(s["seed"]), inputs.server_round, self.client_id, STREAM_GGA)
+        idx = torch.randperm(self.data.num_train, generator=gen)[:int(s["gga-batch-size"])]
+        idx = idx.to(self.data.train_x.device)
+        perturb = [n for n in str(inputs.config["gga-perturb"]).split(",") if n]
+        return candidate_statistics(
+            model, self.data.normalize(self.data.train_x[idx]), self.data.train_y[idx], perturb,
+            seed=int(s["seed"]), server_round=inputs.server_round,
+            candidates=int(inputs.config["gga-candidates"]), rho=float(s["gga-rho"]),
+            sketch_dim=int(s["gga-sketch-dim"]))
 
     # --- the method's two actions --------------------------------------------------------------
     def fit(self, inputs: RoundInput) -> FitResult:

@@ -17,7 +17,7 @@ from torch import nn
 
 from clients.base import ClientMethod, FitResult, RoundInput
 from pflalign.models import batch_norm_keys, head_keys
-from pflalign.train import STREAM_FINETUNE, TrainStats, make_sgd
+from pflalign.train import STREAM_FINETUNE, TrainStats
 
 PERSONAL = "personal"
 
@@ -69,7 +69,7 @@ class PartialModelClient(ClientMethod):
             if head is not None:
                 return self._train_head_on_features(model, head, server_round, stream, epochs)
             return self.local_train(model, server_round, stream=stream, epochs=epochs,
-                                    optimizer=make_sgd(chosen, self.settings))
+                                    optimizer=self.make_optimizer(chosen, server_round, stream))
         finally:
             for p in frozen:
                 p.requires_grad_(True)
@@ -82,7 +82,7 @@ class PartialModelClient(ClientMethod):
         updates as training through the frozen body, at the cost of one forward pass of it."""
         features = self.head_inputs(model, head)
         model.train()
-        optimizer = make_sgd(head.parameters(), self.settings)
+        optimizer = self.make_optimizer(head.parameters(), server_round, stream)
         loss_sum, seen, steps = 0.0, 0, 0
         for idx in self.batch_order(server_round, stream, epochs):
             loss = F.cross_entropy(head(features[idx]), self.data.train_y[idx])

@@ -12,6 +12,10 @@ Where ``Delta_i`` lives is ``pflalign-state``: ``client`` keeps it in the node's
 message (the strategy computes the new offset). ``v`` and ``P`` stay on the client in both modes:
 they are never sent (1.5).
 
+With ``pflalign-local-update = genie`` (the ``pflalign-genie`` variant, ALGORITHMS.md 4.2) step
+2 is GENIE's rule instead, with ``m``, ``s`` and the step count persistent per client and no offset
+correction; the rest of the round is unchanged.
+
 Evaluation (1.12): ``personal-acc`` is ``theta_end`` from the client's last participation (scored
 right after training when the server flags that no further training of this client precedes the
 next evaluation, and kept in the client's state); ``personal-acc-next`` is ``theta_g + Delta_i``,
@@ -25,8 +29,15 @@ import torch
 from torch import nn
 
 from clients.base import ClientMethod, FitResult, RoundInput, TorchState
-from pflalign.optim import PFLAlign
-from pflalign.train import EvalStats, num_local_steps
+from pflalign.optim import GENIE, PFLAlign
+from pflalign.train import (
+    STREAM_OPTIMIZER,
+    STREAM_TRAIN,
+    EvalStats,
+    genie_options,
+    make_generator,
+    num_local_steps,
+)
 
 OFFSET, OPTIMIZER, FIT_EVAL, BUFFERS = "offset", "optimizer", "fit-eval", "buffers"
 PERSONAL = "personal"
@@ -55,6 +66,27 @@ class PFLAlignClient(ClientMethod):
             model.load_state_dict(buffers, strict=False)
         return model
 
+    @property
+    def genie(self) -> bool:
+        return self.settings["pflalign-local-update"] == "genie"
+
+    def _genie(self, model: nn.Module, server_round: int,
+               ) -> tuple[GENIE, list[str], list[torch.nn.Parameter]]:
+        """GENIE over the trainable parameters with this client's persisted m, s and step count
+        (ALGORITHMS.md 4.2); its mask and noise are seeded per (seed, round, client)."""
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        optimizer = GENIE([p for _, p in named], **genie_options(self.settings),
+                          generator=make_generator(int(self.settings["seed"]), server_round,
+                                                   self.client_id, STREAM_OPTIMIZER,
+                                                   STREAM_TRAIN))
+        saved = self.state.get_arrays(OPTIMIZER)
+        if saved:
+            for name, p in named:
+                optimizer.state[p].update(step=int(saved[f"{name}.step"]),
+                                          m=saved[f"{name}.m"].to(p.device),
+                                          s=saved[f"{name}.s"].to(p.device))
+        return optimizer, [n for n, _ in named], [p for _, p in named]
+
     def _optimizer(self, model: nn.Module,
                    ) -> tuple[PFLAlign, list[str], list[torch.nn.Parameter]]:
         """PFLAlign over the trainable parameters, with this client's persisted v and P."""
@@ -73,26 +105,33 @@ class PFLAlignClient(ClientMethod):
                 state["P"] = saved[f"{name}.P"].to(p.device)
         return optimizer, [n for n, _ in named], [p for _, p in named]
 
-    def _save_optimizer(self, optimizer: PFLAlign, names: list[str]) -> None:
+    def _save_optimizer(self, optimizer: PFLAlign | GENIE, names: list[str]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         record = {}
         for name, p in zip(names, params, strict=True):
-            record[f"{name}.v"] = optimizer.state[p]["v"]
-            record[f"{name}.P"] = optimizer.state[p]["P"]
+            state = optimizer.state[p]
+            if isinstance(optimizer, GENIE):
+                record.update({f"{name}.m": state["m"], f"{name}.s": state["s"],
+                               f"{name}.step": torch.tensor(state["step"])})
+            else:
+                record[f"{name}.v"] = state["v"]
+                record[f"{name}.P"] = state["P"]
         self.state.set_arrays(OPTIMIZER, record)
 
     def fit(self, inputs: RoundInput) -> FitResult:
         received = inputs.global_state
         offset = self.offset(inputs)
         model = self._model(received)
-        optimizer, names, trained = self._optimizer(model)
+        optimizer, names, trained = (self._genie(model, inputs.server_round) if self.genie
+                                     else self._optimizer(model))
         if offset and not self.server_mode:  # server mode receives theta_g + Delta already
             with torch.no_grad():
                 torch._foreach_add_(trained, [offset[n].to(self.device) for n in names])
         steps = num_local_steps(self.data.num_train, int(self.settings["batch-size"]),
                                 int(self.settings["local-epochs"]),
                                 int(self.settings["local-steps"]))
-        optimizer.begin_round([offset[n] for n in names] if offset else None, steps)
+        if not self.genie:
+            optimizer.begin_round([offset[n] for n in names] if offset else None, steps)
         stats = self.local_train(model, inputs.server_round, optimizer=optimizer)
 
         if self.settings["pflalign-personalize"] and not self.server_mode:
@@ -109,9 +148,11 @@ class PFLAlignClient(ClientMethod):
             result = self.test(model)
             self.state.set_metrics(FIT_EVAL, {"correct": result.correct, "count": result.count,
                                               "loss-sum": result.loss_sum})
-        return FitResult(model.state_dict(), {
-            "train-loss": stats.loss, "local-steps": stats.steps,
-            "mean-P": optimizer.mean_preconditioner(), "mean-gamma": optimizer.mean_gamma()})
+        metrics = {"train-loss": stats.loss, "local-steps": stats.steps}
+        if not self.genie:
+            metrics.update({"mean-P": optimizer.mean_preconditioner(),
+                            "mean-gamma": optimizer.mean_gamma()})
+        return FitResult(model.state_dict(), metrics)
 
     def _next_model(self, inputs: RoundInput) -> nn.Module | None:
         """theta_g + Delta_i, or None when it is the global model itself."""

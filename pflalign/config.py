@@ -66,7 +66,7 @@ def _choices_of_models() -> tuple[str, ...]:
 
 
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100")
-PARTITIONS = ("dirichlet", "iid", "pathological", "quantity")
+PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated")
 
 OPTIONS: tuple[Option, ...] = (
     # --- run -----------------------------------------------------------------------------------
@@ -92,11 +92,19 @@ OPTIONS: tuple[Option, ...] = (
            "dataset; 0 uses all of it.", "data", minimum=0),
     Option("partition", "dirichlet", "How samples are split across clients: iid, dirichlet "
            "(label skew), pathological (classes-per-client classes each), quantity "
-           "(power-law client sizes).", "data", choices=PARTITIONS),
+           "(power-law client sizes), rotated (domain shift: client groups with rotated images, "
+           "dirichlet labels within; see rotation-angles).", "data", choices=PARTITIONS),
     Option("num-clients", 20, "Number of training clients (Flower SuperNodes).", "data",
            minimum=1),
     Option("num-unseen-clients", 0, "Extra clients that never train and are only evaluated "
            "(generalization to new clients, reported as unseen-acc).", "data", minimum=0),
+    Option("rotation-angles", "0,30,60,90", "partition=rotated: comma-separated rotation angles "
+           "in degrees, one per client group (domain); clients are spread round-robin over the "
+           "groups.", "data"),
+    Option("rotation-unseen-groups", 1, "partition=rotated: the last this many angles are held "
+           "out: only the unseen clients come from them (leave-groups-out), so unseen-acc "
+           "measures generalization to a new domain. Unused when num-unseen-clients = 0.",
+           "data", minimum=0),
     Option("dirichlet-alpha", 0.1, "Concentration of the per-class Dirichlet over clients; "
            "smaller is more skewed.", "data", minimum=0.0, exclusive_minimum=True),
     Option("classes-per-client", 2, "Classes each client holds under partition=pathological.",
@@ -122,6 +130,24 @@ OPTIONS: tuple[Option, ...] = (
     Option("momentum", 0.0, "Local SGD momentum (0 is plain SGD, as in FedAvg).", "train",
            minimum=0.0, maximum=1.0, exclusive_maximum=True),
     Option("weight-decay", 0.0, "Local L2 weight decay.", "train", minimum=0.0),
+    Option("local-optimizer", "sgd", "Local optimizer of the methods that train with a standard "
+           "one: sgd (lr, momentum), adam (adam-lr) or genie (genie-*); a new one every round. "
+           "Methods with their own local rule (scaffold, apfl, perfedavg, pfedme, pflalign) "
+           "refuse anything but sgd; pflalign-genie is pFLAlign with GENIE.", "train",
+           choices=("sgd", "adam", "genie")),
+    Option("adam-lr", 0.001, "Step size of local-optimizer = adam.", "train", minimum=0.0,
+           exclusive_minimum=True),
+    Option("genie-lr", 0.015, "GENIE's step size (the paper's convergence rate eta, ALGORITHMS.md "
+           "2.5), for local-optimizer = genie and pflalign-genie.", "genie", minimum=0.0,
+           exclusive_minimum=True),
+    Option("genie-moving-avg", 0.95, "GENIE's EMA decay beta.", "genie", minimum=0.0,
+           maximum=1.0, exclusive_maximum=True),
+    Option("genie-p", 0.4, "GENIE's mask drop probability.", "genie", minimum=0.0, maximum=1.0,
+           exclusive_maximum=True),
+    Option("genie-precondition", True, "GENIE: apply the OSGR preconditioner r * tau (false: "
+           "step on the bias-corrected EMA mean).", "genie"),
+    Option("genie-noise", True, "GENIE: add noise on low-confidence coordinates.", "genie"),
+    Option("genie-mask", True, "GENIE: inverted-dropout mask on the update.", "genie"),
     # --- federation ----------------------------------------------------------------------------
     Option("fraction-train", 0.4, "Fraction of training clients sampled each round (at least "
            "one), drawn reproducibly from seed.", "federation", minimum=0.0, maximum=1.0,
@@ -148,6 +174,10 @@ OPTIONS: tuple[Option, ...] = (
            "(its own state; the server sends the global model) or server (the strategy keeps it "
            "and sends the personalized initialization and Delta in the client's message).",
            "pflalign", choices=("client", "server")),
+    Option("pflalign-local-update", "pflalign", "pflalign: the PersonalizedLocalUpdate: "
+           "pflalign (preconditioner P and gamma correction, ALGORITHMS.md 1.4) or genie (GENIE's "
+           "rule with per-client persistent state and no offset correction, 4.2).", "pflalign",
+           choices=("pflalign", "genie")),
     Option("pflalign-bn", "global", "pflalign: batch-norm buffers come from the global model "
            "(global, ALGORITHMS.md 1.13 A6) or stay on each client (local, FedBN-style).",
            "pflalign", choices=("global", "local")),
@@ -197,6 +227,26 @@ OPTIONS: tuple[Option, ...] = (
            exclusive_minimum=True),
     Option("fedala-num-pre-loss", 10, "fedala: number of recent losses in the stopping rule.",
            "fedala", minimum=2),
+    # --- GGA annealed warm start (any method; ALGORITHMS.md 4.3 item 1) -------------------------
+    Option("gga", False, "Federated annealed warm start: in rounds gga-start..gga-end the server "
+           "proposes gga-candidates perturbed global models (from a seed), the round's clients "
+           "return per-candidate losses and gradient sketches, and the server moves to the "
+           "candidate on which the clients' gradients agree most (within the loss tolerance) "
+           "before training.", "gga"),
+    Option("gga-start", 2, "First round of the annealing window.", "gga", minimum=1),
+    Option("gga-end", 4, "Last round of the annealing window (inclusive).", "gga", minimum=1),
+    Option("gga-candidates", 8, "Candidates proposed per annealing round.", "gga", minimum=1),
+    Option("gga-rho", 0.001, "Candidates perturb the featurizer (all trainable parameters but "
+           "the classifier) by U(-rho, rho) noise.", "gga", minimum=0.0, exclusive_minimum=True),
+    Option("gga-tolerance", 0.1, "A candidate is accepted only if its mean loss exceeds the "
+           "anchor's by less than this.", "gga"),
+    Option("gga-objective", "min", "Clients' agreement on a candidate: min (GGA's rule) or mean "
+           "pairwise cosine of their gradients.", "gga", choices=("min", "mean")),
+    Option("gga-sketch-dim", 1024, "Gradients are uploaded as count sketches of this many entries "
+           "(a sparse random projection that preserves cosines in expectation); 0 uploads the "
+           "full gradient.", "gga", minimum=0),
+    Option("gga-batch-size", 64, "Samples of its train split on which each client evaluates the "
+           "candidates.", "gga", minimum=1),
     # --- simulation engine ---------------------------------------------------------------------
     Option("client-resources-num-cpus", 1.0, "CPU cores per simulated client (Ray resource; "
            "also the client's torch thread count).", "simulation", minimum=0.0,
@@ -264,6 +314,7 @@ def coerce(key: str, value: object, source: str = "the config") -> Value:
 # Keys a method entry may not override: they define the shared data, clients and engine.
 RUN_WIDE_KEYS = ("methods", "seed", "out-dir", "dataset", "data-root", "download", "max-samples",
                  "partition", "num-clients", "num-unseen-clients", "dirichlet-alpha",
+                 "rotation-angles", "rotation-unseen-groups",
                  "classes-per-client", "quantity-power", "min-samples-per-client",
                  "test-fraction", "client-resources-num-cpus", "client-resources-num-gpus")
 
@@ -393,11 +444,43 @@ class Settings(Mapping[str, Value]):
         return int(self["num-clients"]) + int(self["num-unseen-clients"])
 
 
+def parse_angles(text: str) -> tuple[float, ...]:
+    """'rotation-angles' as a tuple of finite floats (at least one)."""
+    try:
+        angles = tuple(float(a) for a in str(text).split(",") if a.strip())
+    except ValueError:
+        raise ConfigError(f"Config key 'rotation-angles' = {text!r} must be comma-separated "
+                          "numbers of degrees, e.g. '0,30,60,90'.") from None
+    if not angles or not all(math.isfinite(a) for a in angles):
+        raise ConfigError(f"Config key 'rotation-angles' = {text!r} needs at least one finite "
+                          "angle, e.g. '0,30,60,90'.")
+    return angles
+
+
 def _check_cross_keys(values: Mapping[str, Value]) -> None:
+    if values["gga"] and values["gga-end"] < values["gga-start"]:
+        raise ConfigError(f"gga-end = {values['gga-end']} is before gga-start = "
+                          f"{values['gga-start']}; the annealing window is gga-start..gga-end.")
+    if values["partition"] == "rotated":
+        angles = parse_angles(str(values["rotation-angles"]))
+        held_out = int(values["rotation-unseen-groups"]) if values["num-unseen-clients"] else 0
+        if held_out >= len(angles):
+            raise ConfigError(f"rotation-unseen-groups = {held_out} leaves no angle of "
+                              f"rotation-angles = {values['rotation-angles']!r} for the training "
+                              "clients; hold out fewer groups or add angles.")
     from pflalign.methods import METHODS, method_overrides
 
+    refusing = []
     for choice in parse_methods(str(values["methods"])):
-        method_overrides(METHODS[choice.name], values, dict(choice.overrides))
+        spec = METHODS[choice.name]
+        overrides = method_overrides(spec, values, dict(choice.overrides))
+        if not spec.local_optimizer and overrides.get(
+                "local-optimizer", values["local-optimizer"]) != "sgd":
+            refusing.append(choice.label)
+    if refusing:
+        raise ConfigError(f"local-optimizer = {values['local-optimizer']!r} does not apply to "
+                          f"{', '.join(refusing)} (own local update rule); set it per method "
+                          "instead, e.g. 'fedavg(local-optimizer=genie)', or use pflalign-genie.")
 
 
 def load_toml(path: str | Path) -> dict[str, Value]:

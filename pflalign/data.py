@@ -11,7 +11,7 @@ gets its own train/test split (see :mod:`pflalign.partition`).
 from __future__ import annotations
 
 import gzip
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -200,6 +200,16 @@ class ClientData:
         test_x, test_y = take(test_idx)
         return cls(train_x, train_y, test_x, test_y, Normalizer(dataset.mean, dataset.std))
 
+    def rotated(self, degrees: float) -> ClientData:
+        """The same samples with every image rotated by ``degrees`` counter-clockwise about its
+        centre (exact for multiples of 90; bilinear otherwise, corners filled with 0)."""
+        return replace(self, train_x=rotate_images(self.train_x, degrees),
+                       test_x=rotate_images(self.test_x, degrees))
+
+    def to(self, device: torch.device | str) -> ClientData:
+        return replace(self, train_x=self.train_x.to(device), train_y=self.train_y.to(device),
+                       test_x=self.test_x.to(device), test_y=self.test_y.to(device))
+
     @property
     def num_train(self) -> int:
         return len(self.train_y)
@@ -207,3 +217,14 @@ class ClientData:
     @property
     def num_test(self) -> int:
         return len(self.test_y)
+
+
+def rotate_images(images: torch.Tensor, degrees: float) -> torch.Tensor:
+    """Rotate uint8 NCHW images by ``degrees`` counter-clockwise (multiples of 90 exactly)."""
+    quarter = degrees / 90.0
+    if quarter == int(quarter):
+        return torch.rot90(images, int(quarter) % 4, dims=(2, 3)).contiguous()
+    from torchvision.transforms.v2 import InterpolationMode
+    from torchvision.transforms.v2.functional import rotate
+
+    return rotate(images, degrees, interpolation=InterpolationMode.BILINEAR)

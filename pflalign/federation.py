@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
 import torch
 
+from pflalign.config import parse_angles
 from pflalign.data import ClientData, Dataset, load_dataset
 from pflalign.partition import Partition, make_partition
 
 # The config keys that determine the data each client sees.
 DATA_KEYS = ("dataset", "data-root", "download", "max-samples", "partition", "num-clients",
              "num-unseen-clients", "seed", "dirichlet-alpha", "classes-per-client",
-             "quantity-power", "min-samples-per-client", "test-fraction")
+             "quantity-power", "min-samples-per-client", "test-fraction", "rotation-angles",
+             "rotation-unseen-groups")
 
 
 @dataclass(frozen=True)
@@ -25,14 +27,23 @@ class FederatedDataset:
     dataset: Dataset
     pool: np.ndarray
     partition: Partition
+    _rotated: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def client_data(self, client: int, device: torch.device | str = "cpu") -> ClientData:
-        """Client ``client``'s train and test tensors (copied out of the cached pool)."""
+        """Client ``client``'s train and test tensors (copied out of the cached pool; for
+        partition=rotated, rotated once by the client's angle and cached per process)."""
         if not 0 <= client < self.partition.num_clients:
             raise ValueError(f"Client id {client} is outside 0..{self.partition.num_clients - 1}; "
                              "the node's partition-id does not match this run's num-clients.")
-        return ClientData.from_indices(self.dataset, self.pool[self.partition.train[client]],
-                                       self.pool[self.partition.test[client]], device)
+        angle = self.partition.rotation(client)
+        if not angle:
+            return ClientData.from_indices(self.dataset, self.pool[self.partition.train[client]],
+                                           self.pool[self.partition.test[client]], device)
+        if client not in self._rotated:
+            data = ClientData.from_indices(self.dataset, self.pool[self.partition.train[client]],
+                                           self.pool[self.partition.test[client]])
+            self._rotated[client] = data.rotated(angle)
+        return self._rotated[client].to(device)
 
     def summary(self) -> dict:
         labels = self.dataset.labels[self.pool]
@@ -53,7 +64,8 @@ def _build(key: tuple) -> FederatedDataset:
         num_clients=cfg["num-clients"], num_unseen=cfg["num-unseen-clients"], seed=cfg["seed"],
         alpha=cfg["dirichlet-alpha"], classes_per_client=cfg["classes-per-client"],
         quantity_power=cfg["quantity-power"], min_samples=cfg["min-samples-per-client"],
-        test_fraction=cfg["test-fraction"])
+        test_fraction=cfg["test-fraction"], angles=parse_angles(cfg["rotation-angles"]),
+        unseen_groups=cfg["rotation-unseen-groups"])
     return FederatedDataset(dataset=dataset, pool=pool, partition=partition)
 
 

@@ -32,6 +32,8 @@ class MethodSpec:
     #: the method needs batch norm: the run's model is swapped for its batch-norm version
     #: (``cnn`` -> ``cnn-bn``) unless the entry sets ``model`` itself
     needs_batch_norm: bool = False
+    #: the method's local training takes ``local-optimizer`` (false: it has its own rule)
+    local_optimizer: bool = True
 
     def load_client(self) -> Any:
         return _load(self.client)
@@ -45,9 +47,13 @@ def _load(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-_TRAIN_KEYS = ("lr", "momentum", "weight-decay", "batch-size", "local-epochs", "local-steps")
+_TRAIN_KEYS = ("lr", "momentum", "weight-decay", "batch-size", "local-epochs", "local-steps",
+               "local-optimizer", "adam-lr", "genie-lr", "genie-moving-avg", "genie-p",
+               "genie-precondition", "genie-noise", "genie-mask")
 _PFLALIGN_KEYS = ("pflalign-lr", "pflalign-beta", "pflalign-eps", "pflalign-precondition",
                   "pflalign-gamma", "pflalign-personalize", "pflalign-state", "pflalign-bn",
+                  "pflalign-local-update", "genie-lr", "genie-moving-avg", "genie-p",
+                  "genie-precondition", "genie-noise", "genie-mask",
                   "batch-size", "local-epochs", "local-steps", "lr")
 _PFLALIGN_PAPER = ("Kim et al., Personalized Federated Learning for Gradient Alignment "
                    "(pFLAlign), arXiv 2605.02143")
@@ -60,7 +66,7 @@ def _pflalign(name: str, summary: str, **overrides: Any) -> MethodSpec:
                       client="clients.pflalign:PFLAlignClient",
                       strategy="strategies.pflalign:PFLAlignStrategy", keys=_PFLALIGN_KEYS,
                       overrides={f"pflalign-{k}": v for k, v in overrides.items()},
-                      variant_of="pflalign" if overrides else None)
+                      variant_of="pflalign" if overrides else None, local_optimizer=False)
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -114,6 +120,7 @@ METHODS: dict[str, MethodSpec] = {
             client="clients.scaffold:ScaffoldClient",
             strategy="strategies.scaffold:ScaffoldStrategy",
             keys=(*_TRAIN_KEYS, "scaffold-server-lr"),
+            local_optimizer=False,
         ),
         MethodSpec(
             name="ditto",
@@ -168,6 +175,7 @@ METHODS: dict[str, MethodSpec] = {
             client="clients.apfl:APFLClient",
             strategy="strategies.fedavg:FedAvgStrategy",
             keys=(*_TRAIN_KEYS, "apfl-alpha", "apfl-adaptive", "apfl-alpha-lr"),
+            local_optimizer=False,
         ),
         MethodSpec(
             name="perfedavg",
@@ -179,6 +187,7 @@ METHODS: dict[str, MethodSpec] = {
             strategy="strategies.fedavg:FedAvgStrategy",
             keys=("batch-size", "local-epochs", "local-steps", "perfedavg-alpha",
                   "perfedavg-beta", "perfedavg-eval-steps"),
+            local_optimizer=False,
         ),
         MethodSpec(
             name="pfedme",
@@ -190,6 +199,7 @@ METHODS: dict[str, MethodSpec] = {
             strategy="strategies.pfedme:PFedMeStrategy",
             keys=("lr", "batch-size", "local-epochs", "local-steps", "pfedme-lambda", "pfedme-k",
                   "pfedme-personal-lr", "pfedme-beta"),
+            local_optimizer=False,
         ),
         MethodSpec(
             name="fedala",
@@ -216,6 +226,9 @@ METHODS: dict[str, MethodSpec] = {
                           gamma="hard"),
         _pflalign("pflalign-nopersonal", "pFLAlign with Delta = 0 (no personalized "
                           "initialization, no correction).", personalize=False),
+        _pflalign("pflalign-genie", "pFLAlign's federation (personalized initialization "
+                  "and offsets) with GENIE as the local update, its state persistent per client "
+                  "(ALGORITHMS.md 4.2).", **{"local-update": "genie"}),
         _pflalign("pflalign-sgd", "pFLAlign with P = 1 and Delta = 0: FedAvg with plain "
                           "SGD.", precondition=False, personalize=False),
     )

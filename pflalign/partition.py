@@ -9,6 +9,8 @@ Four partitioners, each returning one index array per client (every sample assig
 * :func:`pathological_partition` -- each client holds exactly ``classes_per_client`` classes, each
   class split into equal shards among its holders (McMahan et al.; PFLlib's "pat").
 * :func:`quantity_partition` -- IID labels, power-law client sizes.
+* :func:`rotated_partition` -- domain shift: client groups whose images are rotated by the group's
+  angle, Dirichlet label skew within a group, held-out groups for the unseen clients.
 
 Each client's samples are then split into its own train and test parts, stratified by label, so its
 test labels follow its train labels (:func:`split_train_test`).
@@ -16,6 +18,7 @@ test labels follow its train labels (:func:`split_train_test`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -183,6 +186,11 @@ class Partition:
     test: tuple[np.ndarray, ...]
     num_train_clients: int
     topped_up_clients: int = 0
+    #: per-client image rotation in degrees (partition=rotated); empty when there is none
+    rotations: tuple[float, ...] = ()
+
+    def rotation(self, client: int) -> float:
+        return self.rotations[client] if self.rotations else 0.0
 
     @property
     def num_clients(self) -> int:
@@ -202,21 +210,67 @@ class Partition:
             "topped-up-clients": self.topped_up_clients,
             "clients": [
                 {"id": i, "unseen": self.is_unseen(i), "num-train": len(tr), "num-test": len(te),
-                 "train-labels": counts(tr), "test-labels": counts(te)}
+                 "rotation": self.rotation(i), "train-labels": counts(tr),
+                 "test-labels": counts(te)}
                 for i, (tr, te) in enumerate(zip(self.train, self.test, strict=True))
             ],
         }
 
 
+def rotated_partition(labels: np.ndarray, num_clients: int, num_unseen: int,
+                      angles: Sequence[float], unseen_groups: int, alpha: float,
+                      rng: np.random.Generator, min_samples: int, num_classes: int,
+                      ) -> tuple[list[np.ndarray], list[float], int]:
+    """Domain-shift partition: the samples are split evenly at random into one group per angle;
+    training clients are spread round-robin over the first ``len(angles) - unseen_groups`` groups
+    and unseen clients over the last ``unseen_groups`` (leave-groups-out; over all groups when
+    ``unseen_groups = 0``); within a group, labels are split by :func:`dirichlet_partition`.
+    Returns the parts (training clients first), each client's angle, and the topped-up count."""
+    held_out = unseen_groups if num_unseen else 0
+    if held_out >= len(angles):
+        raise ConfigError(f"partition=rotated holds out {held_out} of {len(angles)} angle groups; "
+                          "at least one must remain for the training clients.")
+    groups = np.array_split(rng.permutation(len(labels)), len(angles))
+    seen = list(range(len(angles) - held_out))
+    unseen = list(range(len(angles) - held_out, len(angles))) if held_out else seen
+    members: dict[int, list[int]] = {g: [] for g in range(len(angles))}
+    for c in range(num_clients):
+        members[seen[c % len(seen)]].append(c)
+    for u in range(num_unseen):
+        members[unseen[u % len(unseen)]].append(num_clients + u)
+    parts: list[np.ndarray] = [np.empty(0, np.int64)] * (num_clients + num_unseen)
+    topped_up = 0
+    for g, clients in members.items():
+        if not clients:
+            continue
+        idx = groups[g]
+        local, extra = dirichlet_partition(labels[idx], len(clients), alpha, rng, min_samples,
+                                           num_classes)
+        topped_up += extra
+        for c, part in zip(clients, local, strict=True):
+            parts[c] = np.sort(idx[part])
+    rotations = [0.0] * (num_clients + num_unseen)
+    for g, clients in members.items():
+        for c in clients:
+            rotations[c] = float(angles[g])
+    return parts, rotations, topped_up
+
+
 def make_partition(labels: np.ndarray, num_classes: int, *, scheme: str, num_clients: int,
                    num_unseen: int = 0, seed: int = 0, alpha: float = 0.1,
                    classes_per_client: int = 2, quantity_power: float = 1.0,
-                   min_samples: int = 10, test_fraction: float = 0.25) -> Partition:
+                   min_samples: int = 10, test_fraction: float = 0.25,
+                   angles: Sequence[float] = (0.0,), unseen_groups: int = 0) -> Partition:
     """Partition over ``num_clients + num_unseen`` clients; split each into train/test."""
     total = num_clients + num_unseen
     rng = np.random.default_rng([seed, 0])
     topped_up = 0
-    if scheme == "iid":
+    rotations: list[float] = []
+    if scheme == "rotated":
+        parts, rotations, topped_up = rotated_partition(
+            labels, num_clients, num_unseen, angles, unseen_groups, alpha, rng, min_samples,
+            num_classes)
+    elif scheme == "iid":
         parts = iid_partition(labels, total, rng, min_samples)
     elif scheme == "dirichlet":
         parts, topped_up = dirichlet_partition(labels, total, alpha, rng, min_samples, num_classes)
@@ -226,9 +280,10 @@ def make_partition(labels: np.ndarray, num_classes: int, *, scheme: str, num_cli
     elif scheme == "quantity":
         parts = quantity_partition(labels, total, quantity_power, rng, min_samples)
     else:
-        raise ConfigError(f"Unknown partition '{scheme}'; choose iid, dirichlet, pathological or "
-                          "quantity.")
+        raise ConfigError(f"Unknown partition '{scheme}'; choose iid, dirichlet, pathological, "
+                          "quantity or rotated.")
     split_rng = np.random.default_rng([seed, 1])
     splits = [split_train_test(p, labels, test_fraction, split_rng) for p in parts]
     return Partition(train=tuple(s[0] for s in splits), test=tuple(s[1] for s in splits),
-                     num_train_clients=num_clients, topped_up_clients=topped_up)
+                     num_train_clients=num_clients, topped_up_clients=topped_up,
+                     rotations=tuple(rotations))

@@ -18,6 +18,8 @@ STREAM_TRAIN = 1
 STREAM_FINETUNE = 2
 STREAM_PERSONAL = 3  # a second local model (Ditto's personal model, APFL's mixture)
 STREAM_ADAPT = 4  # a method's own adaptation data (FedALA's random subset)
+STREAM_OPTIMIZER = 5  # an optimizer's own randomness (GENIE's mask and noise), per training stream
+STREAM_GGA = 6  # the batch a client scores the annealing candidates on
 
 
 def derive_seed(*parts: int) -> int:
@@ -52,6 +54,32 @@ def num_local_steps(num_samples: int, batch_size: int, epochs: int, max_steps: i
 def make_sgd(params: Iterable[torch.Tensor], settings: Mapping[str, object]) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=float(settings["lr"]), momentum=float(settings["momentum"]),
                            weight_decay=float(settings["weight-decay"]))
+
+
+def make_local_optimizer(params: Iterable[torch.Tensor], settings: Mapping[str, object],
+                         generator: torch.Generator | None = None) -> torch.optim.Optimizer:
+    """The ``local-optimizer``: ``sgd`` (``lr``, ``momentum``, ``weight-decay``), ``adam``
+    (``adam-lr``, ``weight-decay``) or ``genie`` (``genie-*``, ``weight-decay``; its mask and noise
+    drawn from ``generator``). A new one each round: its state does not outlive the round."""
+    kind = settings["local-optimizer"]
+    if kind == "sgd":
+        return make_sgd(params, settings)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=float(settings["adam-lr"]),
+                                weight_decay=float(settings["weight-decay"]))
+    if kind == "genie":
+        from pflalign.optim import GENIE
+
+        return GENIE(params, **genie_options(settings), generator=generator)
+    raise ValueError(f"Unknown local-optimizer {kind!r}; choose sgd, adam or genie.")
+
+
+def genie_options(settings: Mapping[str, object]) -> dict:
+    """GENIE's keyword arguments from the ``genie-*`` keys (ALGORITHMS.md 2.5)."""
+    return dict(lr=float(settings["genie-lr"]), moving_avg=float(settings["genie-moving-avg"]),
+                p=float(settings["genie-p"]), weight_decay=float(settings["weight-decay"]),
+                precondition=bool(settings["genie-precondition"]),
+                noise=bool(settings["genie-noise"]), mask=bool(settings["genie-mask"]))
 
 
 @dataclass(frozen=True)

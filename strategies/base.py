@@ -40,6 +40,7 @@ from pflalign.metrics import accuracy_summary
 from pflalign.models import build_model
 from pflalign.results import Reporter, round_line
 from pflalign.sampling import sample_clients
+from strategies.annealing import AnnealedWarmStart
 
 ARRAYS, CONFIG, RUN_CONFIG, METRICS = "arrays", "config", "run-config", "metrics"
 
@@ -380,11 +381,15 @@ class PFLStrategy(Strategy):
         every = int(self.settings["eval-every"])
         self.summary()
         self.discover(grid)
+        warm_start = AnnealedWarmStart(self) if self.settings["gga"] else None
         last_eval: dict[str, float] = {}
         for server_round in range(1, rounds + 1):
             started = time.perf_counter()
             row: dict = {"round": server_round}
             down = up = 0
+            if warm_start is not None and warm_start.active(server_round):
+                row.update(warm_start.run(server_round, grid))
+                down, up = int(row["gga-bytes-down"]), int(row["gga-bytes-up"])
             messages = list(self.configure_train(server_round, self.global_record(),
                                                  ConfigRecord(), grid))
             down += sum(payload_bytes(m.content) for m in messages)

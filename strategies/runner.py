@@ -36,7 +36,9 @@ def run_methods(grid: Grid, settings: Settings, reporter: Reporter | None = None
     for choice in settings.method_choices:
         spec = METHODS[choice.name]
         overrides = method_overrides(spec, settings, dict(choice.overrides))
-        method_settings = settings.replace(overrides) if overrides else settings
+        # the entry's own settings: its overrides, and 'methods' naming just this entry
+        method_settings = (settings.replace({**overrides, "methods": choice.label})
+                           if overrides else settings)
         if method_settings["model"] != settings["model"] and "model" not in dict(choice.overrides):
             reporter.info(f"[{choice.label}] runs on model {method_settings['model']} (the "
                           "method needs batch norm).")

@@ -5,6 +5,7 @@ import pytest
 from conftest import needs_fashion_mnist
 
 from pflalign.config import ConfigError
+from pflalign.data import ClientData
 from pflalign.partition import (
     dirichlet_partition,
     iid_partition,
@@ -146,3 +147,46 @@ def test_dirichlet_for_1000_clients_of_fashion_mnist_under_two_seconds():
 def test_iid_sizes_differ_by_at_most_one(labels_10k):
     sizes = [len(p) for p in iid_partition(labels_10k, 7, np.random.default_rng(0))]
     assert max(sizes) - min(sizes) <= 1
+
+
+def test_rotated_partition_holds_out_groups_for_the_unseen_clients(labels_10k):
+    from pflalign.partition import rotated_partition
+
+    rng = np.random.default_rng(0)
+    parts, rotations, _ = rotated_partition(labels_10k, 8, 3, (0, 30, 60, 90), 1, 0.5, rng, 10,
+                                            10)
+    assert rotations[:8] == [0.0, 30.0, 60.0] * 2 + [0.0, 30.0]
+    assert rotations[8:] == [90.0] * 3
+    joined = np.concatenate(parts)
+    assert len(np.unique(joined)) == len(joined)  # disjoint
+    assert all(len(p) >= 10 for p in parts)
+    # without unseen clients every group trains
+    _, rotations, _ = rotated_partition(labels_10k, 8, 0, (0, 30, 60, 90), 1, 0.5,
+                                        np.random.default_rng(0), 10, 10)
+    assert sorted(set(rotations)) == [0.0, 30.0, 60.0, 90.0]
+    with pytest.raises(ConfigError, match="at least one"):
+        rotated_partition(labels_10k, 4, 2, (0, 90), 2, 0.5, np.random.default_rng(0), 10, 10)
+
+
+@needs_fashion_mnist
+def test_rotated_clients_see_rotated_images_and_the_config_is_checked():
+    import torch
+
+    from pflalign.config import Settings
+    from pflalign.federation import federated_dataset
+
+    settings = Settings({"partition": "rotated", "num-clients": 3, "num-unseen-clients": 1,
+                         "rotation-angles": "0,180,90", "max-samples": 2000})
+    fed = federated_dataset(settings)
+    assert fed.partition.rotations == (0.0, 180.0, 0.0, 90.0)
+    plain = ClientData.from_indices(fed.dataset, fed.pool[fed.partition.train[3]],
+                                    fed.pool[fed.partition.test[3]])
+    rotated = fed.client_data(3)
+    assert torch.equal(rotated.train_x, torch.rot90(plain.train_x, 1, dims=(2, 3)))
+    assert torch.equal(rotated.train_y, plain.train_y)
+    assert fed.summary()["clients"][3]["rotation"] == 90.0
+    with pytest.raises(ConfigError, match="leaves no angle"):
+        Settings({"partition": "rotated", "num-unseen-clients": 1, "rotation-angles": "0",
+                  "rotation-unseen-groups": 1})
+    with pytest.raises(ConfigError, match="numbers of degrees"):
+        Settings({"partition": "rotated", "rotation-angles": "0,ninety"})

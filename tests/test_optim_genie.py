@@ -1,0 +1,191 @@
+"""GENIE (ALGORITHMS.md 2.3-2.5) against hand-computed values, its switches and its paths."""
+
+import math
+
+import pytest
+import torch
+
+from pflalign.optim import GENIE
+
+
+def _param(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64, requires_grad=True)
+
+
+def _step(opt, p, grad):
+    p.grad = torch.tensor(grad, dtype=p.dtype)
+    opt.step()
+
+
+def test_first_step_is_lr_times_gradient_times_mask():
+    start = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
+    g = torch.tensor([0.4, -0.2, 1.0, 0.0], dtype=torch.float64)
+    words = torch.empty(1, dtype=torch.int64).random_(-2 ** 63, None,
+                                                      generator=torch.Generator().manual_seed(0))
+    keep = (words.view(torch.int16)[:4] > int(0.4 * 65536) - 32768).double() / 0.6
+    # at t = 1: rho = 1, var = 1e-8, tau = tanh(10), r = 1 / (1 + 1e-8 / (g^2 + 1e-8))
+    r = 1 / (1 + 1e-8 / (g * g + 1e-8))
+    for noise in (False, True):
+        p = start.clone().requires_grad_(True)
+        opt = GENIE([p], lr=0.1, noise=noise, generator=torch.Generator().manual_seed(0))
+        p.grad = g.clone()
+        opt.step()
+        if not noise:
+            torch.testing.assert_close(p.detach(), start - 0.1 * math.tanh(10) * r * g * keep,
+                                       rtol=0, atol=1e-15)
+        torch.testing.assert_close(p.detach(), start - 0.1 * g * keep, rtol=0, atol=1e-8)
+
+
+def test_second_step_by_hand():
+    beta, lr = 0.9, 0.1
+    g1, g2 = 1.0, 3.0
+    p = _param([0.0])
+    opt = GENIE([p], lr=lr, moving_avg=beta, noise=False, mask=False)
+    _step(opt, p, [g1])
+    _step(opt, p, [g2])
+    b1 = 1 - beta
+    theta1 = -lr * math.tanh(10) * (1 / (1 + 1e-8 / (g1 * g1 + 1e-8))) * g1
+    b = 1 - beta ** 2
+    rho = (1 - beta) * (2 - b) / ((1 + beta) * b)
+    assert rho == pytest.approx(((0.1 * 0.9) ** 2 + 0.1 ** 2) / (0.1 * 0.9 + 0.1) ** 2)
+    m = beta * (1 - beta) * g1 + (1 - beta) * g2
+    s = beta * (1 - beta) * g1 ** 2 + (1 - beta) * g2 ** 2
+    mu, q = m / b, s / b
+    var = (q - mu * mu) / (1 - rho)
+    tau = math.tanh(min(max(1 / var, 0), 10))
+    r = 1 / (1 + rho * var / (mu * mu + 1e-8))
+    assert b1 == pytest.approx(0.1) and 0 < tau < 1 and 0 < r < 1
+    assert p.item() == pytest.approx(theta1 - lr * r * tau * mu, rel=1e-12)
+
+
+def test_mask_keeps_one_minus_p_and_rescales():
+    p = torch.zeros(200_000, dtype=torch.float64, requires_grad=True)
+    opt = GENIE([p], lr=1.0, p=0.4, noise=False, precondition=False,
+                generator=torch.Generator().manual_seed(3))
+    p.grad = torch.ones_like(p)
+    opt.step()
+    moved = -p.detach()
+    kept = moved != 0
+    assert float(kept.double().mean()) == pytest.approx(0.6, abs=0.005)
+    torch.testing.assert_close(moved[kept], torch.full_like(moved[kept], 1 / 0.6))
+
+
+def test_switches_off_reduce_to_sgd_on_the_bias_corrected_ema():
+    beta, lr = 0.95, 0.05
+    p = _param([1.0, 2.0])
+    opt = GENIE([p], lr=lr, moving_avg=beta, precondition=False, noise=False, mask=False)
+    grads = [[0.5, -1.0], [0.3, 2.0], [-0.7, 0.1]]
+    m = torch.zeros(2, dtype=torch.float64)
+    theta = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        _step(opt, p, g)
+        m = beta * m + (1 - beta) * torch.tensor(g, dtype=torch.float64)
+        theta = theta - lr * m / (1 - beta ** t)
+    torch.testing.assert_close(p.detach(), theta)
+
+
+def test_noise_only_where_the_gate_is_low():
+    # huge gradient variance on coordinate 0 (tau < 1 there), none on coordinate 1
+    p = _param([0.0, 0.0])
+    opt = GENIE([p], lr=0.1, mask=False, generator=torch.Generator().manual_seed(1))
+    quiet = GENIE([_param([0.0, 0.0])], lr=0.1, mask=False, noise=False)
+    q = quiet.param_groups[0]["params"][0]
+    for g in ([10.0, 1.0], [-10.0, 1.0], [10.0, 1.0]):
+        _step(opt, p, g)
+        _step(quiet, q, g)
+    # tanh(10) < 1 in float64, so coordinate 1 gets noise of relative size 1 - tanh(10) ~ 4e-9
+    assert abs(p[1].item() - q[1].item()) < 1e-8
+    assert abs(p[0].item() - q[0].item()) > 1e-4
+
+
+@pytest.mark.parametrize("switches", [{}, {"precondition": False}, {"noise": False},
+                                      {"mask": False}, {"weight_decay": 0.01}])
+def test_foreach_path_equals_the_reference_path(switches):
+    torch.manual_seed(0)
+    shapes = [(5, 3), (3,), (4, 2, 2)]
+    init = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) * (1 + 5 * i) for s in shapes] for i in range(6)]
+    results = []
+    for foreach in (False, True):
+        params = [t.clone().requires_grad_(True) for t in init]
+        opt = GENIE(params, lr=0.05, generator=torch.Generator().manual_seed(7),
+                    foreach=foreach, **switches)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        results.append(params)
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_seeded_runs_reproduce_and_state_dict_round_trips():
+    def run(seed, steps, opt_state=None, start=None):
+        p = (start.clone() if start is not None else torch.ones(50)).requires_grad_(True)
+        gen = torch.Generator().manual_seed(seed)
+        opt = GENIE([p], generator=gen)
+        if opt_state is not None:
+            opt.load_state_dict(opt_state)
+        for i in range(steps):
+            p.grad = torch.sin(torch.arange(50.0) * (i + 1))
+            opt.step()
+        return p.detach(), opt
+
+    a, _ = run(5, 4)
+    b, _ = run(5, 4)
+    c, _ = run(6, 4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    _, opt = run(5, 2)
+    state = opt.state_dict()
+    assert {"m", "s", "step"} <= set(state["state"][0])
+    restored = GENIE([torch.zeros(50, requires_grad=True)])
+    restored.load_state_dict(state)
+    assert restored.state_dict()["state"][0]["step"] == 2
+    torch.testing.assert_close(restored.state_dict()["state"][0]["m"], state["state"][0]["m"])
+
+
+def test_lr_is_the_step_size_and_schedulers_drive_it():
+    p = _param([0.0])
+    opt = GENIE([p], lr=0.2, noise=False, mask=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _step(opt, p, [1.0])
+    first = -p.item()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert first == pytest.approx(0.2 * math.tanh(10) / (1 + 1e-8 / (1 + 1e-8)))
+
+
+@pytest.mark.parametrize("kwargs, match", [({"lr": 0.0}, "lr"), ({"moving_avg": 1.0},
+                                           "moving_avg"), ({"p": 1.0}, "drop"),
+                                          ({"weight_decay": -1.0}, "weight_decay")])
+def test_invalid_arguments_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GENIE([torch.zeros(1, requires_grad=True)], **kwargs)
+
+
+def test_float32_tanh_is_exactly_one_from_the_fast_path_threshold():
+    from pflalign.optim import GENIE_CLAMP, TANH_ONE
+
+    lo = int(torch.tensor(TANH_ONE).view(torch.int32))
+    hi = int(torch.tensor(GENIE_CLAMP).view(torch.int32))
+    grid = torch.arange(lo, hi + 1, dtype=torch.int32).view(torch.float32)
+    assert bool((torch.tanh(grid) == 1).all())
+    assert all(float(torch.tanh(torch.tensor([x]))) == 1.0 for x in (TANH_ONE, 9.75, 10.0))
+
+
+def test_fast_path_gives_the_reference_numbers_in_float32():
+    gen = torch.Generator().manual_seed(4)
+    init = [torch.randn(6, 5, generator=gen), torch.randn(7, generator=gen)]
+    grads = [[torch.randn(t.shape, generator=gen) * 0.01 for t in init] for _ in range(5)]
+    results = []
+    for foreach in (False, True):
+        params = [t.clone().requires_grad_(True) for t in init]
+        opt = GENIE(params, lr=0.05, foreach=foreach,
+                    generator=torch.Generator().manual_seed(1))
+        for step_grads in grads:  # small gradients: var << 0.1, tau == 1 in float32
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        results.append(params)
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
