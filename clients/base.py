@@ -67,6 +67,10 @@ class ClientState:
 _TEMPLATES: dict[tuple, nn.Module] = {}
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 @dataclass
 class RoundInput:
     """What a message brings a client: its array records (as torch state dicts) and config."""
@@ -124,15 +128,19 @@ class ClientMethod:
     def local_train(self, model: nn.Module, server_round: int, stream: int = STREAM_TRAIN,
                     epochs: int | None = None,
                     optimizer: torch.optim.Optimizer | None = None,
-                    before_step: Callable[[], None] | None = None) -> TrainStats:
+                    before_step: Callable[[], None] | None = None,
+                    features: torch.Tensor | None = None) -> TrainStats:
         """Train on the client's train split, shuffled by (seed, round, client, stream).
 
         ``epochs=None`` is the round's local training: ``local-epochs``, capped at ``local-steps``.
         An explicit ``epochs`` (a method's other phases: fine-tuning, personal models, heads) is
-        run in full."""
+        run in full. ``features``, one row per train sample, replaces the normalised images as
+        ``model``'s input (a head trained on a frozen body's outputs)."""
         s = self.settings
+        inputs, normalize = ((self.data.train_x, self.data.normalize) if features is None
+                             else (features, _identity))
         return train_local(
-            model, self.data.train_x, self.data.train_y, self.data.normalize,
+            model, inputs, self.data.train_y, normalize,
             optimizer=optimizer or self.make_optimizer(model.parameters(), server_round, stream),
             batch_size=int(s["batch-size"]),
             epochs=int(s["local-epochs"]) if epochs is None else epochs,

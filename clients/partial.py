@@ -12,7 +12,6 @@ shared part is frozen and the personal part is fitted on the client's own train 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from clients.base import ClientMethod, FitResult, RoundInput
@@ -82,17 +81,10 @@ class PartialModelClient(ClientMethod):
         updates as training through the frozen body, at the cost of one forward pass of it."""
         features = self.head_inputs(model, head)
         model.train()
-        optimizer = self.make_optimizer(head.parameters(), server_round, stream)
-        loss_sum, seen, steps = 0.0, 0, 0
-        for idx in self.batch_order(server_round, stream, epochs):
-            loss = F.cross_entropy(head(features[idx]), self.data.train_y[idx])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            loss_sum += float(loss.detach()) * len(idx)
-            seen += len(idx)
-            steps += 1
-        return TrainStats(loss=loss_sum / max(seen, 1), steps=steps, samples=seen)
+        return self.local_train(head, server_round, stream=stream, epochs=epochs,
+                                optimizer=self.make_optimizer(head.parameters(), server_round,
+                                                              stream),
+                                features=features)
 
     def fit_personal(self, model: nn.Module, server_round: int) -> TrainStats:
         """The new-client procedure: fit the personal part with the shared part frozen."""

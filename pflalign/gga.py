@@ -53,30 +53,27 @@ def domain_gradients(model: nn.Module, batches: Sequence[Batch],
     return grads, total / max(count, 1)
 
 
-def min_pairwise_cosine(vectors: Sequence[torch.Tensor] | torch.Tensor) -> float:
-    """``min_{d < d'} cos(G_d, G_d')`` (3.2 step 3); a zero vector has cosine 0 with any other.
-    Needs at least two vectors."""
+def pairwise_cosines(vectors: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """The cosines of every pair ``d < d'`` of vectors (float64); a zero vector has cosine 0
+    with any other. Needs at least two vectors."""
     stacked = torch.stack(list(vectors)) if not isinstance(vectors, torch.Tensor) else vectors
     if len(stacked) < 2:
-        raise ValueError("min_pairwise_cosine needs at least two domains' gradients.")
+        raise ValueError("Pairwise cosines need at least two domains' gradients.")
     stacked = stacked.double()
     norms = stacked.norm(dim=1, keepdim=True)
     unit = stacked / torch.where(norms > 0, norms, torch.ones_like(norms))
-    cos = unit @ unit.T
     upper = torch.triu_indices(len(stacked), len(stacked), offset=1)
-    return float(cos[upper[0], upper[1]].min())
+    return (unit @ unit.T)[upper[0], upper[1]]
+
+
+def min_pairwise_cosine(vectors: Sequence[torch.Tensor] | torch.Tensor) -> float:
+    """``min_{d < d'} cos(G_d, G_d')`` (3.2 step 3)."""
+    return float(pairwise_cosines(vectors).min())
 
 
 def mean_pairwise_cosine(vectors: Sequence[torch.Tensor] | torch.Tensor) -> float:
     """The mean of the pairwise cosines (GGA-L's agreement, 3.5)."""
-    stacked = torch.stack(list(vectors)) if not isinstance(vectors, torch.Tensor) else vectors
-    if len(stacked) < 2:
-        raise ValueError("mean_pairwise_cosine needs at least two domains' gradients.")
-    stacked = stacked.double()
-    norms = stacked.norm(dim=1, keepdim=True)
-    unit = stacked / torch.where(norms > 0, norms, torch.ones_like(norms))
-    upper = torch.triu_indices(len(stacked), len(stacked), offset=1)
-    return float((unit @ unit.T)[upper[0], upper[1]].mean())
+    return float(pairwise_cosines(vectors).mean())
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,14 @@ from torch.optim import Optimizer
 GAMMA_MODES = ("adaptive", "zero", "half", "one", "hard")
 
 
+def _params_with_grad(group: dict, optimizer: str) -> list[torch.Tensor]:
+    """The group's parameters that have a gradient this step (dense gradients only)."""
+    params = [p for p in group["params"] if p.grad is not None]
+    if any(p.grad.is_sparse for p in params):
+        raise RuntimeError(f"{optimizer} does not support sparse gradients.")
+    return params
+
+
 class PFLAlign(Optimizer):
     """pFLAlign's variance-reduced, gradient-aligned local update (ALGORITHMS.md 1.4 and 1.8).
 
@@ -121,11 +129,9 @@ class PFLAlign(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = _params_with_grad(group, "PFLAlign")
             if not params:
                 continue
-            if any(p.grad.is_sparse for p in params):
-                raise RuntimeError("PFLAlign does not support sparse gradients.")
             states = [self._init_state(p) for p in params]
             use_foreach = group["foreach"]
             if use_foreach is None:
@@ -323,11 +329,9 @@ class GENIE(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = _params_with_grad(group, "GENIE")
             if not params:
                 continue
-            if any(p.grad.is_sparse for p in params):
-                raise RuntimeError("GENIE does not support sparse gradients.")
             states = []
             for p in params:
                 state = self.state[p]

@@ -15,9 +15,13 @@ from strategies.base import PFLStrategy, Update
 
 
 class PFedMeStrategy(PFLStrategy):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trainable_spec = FlatSpec.of({k: self.global_state[k] for k in self.trainable})
+
     def aggregate(self, server_round: int, updates: list[Update]) -> State | None:
         """beta-mixing of the trainable entries; buffers (batch-norm statistics) are averaged."""
-        spec = FlatSpec.of({k: self.global_state[k] for k in self.trainable})
+        spec = self.trainable_spec
         weights = [u.num_examples for u in updates]
         average = weighted_average([spec.flatten(u.state, np.float64) for u in updates], weights)
         current = spec.flatten(self.global_state, np.float64)
