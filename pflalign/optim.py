@@ -286,10 +286,16 @@ class GENIE(Optimizer):
     the bias-corrected EMA of the gradient.
 
     Randomness (``U``, then ``xi``) comes from ``generator`` (a ``torch.Generator``; the global RNG
-    when None), each drawn as one flat vector per step over the group's parameters in order, so
-    the single-tensor and foreach paths give the same numbers and a seeded generator reproduces a
-    run. The noise draw is skipped when no coordinate has ``tau < 1`` (then ``n = 0`` exactly; in
-    float32, ``tanh(10)`` rounds to 1).
+    when None), each drawn as one flat vector per step: ``U`` over the group's parameters in
+    order, ``xi`` over those tensors, in order, that have some ``tau < 1`` (elsewhere
+    ``1 - tau = 0`` and ``n = 0`` exactly; in float32, ``tanh(x)`` rounds to 1 for x >= 9.5, so
+    low-variance tensors draw no noise). So the single-tensor and fast paths give the same numbers
+    and a seeded generator reproduces a run.
+
+    ``foreach`` (default: when the group's parameters share one dtype and device) selects the fast
+    path: ``m`` and ``s`` kept in flat buffers (the state tensors are views of them) and every
+    intermediate written into preallocated flat scratch, about 6 floats of memory per parameter
+    in all; ``foreach=False`` is the reference, one tensor at a time as 2.4 reads.
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict], lr: float = 0.015,
@@ -308,16 +314,20 @@ class GENIE(Optimizer):
                         precondition=precondition, noise=noise, mask=mask, foreach=foreach)
         super().__init__(params, defaults)
         self.generator = generator
+        self._flats: dict[int, _Flat] = {}  # per group: the flat buffers of the fast path
 
-    def _draw(self, kind: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+    def _draw(self, kind: str, numel: int, like: torch.Tensor,
+              words: torch.Tensor | None = None) -> torch.Tensor:
         """One flat vector of ``numel`` standard normals (``"normal"``) or 16-bit uniform
-        integers (``"bits"``: four per 64-bit draw, the cheap source of the mask), on ``like``'s
-        device."""
+        integers (``"bits"``: four per 64-bit draw, the cheap source of the mask; drawn into
+        ``words`` when given, a reusable int64 buffer of ``ceil(numel / 4)`` on the generator's
+        device), on ``like``'s device."""
         device = self.generator.device if self.generator is not None else like.device
         if kind == "normal":
             out = torch.randn(numel, generator=self.generator, device=device, dtype=like.dtype)
         else:
-            words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device)
+            if words is None or words.device != device:
+                words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device)
             words.random_(-2 ** 63, None, generator=self.generator)  # the full 64-bit range
             out = words.view(torch.int16)[:numel]
         return out.to(like.device)
@@ -341,15 +351,18 @@ class GENIE(Optimizer):
                     state["s"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 states.append(state)
-            use_foreach = group["foreach"]
-            if use_foreach is None:
-                use_foreach = len(params) > 1
+            # the flat fast path needs one dtype and device per group; foreach=None picks it then
+            uniform = len({(p.dtype, p.device) for p in params}) == 1
+            if group["foreach"] and not uniform:
+                raise ValueError("GENIE(foreach=True) needs one dtype and device per parameter "
+                                 "group; split the parameters into groups or pass foreach=False.")
+            use_foreach = uniform if group["foreach"] is None else group["foreach"]
             # tensors at the same step share b and rho: one foreach pass per step count
             buckets: dict[int, list[int]] = {}
             for i, state in enumerate(states):
                 buckets.setdefault(state["step"], []).append(i)
             for step, idx in buckets.items():
-                impl = _genie_foreach if use_foreach else _genie_single
+                impl = _genie_flat if use_foreach else _genie_single
                 impl(self, [params[i] for i in idx], [states[i] for i in idx], group, step)
         return loss
 
@@ -360,26 +373,28 @@ def _genie_constants(beta: float, step: int) -> tuple[float, float]:
     return b, (1.0 - beta) * (2.0 - b) / ((1.0 + beta) * b)
 
 
-def _genie_random(opt: GENIE, params: list[torch.Tensor], group: dict, need_noise: bool,
-                  ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
-    """This step's noise ``xi`` and keep-mask ``1[U > p]`` per tensor (None when switched off;
-    the caller rescales by ``1/(1-p)``); the mask is drawn first."""
-    sizes = [p.numel() for p in params]
-    total = sum(sizes)
+def _genie_mask(opt: GENIE, params: list[torch.Tensor], group: dict,
+                out: torch.Tensor | None = None, words: torch.Tensor | None = None,
+                ) -> torch.Tensor:
+    """This step's keep-mask ``1[U > p]`` as a flat 0/1 vector over ``params`` in order (the
+    caller rescales by ``1/(1-p)``), written into ``out`` when given.
 
-    def split(flat: torch.Tensor) -> list[torch.Tensor]:
-        return [part.view_as(p) for part, p in zip(flat.split(sizes), params, strict=True)]
+    ``U = (bits + 2^15) / 2^16`` is uniform on a 2^-16 grid in [0, 1) and ``U > p`` exactly when
+    ``bits > floor(p 2^16) - 2^15``: one comparison of the 16-bit draws, written straight into a
+    float tensor (a boolean result would be several times slower on CPU)."""
+    total = sum(p.numel() for p in params)
+    threshold = math.floor(group["p"] * 65536) - 32768
+    bits = opt._draw("bits", total, params[0], words)
+    if out is None:
+        out = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
+    return torch.gt(bits, threshold, out=out)
 
-    masks = None
-    if group["mask"]:
-        # U = (bits + 2^15) / 2^16 is uniform on a 2^-16 grid in [0, 1); U > p exactly when
-        # bits > threshold, i.e. when clamp(bits - threshold, 0, 1) = 1 (integers: a 0/1 mask
-        # in float arithmetic, no boolean tensors, which are slow on CPU)
-        threshold = math.floor(group["p"] * 65536) - 32768
-        bits = opt._draw("bits", total, params[0])
-        masks = split(bits.to(params[0].dtype).sub_(threshold).clamp_(0.0, 1.0))
-    xi = split(opt._draw("normal", total, params[0])) if need_noise else None
-    return xi, masks
+
+def _genie_noise(opt: GENIE, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This step's ``xi ~ N(0, I)`` for ``params``, one flat draw split per tensor."""
+    flat = opt._draw("normal", sum(p.numel() for p in params), params[0])
+    return [part.view_as(p) for part, p in zip(flat.split([p.numel() for p in params]), params,
+                                                strict=True)]
 
 
 def _genie_single(opt: GENIE, params: list[torch.Tensor], states: list[dict], group: dict,
@@ -403,88 +418,153 @@ def _genie_single(opt: GENIE, params: list[torch.Tensor], states: list[dict], gr
         var_mu = torch.where(var_mu > 0, var_mu, GENIE_FLOOR)
         r = 1.0 / (1.0 + var_mu / (mu * mu + GENIE_FLOOR))
         stats.append((mu, tau, r))
-    need_noise = group["noise"] and any(bool((tau < 1).any()) for _, tau, _ in stats)
-    xi, masks = _genie_random(opt, params, group, need_noise)
+    masks = _genie_mask(opt, params, group).split([p.numel() for p in params]) \
+        if group["mask"] else None
+    noisy = [i for i, (_, tau, _) in enumerate(stats) if group["noise"] and bool((tau < 1).any())]
+    xi = dict(zip(noisy, _genie_noise(opt, [params[i] for i in noisy]), strict=True)) \
+        if noisy else {}
     for i, (p, (mu, tau, r)) in enumerate(zip(params, stats, strict=True)):
         update = r * tau * mu if group["precondition"] else mu.clone()
-        if xi is not None:
+        if i in xi:
             nu = (tau * r * mu.abs()).sum() / tau.sum()
             update += (1.0 - tau) * nu * xi[i]
         if masks is not None:
-            update *= masks[i] / (1.0 - group["p"])
+            update *= masks[i].view_as(p) / (1.0 - group["p"])
         p.sub_(lr * update)
 
 
-def _genie_foreach(opt: GENIE, params: list[torch.Tensor], states: list[dict], group: dict,
-                   step: int) -> None:
-    """:func:`_genie_single` with torch's multi-tensor (foreach) kernels: same algebra and the
-    same random draws; the per-tensor sums of step 10 are L1 norms (their terms are >= 0).
+class _Flat:
+    """A bucket's ``m`` and ``s`` as views of two flat buffers (so ``state["m"]``/``state["s"]``
+    stay per-parameter tensors), plus four flat scratch buffers for the step's intermediates, each
+    with its per-parameter views made once."""
 
-    Fast path: in float32, ``tanh(x)`` rounds to exactly 1 for ``x >= TANH_ONE`` (9.5; checked
-    exhaustively by a test), so when every ``1/var`` reaches it the gate is ``tau = 1`` everywhere,
-    ``1 - tau = 0`` and the tanh, the gate product and the noise are skipped: the same numbers for
-    a fraction of the work. The mask is a boolean multiply; its ``1/(1-p)`` joins the step's
-    scalar.
+    def __init__(self, params: list[torch.Tensor], states: list[dict]):
+        self.key = tuple(id(p) for p in params)
+        self.sizes = [p.numel() for p in params]
+        total = sum(self.sizes)
+        like = params[0]
+        self.m, self.s = (torch.empty(total, dtype=like.dtype, device=like.device)
+                          for _ in range(2))
+        self.work = torch.empty(4, total, dtype=like.dtype, device=like.device)
+        self.m_views, self.s_views = self.views(self.m, params), self.views(self.s, params)
+        self.work_views = [self.views(row, params) for row in self.work]
+        self.words = torch.empty((total + 3) // 4, dtype=torch.int64, device=like.device)
+        torch._foreach_copy_(self.m_views, [s["m"] for s in states])
+        torch._foreach_copy_(self.s_views, [s["s"] for s in states])
+        for state, m, s in zip(states, self.m_views, self.s_views, strict=True):
+            state["m"], state["s"] = m, s
+
+    def views(self, flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [part.view_as(p) for part, p in zip(flat.split(self.sizes), params, strict=True)]
+
+    def serves(self, params: list[torch.Tensor], states: list[dict]) -> bool:
+        """Whether these buffers still hold exactly these parameters' state (not after
+        ``load_state_dict`` or an outside assignment, which replace the tensors)."""
+        return (self.key == tuple(map(id, params))
+                and all(st["m"] is m and st["s"] is s for st, m, s
+                        in zip(states, self.m_views, self.s_views, strict=True)))
+
+
+def _genie_flat(opt: GENIE, params: list[torch.Tensor], states: list[dict], group: dict,
+                step: int) -> None:
+    """:func:`_genie_single` on flat buffers: ``m`` and ``s`` live in one flat buffer each (the
+    per-parameter state tensors are views of it) and every intermediate is written in place into
+    preallocated flat scratch, so each pass is one kernel over all coordinates and nothing is
+    allocated per step. Same rule and the same random draws as the reference; the algebra is
+    rearranged to need fewer passes over memory (results agree up to rounding). With ``b`` the
+    bias correction and ``V = s - m^2/b = b (q - mu^2)``:
+
+    - ``var = c V`` with ``c = 1/(b (1 - rho))``, and ``1e-8`` where ``V <= 0``: with ``V``
+      clamped at 0 and ``Z = 1[V = 0]`` (a comparison written into a float tensor: boolean
+      tensors are several times slower on CPU), ``var = c V + 1e-8 Z`` (NaN -> 1e-8);
+    - ``r = X / D`` with ``X = b^2 (mu^2 + 1e-8) = m^2 + b^2 1e-8`` and
+      ``D = b^2 (mu^2 + 1e-8 + rho var) = X + (b rho / (1 - rho)) V + b^2 rho 1e-8 Z``;
+    - the step ``lr r mu M = (lr / b) (r m) M``: the ``1/b`` joins the step's scalar.
+
+    ``var_mu = rho var`` is not floored a second time: it underflows to 0 only for
+    ``var < ~5e-44``, which needs ``|mu| < ~1e-18``, where the step is negligible either way.
+
+    The gate: in float32, ``tanh(x)`` rounds to exactly 1 for ``x >= TANH_ONE`` (9.5; checked
+    exhaustively by a test). One reduction gives the largest ``var``; when every ``1/var`` reaches
+    9.5, ``tau = 1`` everywhere and the tanh, the gate product and the noise are skipped (the same
+    numbers for a fraction of the work). Otherwise only the tensors with some ``1/var < 9.5``
+    compute ``tau``, and only those with some ``tau < 1`` draw noise.
     """
     beta, lr, wd = group["moving_avg"], group["lr"], group["weight_decay"]
     b, rho = _genie_constants(beta, step)
-    grads = [p.grad for p in params]
+    flat = opt._flats.get(id(group))
+    if flat is None or not flat.serves(params, states):
+        flat = opt._flats[id(group)] = _Flat(params, states)
+    m, s = flat.m, flat.s
+    var_, num, zero, den = flat.work  # scratch rows
+    var_views, num_views, zero_views, den_views = flat.work_views
+    grad = torch.cat([p.grad.reshape(-1) for p in params], out=den)  # g, flat
     if wd:
-        grads = torch._foreach_add(grads, params, alpha=wd)
-    ms = [s["m"] for s in states]
-    ss = [s["s"] for s in states]
-    torch._foreach_lerp_(ms, grads, 1 - beta)
-    torch._foreach_mul_(ss, beta)
-    torch._foreach_addcmul_(ss, grads, grads, value=1 - beta)
-    mu = torch._foreach_div(ms, b)
-    mu2 = torch._foreach_mul(mu, mu)
+        torch._foreach_add_(den_views, params, alpha=wd)
+    m.lerp_(grad, 1 - beta)
+    s.mul_(beta).addcmul_(grad, grad, value=1 - beta)
+    spread = torch.addcmul(s, m, m, value=-1.0 / b, out=den).clamp_min_(0.0)  # V
     if 1.0 - rho > 0:
-        var = torch._foreach_div(ss, b)
-        torch._foreach_sub_(var, mu2)
-        torch._foreach_div_(var, 1.0 - rho)
-        _floor_(var)
+        c, k = 1.0 / (b * (1.0 - rho)), b * rho / (1.0 - rho)
+        top = float(spread.max())
+        if math.isnan(top):  # non-finite gradients: var NaN -> 1e-8, as the reference
+            spread.nan_to_num_(nan=0.0)
+            top = float(spread.max())
+    else:  # t = 1: var = 1e-8 everywhere
+        c, k, top = 0.0, 0.0, 0.0
+        spread.zero_()
+    torch.eq(spread, 0.0, out=zero)  # Z
+    if var_.dtype != torch.float32:
+        gated = list(range(len(params)))
+    elif top > 0 and float(torch.reciprocal(torch.tensor(top * c, dtype=var_.dtype))) < TANH_ONE:
+        gated = None  # decided per tensor below
     else:
-        var = [torch.full_like(m, GENIE_FLOOR) for m in mu]
-    tau = None  # None: exactly 1 everywhere
-    if not all(p.dtype == torch.float32 for p in params) or float(
-            torch.reciprocal(torch.stack(torch._foreach_max(var))).min()) < TANH_ONE:
-        tau = torch._foreach_reciprocal(var)
+        gated = []
+    if gated != []:  # var itself, for tau
+        torch.mul(zero, GENIE_FLOOR, out=var_).add_(spread, alpha=c)
+        if gated is None:
+            inv = torch.reciprocal(torch.stack(torch._foreach_max(var_views))).tolist()
+            gated = [i for i, x in enumerate(inv) if x < TANH_ONE]
+    floor = b * b * GENIE_FLOOR
+    torch.addcmul(torch.tensor(floor, dtype=m.dtype, device=m.device), m, m, out=num)  # X
+    torch.add(num, spread, alpha=k, out=den).add_(zero, alpha=floor * rho)  # D
+    torch.div(num, den, out=den)  # r
+    if group["precondition"]:
+        den.mul_(m)  # b r mu
+        step_views, scale = den_views, lr / b
+    else:
+        torch.mul(m, 1.0 / b, out=num)  # mu
+        step_views, scale = num_views, lr
+    mask = _genie_mask(opt, params, group, out=zero, words=flat.words) if group["mask"] else None
+    if gated:  # tau = tanh(clamp(1/var, 0, 10)) on the gated tensors, in place of their var
+        tau = [var_views[i] for i in gated]
+        torch._foreach_reciprocal_(tau)
         torch._foreach_clamp_min_(tau, 0.0)
         torch._foreach_clamp_max_(tau, GENIE_CLAMP)
         torch._foreach_tanh_(tau)
-    var_mu = torch._foreach_mul(var, rho)
-    _floor_(var_mu)  # var > 0 and rho > 0: changes only values that underflowed to 0
-    torch._foreach_add_(mu2, GENIE_FLOOR)
-    r = torch._foreach_div(var_mu, mu2)
-    torch._foreach_add_(r, 1.0)
-    torch._foreach_reciprocal_(r)
-    gate = torch._foreach_mul(r, tau) if tau is not None else r  # P = r tau
-    need_noise = group["noise"] and tau is not None and any(bool((t < 1).any()) for t in tau)
-    xi, masks = _genie_random(opt, params, group, need_noise)
-    update = torch._foreach_mul(gate, mu) if group["precondition"] else mu
-    if xi is not None:
-        weighted = torch._foreach_norm(torch._foreach_mul(gate, mu), 1)  # sum(tau r |mu|)
-        tau_sum = torch._foreach_norm(tau, 1)
-        nus = [float(w) / float(t) for w, t in zip(weighted, tau_sum, strict=True)]
-        low = torch._foreach_neg(tau)
-        torch._foreach_add_(low, 1.0)  # 1 - tau
-        torch._foreach_mul_(low, xi)
-        torch._foreach_mul_(low, nus)
-        torch._foreach_add_(update, low)
-    if masks is not None:
-        torch._foreach_mul_(update, masks)
-        torch._foreach_add_(params, update, alpha=-lr / (1.0 - group["p"]))
+        gated_steps = [step_views[i] for i in gated]
+        # the step buffer holds b r mu (preconditioned) or mu; the noise scale nu is
+        # sum(tau r |mu|) / sum(tau), and in the buffer's units sum(|weighted|) / sum(tau)
+        if group["precondition"]:
+            torch._foreach_mul_(gated_steps, tau)  # b r tau mu
+            weighted = gated_steps
+        else:
+            weighted = torch._foreach_mul([den_views[i] for i in gated], gated_steps)
+            torch._foreach_mul_(weighted, tau)  # r tau mu
+        noisy = []
+        if group["noise"]:
+            lowest = torch.stack(torch._foreach_max(torch._foreach_neg(tau))).tolist()  # -min tau
+            noisy = [k for k, x in enumerate(lowest) if -x < 1]
+        if noisy:
+            nus = (torch.stack([weighted[k].abs().sum() for k in noisy])
+                   / torch.stack([tau[k].sum() for k in noisy])).tolist()
+            extra = torch._foreach_neg([tau[k] for k in noisy])
+            torch._foreach_add_(extra, 1.0)  # 1 - tau
+            torch._foreach_mul_(extra, _genie_noise(opt, [params[gated[k]] for k in noisy]))
+            torch._foreach_mul_(extra, nus)
+            torch._foreach_add_([gated_steps[k] for k in noisy], extra)
+    if mask is not None:
+        torch._foreach_addcmul_(params, step_views, zero_views,
+                                value=-scale / (1.0 - group["p"]))
     else:
-        torch._foreach_add_(params, update, alpha=-lr)
-
-
-def _floor_(values: list[torch.Tensor]) -> None:
-    """In place, ``where(v > 0, v, 1e-8)`` (NaN -> 1e-8) in float arithmetic only: NaN -> 0, clamp
-    at 0, then add ``1e-8 (1 - sign(v))``, which is 1e-8 exactly where v = 0 and exactly 0 where
-    v > 0. Boolean tensors (comparisons, ``where``) are several times slower on CPU."""
-    torch._foreach_copy_(values, [torch.nan_to_num(v, nan=0.0, posinf=math.inf) for v in values])
-    torch._foreach_clamp_min_(values, 0.0)
-    gap = torch._foreach_sign(values)
-    torch._foreach_mul_(gap, -GENIE_FLOOR)
-    torch._foreach_add_(gap, GENIE_FLOOR)
-    torch._foreach_add_(values, gap)
+        torch._foreach_add_(params, step_views, alpha=-scale)

@@ -189,3 +189,165 @@ def test_fast_path_gives_the_reference_numbers_in_float32():
         results.append(params)
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _spec_run(init, grads, lr, beta, p, precondition, noise, mask, seed):
+    """ALGORITHMS.md 2.3 steps 1-12 in float64 NumPy, written independently of the optimizer.
+    The randomness is replayed from a generator seeded alike, in GENIE's documented order: the
+    mask's 16-bit draws (four per 64-bit word) over all coordinates, then xi over the tensors
+    whose float32 gate has some tau < 1."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(seed)
+    thetas = [t.double().numpy().copy() for t in init]
+    ms = [np.zeros_like(t) for t in thetas]
+    ss = [np.zeros_like(t) for t in thetas]
+    floor = 1e-8
+    for t, step_grads in enumerate(grads, start=1):
+        b = 1 - beta ** t
+        rho = (1 - beta) * (2 - b) / ((1 + beta) * b)
+        stats = []
+        for i, g in enumerate(step_grads):
+            g = g.double().numpy()
+            ms[i] = beta * ms[i] + (1 - beta) * g
+            ss[i] = beta * ss[i] + (1 - beta) * g * g
+            mu, q = ms[i] / b, ss[i] / b
+            var = (q - mu * mu) / (1 - rho) if 1 - rho > 0 else np.full_like(mu, floor)
+            var = np.where(var > 0, var, floor)
+            tau = np.tanh(np.clip(1 / var, 0, 10))
+            var_mu = np.where(rho * var > 0, rho * var, floor)
+            r = 1 / (1 + var_mu / (mu * mu + floor))
+            gate32 = torch.tanh(torch.tensor(np.clip(1 / var, 0, 10), dtype=torch.float32))
+            stats.append((mu, tau, r, bool((gate32 < 1).any())))
+        sizes = [th.size for th in thetas]
+        keep = None
+        if mask:
+            words = torch.empty((sum(sizes) + 3) // 4, dtype=torch.int64)
+            words.random_(-2 ** 63, None, generator=gen)
+            uniform = (words.view(torch.int16)[:sum(sizes)].numpy().astype(np.float64)
+                       + 32768) / 65536
+            keep = np.split((uniform > p) / (1 - p), np.cumsum(sizes)[:-1])
+        noisy = [i for i, s in enumerate(stats) if noise and s[3]]
+        xi = {}
+        if noisy:
+            flat = torch.randn(sum(sizes[i] for i in noisy), generator=gen).double().numpy()
+            parts = np.split(flat, np.cumsum([sizes[i] for i in noisy])[:-1])
+            xi = dict(zip(noisy, parts, strict=True))
+        for i, (mu, tau, r, _) in enumerate(stats):
+            u = r * tau * mu if precondition else mu.copy()
+            if i in xi:
+                nu = (tau * r * np.abs(mu)).sum() / tau.sum()
+                u = u + (1 - tau) * nu * xi[i].reshape(mu.shape)
+            if keep is not None:
+                u = u * keep[i].reshape(mu.shape)
+            thetas[i] = thetas[i] - lr * u
+    return thetas
+
+
+# the reference repository's ablation classes (ALGORITHMS.md 2.2): preconditioning only, then
+# + noise, then + noise + mask (the full rule); and the mask alone on the EMA mean
+ABLATIONS = [dict(precondition=True, noise=False, mask=False),
+             dict(precondition=True, noise=True, mask=False),
+             dict(precondition=True, noise=True, mask=True),
+             dict(precondition=False, noise=False, mask=True)]
+
+
+@pytest.mark.parametrize("switches", ABLATIONS)
+@pytest.mark.parametrize("foreach", [False, True])
+def test_ablation_classes_follow_the_rule_computed_by_hand(switches, foreach):
+    gen = torch.Generator().manual_seed(3)
+    init = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen),
+            torch.randn(2, 2, generator=gen)]
+    # tensor 0: gradients of size ~3 that flip sign (var >> 0.1: the gate is low, noise flows);
+    # tensors 1 and 2: gradients ~0.01 (tau == 1 in float32: no noise drawn for them)
+    grads = [[3 * torch.randn(4, 3, generator=gen), 0.01 * torch.randn(5, generator=gen),
+              0.01 * torch.randn(2, 2, generator=gen)] for _ in range(6)]
+    params = [t.clone().requires_grad_(True) for t in init]
+    opt = GENIE(params, lr=0.05, moving_avg=0.9, p=0.3, foreach=foreach,
+                generator=torch.Generator().manual_seed(11), **switches)
+    for step_grads in grads:
+        for prm, g in zip(params, step_grads, strict=True):
+            prm.grad = g.clone()
+        opt.step()
+    expected = _spec_run(init, grads, lr=0.05, beta=0.9, p=0.3, seed=11, **switches)
+    for prm, want in zip(params, expected, strict=True):
+        torch.testing.assert_close(prm.detach().double(), torch.from_numpy(want),
+                                   rtol=1e-5, atol=1e-6)
+    for switch in ("noise", "mask"):  # each switched-on part changes the run measurably
+        if switches[switch]:
+            without = _spec_run(init, grads, lr=0.05, beta=0.9, p=0.3, seed=11,
+                                **{**switches, switch: False})
+            assert not torch.allclose(params[0].detach().double(), torch.from_numpy(without[0]),
+                                      rtol=1e-3, atol=1e-4)
+
+
+def test_a_reloaded_state_continues_the_run_exactly():
+    def fresh():
+        params = [torch.linspace(-1, 1, 12).reshape(3, 4).requires_grad_(True),
+                  torch.zeros(4, requires_grad=True)]
+        return params, GENIE(params, lr=0.1, generator=torch.Generator().manual_seed(2))
+
+    def feed(opt, params, k):
+        for i, prm in enumerate(params):
+            prm.grad = torch.cos(torch.arange(prm.numel(), dtype=torch.float32) * (k + i + 1)
+                                 ).reshape(prm.shape)
+        opt.step()
+
+    whole, opt = fresh()
+    for k in range(6):
+        feed(opt, whole, k)
+    part, opt = fresh()
+    for k in range(3):
+        feed(opt, part, k)
+    saved, rng = opt.state_dict(), opt.generator.get_state()
+    again, opt2 = fresh()
+    with torch.no_grad():
+        for dst, src in zip(again, part, strict=True):
+            dst.copy_(src)
+    opt2.load_state_dict(saved)
+    opt2.generator.set_state(rng)
+    for k in range(3, 6):
+        feed(opt2, again, k)
+    for a, b in zip(whole, again, strict=True):
+        assert torch.equal(a, b)
+    # and state set from outside (how pflalign-genie restores a client's m, s and step count)
+    again, opt3 = fresh()
+    with torch.no_grad():
+        for dst, src in zip(again, part, strict=True):
+            dst.copy_(src)
+    for prm, state in zip(again, saved["state"].values(), strict=True):
+        opt3.state[prm].update(step=state["step"], m=state["m"].clone(), s=state["s"].clone())
+    opt3.generator.set_state(rng)
+    for k in range(3, 6):
+        feed(opt3, again, k)
+    for a, b in zip(whole, again, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_mixed_dtypes_in_one_group():
+    params = [torch.zeros(3, requires_grad=True),
+              torch.zeros(3, dtype=torch.float64, requires_grad=True)]
+    for prm in params:
+        prm.grad = torch.ones(3, dtype=prm.dtype)
+    with pytest.raises(ValueError, match="one dtype and device"):
+        GENIE(params, foreach=True).step()
+    opt = GENIE(params, lr=0.1, mask=False)  # foreach=None: the reference path
+    opt.step()
+    assert all(torch.allclose(prm.detach(), torch.full((3,), -0.1, dtype=prm.dtype))
+               for prm in params)
+
+
+def test_a_non_finite_gradient_stays_in_its_tensor_on_both_paths():
+    results = []
+    for foreach in (False, True):
+        params = [torch.zeros(4, requires_grad=True), torch.zeros(3, requires_grad=True)]
+        opt = GENIE(params, lr=0.1, foreach=foreach, generator=torch.Generator().manual_seed(0))
+        for k in range(3):
+            params[0].grad = torch.tensor([1.0, float("nan") if k == 1 else 2.0, 0.5, -1.0])
+            params[1].grad = torch.tensor([0.1, -0.2, 0.3]) * (k + 1)
+            opt.step()
+        results.append([prm.detach().clone() for prm in params])
+    (a0, a1), (b0, b1) = results
+    assert not bool(torch.isfinite(a0).all()) and not bool(torch.isfinite(b0).all())
+    assert bool(torch.isfinite(a1).all())
+    torch.testing.assert_close(a1, b1, rtol=1e-6, atol=1e-7)
