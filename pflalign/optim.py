@@ -314,7 +314,8 @@ class GENIE(Optimizer):
                         precondition=precondition, noise=noise, mask=mask, foreach=foreach)
         super().__init__(params, defaults)
         self.generator = generator
-        self._flats: dict[int, _Flat] = {}  # per group: the flat buffers of the fast path
+        # the fast path's flat buffers, per (group index, the bucket's parameters)
+        self._flats: dict[tuple[int, tuple[int, ...]], _Flat] = {}
 
     def _draw(self, kind: str, numel: int, like: torch.Tensor,
               words: torch.Tensor | None = None) -> torch.Tensor:
@@ -338,7 +339,7 @@ class GENIE(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             params = _params_with_grad(group, "GENIE")
             if not params:
                 continue
@@ -361,10 +362,34 @@ class GENIE(Optimizer):
             buckets: dict[int, list[int]] = {}
             for i, state in enumerate(states):
                 buckets.setdefault(state["step"], []).append(i)
+            used = set()
             for step, idx in buckets.items():
-                impl = _genie_flat if use_foreach else _genie_single
-                impl(self, [params[i] for i in idx], [states[i] for i in idx], group, step)
+                # empty tensors have nothing to update and draw nothing
+                idx = [i for i in idx if params[i].numel()]
+                if not idx:
+                    continue
+                bucket = [params[i] for i in idx]
+                if use_foreach:
+                    key = (index, tuple(map(id, bucket)))
+                    used.add(key)
+                    _genie_flat(self, bucket, [states[i] for i in idx], group, step, key)
+                else:
+                    _genie_single(self, bucket, [states[i] for i in idx], group, step)
+            # buffers of buckets this group no longer has (they would only hold memory)
+            for key in [k for k in self._flats if k[0] == index and k not in used]:
+                del self._flats[key]
         return loss
+
+    def __getstate__(self) -> dict:  # copy/pickle: keep the generator; the buffers are rebuilt
+        state = super().__getstate__()
+        state["generator"] = self.generator
+        return state
+
+    def __setstate__(self, state: dict) -> None:  # also what load_state_dict calls
+        if "generator" in state or not hasattr(self, "generator"):
+            self.generator = state.pop("generator", None)
+        super().__setstate__(state)
+        self._flats = {}
 
 
 def _genie_constants(beta: float, step: int) -> tuple[float, float]:
@@ -466,7 +491,7 @@ class _Flat:
 
 
 def _genie_flat(opt: GENIE, params: list[torch.Tensor], states: list[dict], group: dict,
-                step: int) -> None:
+                step: int, key: tuple) -> None:
     """:func:`_genie_single` on flat buffers: ``m`` and ``s`` live in one flat buffer each (the
     per-parameter state tensors are views of it) and every intermediate is written in place into
     preallocated flat scratch, so each pass is one kernel over all coordinates and nothing is
@@ -481,6 +506,10 @@ def _genie_flat(opt: GENIE, params: list[torch.Tensor], states: list[dict], grou
       ``D = b^2 (mu^2 + 1e-8 + rho var) = X + (b rho / (1 - rho)) V + b^2 rho 1e-8 Z``;
     - the step ``lr r mu M = (lr / b) (r m) M``: the ``1/b`` joins the step's scalar.
 
+    The random draws are the reference's, except where the two roundings of ``q - mu^2`` put a
+    tensor on different sides of the gate: in float32 that needs ``|mu|`` of several hundred,
+    where cancellation alone makes ``var`` of order 0.1.
+
     ``var_mu = rho var`` is not floored a second time: it underflows to 0 only for
     ``var < ~5e-44``, which needs ``|mu| < ~1e-18``, where the step is negligible either way.
 
@@ -492,9 +521,9 @@ def _genie_flat(opt: GENIE, params: list[torch.Tensor], states: list[dict], grou
     """
     beta, lr, wd = group["moving_avg"], group["lr"], group["weight_decay"]
     b, rho = _genie_constants(beta, step)
-    flat = opt._flats.get(id(group))
+    flat = opt._flats.get(key)  # ``key``: (the group's index, the bucket's parameter ids)
     if flat is None or not flat.serves(params, states):
-        flat = opt._flats[id(group)] = _Flat(params, states)
+        flat = opt._flats[key] = _Flat(params, states)
     m, s = flat.m, flat.s
     var_, num, zero, den = flat.work  # scratch rows
     var_views, num_views, zero_views, den_views = flat.work_views
@@ -535,7 +564,12 @@ def _genie_flat(opt: GENIE, params: list[torch.Tensor], states: list[dict], grou
     else:
         torch.mul(m, 1.0 / b, out=num)  # mu
         step_views, scale = num_views, lr
-    mask = _genie_mask(opt, params, group, out=zero, words=flat.words) if group["mask"] else None
+    mask = None
+    if group["mask"]:
+        device = opt.generator.device if opt.generator is not None else m.device
+        if flat.words.device != device:  # the draws are made on the generator's device
+            flat.words = flat.words.to(device)
+        mask = _genie_mask(opt, params, group, out=zero, words=flat.words)
     if gated:  # tau = tanh(clamp(1/var, 0, 10)) on the gated tensors, in place of their var
         tau = [var_views[i] for i in gated]
         torch._foreach_reciprocal_(tau)

@@ -351,3 +351,43 @@ def test_a_non_finite_gradient_stays_in_its_tensor_on_both_paths():
     assert not bool(torch.isfinite(a0).all()) and not bool(torch.isfinite(b0).all())
     assert bool(torch.isfinite(a1).all())
     torch.testing.assert_close(a1, b1, rtol=1e-6, atol=1e-7)
+
+
+def test_buckets_keep_their_buffers_and_empty_tensors_are_skipped():
+    # p1 misses its gradient at step 1, so from then on the group has two step counts (two
+    # buckets); each keeps its flat buffers instead of rebuilding them every step
+    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True),
+              torch.zeros(0, requires_grad=True)]
+    opt = GENIE(params, lr=0.1, generator=torch.Generator().manual_seed(0))
+    ref = GENIE([t.detach().clone().requires_grad_(True) for t in params], lr=0.1, foreach=False,
+                generator=torch.Generator().manual_seed(0))
+    seen = []
+    for k in range(5):
+        for o in (opt, ref):
+            ps = o.param_groups[0]["params"]
+            ps[0].grad = torch.tensor([1.0, -2.0, 3.0]) * (k + 1)
+            ps[1].grad = None if k == 0 else torch.tensor([0.5, 4.0]) * (-1) ** k
+            ps[2].grad = torch.zeros(0)
+            o.step()
+        seen.append({key: id(flat) for key, flat in opt._flats.items()})
+    assert len(seen[-1]) == 2 and seen[2] == seen[3] == seen[4]
+    for a, b in zip(opt.param_groups[0]["params"], ref.param_groups[0]["params"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_copied_optimizer_continues_like_the_original():
+    import copy
+    import pickle
+
+    p = torch.linspace(-1, 1, 6).requires_grad_(True)
+    opt = GENIE([p], lr=0.1, generator=torch.Generator().manual_seed(4))
+    for k in range(2):
+        p.grad = torch.sin(torch.arange(6.0) * (k + 1))
+        opt.step()
+    twins = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]  # params copied with them
+    for o in [opt, *twins]:
+        q = o.param_groups[0]["params"][0]
+        q.grad = torch.cos(torch.arange(6.0))
+        o.step()
+    for twin in twins:
+        assert torch.equal(twin.param_groups[0]["params"][0], p)
