@@ -12,9 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-COLUMNS = (("personal-acc", "personal", 100), ("personal-acc-next", "next", 100),
-           ("personal-acc-bottom10", "bottom10", 100), ("global-acc", "global", 100),
-           ("unseen-acc", "unseen", 100), ("seconds-per-round", "s/round", 1))
+#: (key in a run's "final" metrics, column label, scale, whether to show the std over runs)
+COLUMNS = (("personal-acc", "personal", 100, True), ("personal-acc-next", "next", 100, True),
+           ("personal-acc-bottom10", "bottom10", 100, True), ("global-acc", "global", 100, True),
+           ("unseen-acc", "unseen", 100, True), ("seconds-per-round", "s/round", 1, False),
+           ("bytes-up", "MB up", 1e-6, False), ("bytes-down", "MB down", 1e-6, False))
 
 
 def load(paths: list[str | Path]) -> list[dict]:
@@ -34,17 +36,17 @@ def summarize(runs: list[dict], markdown: bool = False) -> str:
     for run in runs:
         for name, result in run["methods"].items():
             methods.setdefault(name, []).append(result["final"])
-    header = ["method", "runs"] + [label for _, label, _ in COLUMNS]
+    header = ["method", "runs"] + [label for _, label, _, _ in COLUMNS]
     rows = []
     for name, finals in methods.items():
         cells = [name, str(len(finals))]
-        for key, _, scale in COLUMNS:
+        for key, _, scale, with_std in COLUMNS:
             values = [f[key] * scale for f in finals
                       if isinstance(f.get(key), int | float) and math.isfinite(f[key])]
             if not values:
                 cells.append("-")
-            elif scale == 1:
-                cells.append(f"{np.mean(values):.2f}")
+            elif not with_std:
+                cells.append(f"{np.mean(values):.2f}" if scale >= 1 else f"{np.mean(values):.1f}")
             else:
                 cells.append(f"{np.mean(values):.2f} ± {np.std(values):.2f}")
         rows.append(cells)
