@@ -14,6 +14,14 @@ from torch.optim import Optimizer
 GAMMA_MODES = ("adaptive", "zero", "half", "one", "hard")
 
 
+def _closure_loss(closure):
+    """The loss of ``closure`` (re-evaluated with gradients enabled), or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def _params_with_grad(group: dict, optimizer: str) -> list[torch.Tensor]:
     """The group's parameters that have a gradient this step (dense gradients only)."""
     params = [p for p in group["params"] if p.grad is not None]
@@ -124,10 +132,7 @@ class PFLAlign(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             params = _params_with_grad(group, "PFLAlign")
             if not params:
@@ -327,7 +332,7 @@ class GENIE(Optimizer):
         if kind == "normal":
             out = torch.randn(numel, generator=self.generator, device=device, dtype=like.dtype)
         else:
-            if words is None or words.device != device:
+            if words is None:
                 words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device)
             words.random_(-2 ** 63, None, generator=self.generator)  # the full 64-bit range
             out = words.view(torch.int16)[:numel]
@@ -335,10 +340,7 @@ class GENIE(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for index, group in enumerate(self.param_groups):
             params = _params_with_grad(group, "GENIE")
             if not params:
@@ -461,10 +463,11 @@ def _genie_single(opt: GENIE, params: list[torch.Tensor], states: list[dict], gr
 class _Flat:
     """A bucket's ``m`` and ``s`` as views of two flat buffers (so ``state["m"]``/``state["s"]``
     stay per-parameter tensors), plus four flat scratch buffers for the step's intermediates, each
-    with its per-parameter views made once."""
+    with its per-parameter views made once, and the int64 words of the mask's draws on the
+    generator's device. The optimizer keys it by the bucket's parameters."""
 
-    def __init__(self, params: list[torch.Tensor], states: list[dict]):
-        self.key = tuple(id(p) for p in params)
+    def __init__(self, params: list[torch.Tensor], states: list[dict],
+                 draw_device: torch.device):
         self.sizes = [p.numel() for p in params]
         total = sum(self.sizes)
         like = params[0]
@@ -473,7 +476,7 @@ class _Flat:
         self.work = torch.empty(4, total, dtype=like.dtype, device=like.device)
         self.m_views, self.s_views = self.views(self.m, params), self.views(self.s, params)
         self.work_views = [self.views(row, params) for row in self.work]
-        self.words = torch.empty((total + 3) // 4, dtype=torch.int64, device=like.device)
+        self.words = torch.empty((total + 3) // 4, dtype=torch.int64, device=draw_device)
         torch._foreach_copy_(self.m_views, [s["m"] for s in states])
         torch._foreach_copy_(self.s_views, [s["s"] for s in states])
         for state, m, s in zip(states, self.m_views, self.s_views, strict=True):
@@ -482,12 +485,11 @@ class _Flat:
     def views(self, flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
         return [part.view_as(p) for part, p in zip(flat.split(self.sizes), params, strict=True)]
 
-    def serves(self, params: list[torch.Tensor], states: list[dict]) -> bool:
-        """Whether these buffers still hold exactly these parameters' state (not after
-        ``load_state_dict`` or an outside assignment, which replace the tensors)."""
-        return (self.key == tuple(map(id, params))
-                and all(st["m"] is m and st["s"] is s for st, m, s
-                        in zip(states, self.m_views, self.s_views, strict=True)))
+    def serves(self, states: list[dict]) -> bool:
+        """Whether these buffers still hold the bucket's state (not after ``load_state_dict`` or
+        an outside assignment, which replace the tensors)."""
+        return all(st["m"] is m and st["s"] is s for st, m, s
+                   in zip(states, self.m_views, self.s_views, strict=True))
 
 
 def _genie_flat(opt: GENIE, params: list[torch.Tensor], states: list[dict], group: dict,
@@ -522,8 +524,9 @@ def _genie_flat(opt: GENIE, params: list[torch.Tensor], states: list[dict], grou
     beta, lr, wd = group["moving_avg"], group["lr"], group["weight_decay"]
     b, rho = _genie_constants(beta, step)
     flat = opt._flats.get(key)  # ``key``: (the group's index, the bucket's parameter ids)
-    if flat is None or not flat.serves(params, states):
-        flat = opt._flats[key] = _Flat(params, states)
+    device = opt.generator.device if opt.generator is not None else params[0].device
+    if flat is None or not flat.serves(states) or flat.words.device != device:
+        flat = opt._flats[key] = _Flat(params, states, device)
     m, s = flat.m, flat.s
     var_, num, zero, den = flat.work  # scratch rows
     var_views, num_views, zero_views, den_views = flat.work_views
@@ -564,12 +567,7 @@ def _genie_flat(opt: GENIE, params: list[torch.Tensor], states: list[dict], grou
     else:
         torch.mul(m, 1.0 / b, out=num)  # mu
         step_views, scale = num_views, lr
-    mask = None
-    if group["mask"]:
-        device = opt.generator.device if opt.generator is not None else m.device
-        if flat.words.device != device:  # the draws are made on the generator's device
-            flat.words = flat.words.to(device)
-        mask = _genie_mask(opt, params, group, out=zero, words=flat.words)
+    mask = _genie_mask(opt, params, group, out=zero, words=flat.words) if group["mask"] else None
     if gated:  # tau = tanh(clamp(1/var, 0, 10)) on the gated tensors, in place of their var
         tau = [var_views[i] for i in gated]
         torch._foreach_reciprocal_(tau)
@@ -588,15 +586,15 @@ def _genie_flat(opt: GENIE, params: list[torch.Tensor], states: list[dict], grou
         noisy = []
         if group["noise"]:
             lowest = torch.stack(torch._foreach_max(torch._foreach_neg(tau))).tolist()  # -min tau
-            noisy = [k for k, x in enumerate(lowest) if -x < 1]
+            noisy = [j for j, x in enumerate(lowest) if -x < 1]
         if noisy:
-            nus = (torch.stack([weighted[k].abs().sum() for k in noisy])
-                   / torch.stack([tau[k].sum() for k in noisy])).tolist()
-            extra = torch._foreach_neg([tau[k] for k in noisy])
+            nus = (torch.stack([weighted[j].abs().sum() for j in noisy])
+                   / torch.stack([tau[j].sum() for j in noisy])).tolist()
+            extra = torch._foreach_neg([tau[j] for j in noisy])
             torch._foreach_add_(extra, 1.0)  # 1 - tau
-            torch._foreach_mul_(extra, _genie_noise(opt, [params[gated[k]] for k in noisy]))
+            torch._foreach_mul_(extra, _genie_noise(opt, [params[gated[j]] for j in noisy]))
             torch._foreach_mul_(extra, nus)
-            torch._foreach_add_([gated_steps[k] for k in noisy], extra)
+            torch._foreach_add_([gated_steps[j] for j in noisy], extra)
     if mask is not None:
         torch._foreach_addcmul_(params, step_views, zero_views,
                                 value=-scale / (1.0 - group["p"]))

@@ -98,6 +98,22 @@ def test_noise_only_where_the_gate_is_low():
     assert abs(p[0].item() - q[0].item()) > 1e-4
 
 
+def _both_paths(init, grads, seed, **kwargs):
+    """The parameters after stepping ``grads`` from ``init`` on the reference path and on the
+    fast path, each with a generator seeded alike."""
+    results = []
+    for foreach in (False, True):
+        params = [t.clone().requires_grad_(True) for t in init]
+        opt = GENIE(params, generator=torch.Generator().manual_seed(seed), foreach=foreach,
+                    **kwargs)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        results.append([p.detach() for p in params])
+    return results
+
+
 @pytest.mark.parametrize("switches", [{}, {"precondition": False}, {"noise": False},
                                       {"mask": False}, {"weight_decay": 0.01}])
 def test_foreach_path_equals_the_reference_path(switches):
@@ -105,17 +121,7 @@ def test_foreach_path_equals_the_reference_path(switches):
     shapes = [(5, 3), (3,), (4, 2, 2)]
     init = [torch.randn(s) for s in shapes]
     grads = [[torch.randn(s) * (1 + 5 * i) for s in shapes] for i in range(6)]
-    results = []
-    for foreach in (False, True):
-        params = [t.clone().requires_grad_(True) for t in init]
-        opt = GENIE(params, lr=0.05, generator=torch.Generator().manual_seed(7),
-                    foreach=foreach, **switches)
-        for step_grads in grads:
-            for p, g in zip(params, step_grads, strict=True):
-                p.grad = g.clone()
-            opt.step()
-        results.append(params)
-    for a, b in zip(*results, strict=True):
+    for a, b in zip(*_both_paths(init, grads, seed=7, lr=0.05, **switches), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -176,18 +182,9 @@ def test_float32_tanh_is_exactly_one_from_the_fast_path_threshold():
 def test_fast_path_gives_the_reference_numbers_in_float32():
     gen = torch.Generator().manual_seed(4)
     init = [torch.randn(6, 5, generator=gen), torch.randn(7, generator=gen)]
+    # small gradients: var << 0.1, tau == 1 in float32
     grads = [[torch.randn(t.shape, generator=gen) * 0.01 for t in init] for _ in range(5)]
-    results = []
-    for foreach in (False, True):
-        params = [t.clone().requires_grad_(True) for t in init]
-        opt = GENIE(params, lr=0.05, foreach=foreach,
-                    generator=torch.Generator().manual_seed(1))
-        for step_grads in grads:  # small gradients: var << 0.1, tau == 1 in float32
-            for p, g in zip(params, step_grads, strict=True):
-                p.grad = g.clone()
-            opt.step()
-        results.append(params)
-    for a, b in zip(*results, strict=True):
+    for a, b in zip(*_both_paths(init, grads, seed=1, lr=0.05), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -338,16 +335,9 @@ def test_mixed_dtypes_in_one_group():
 
 
 def test_a_non_finite_gradient_stays_in_its_tensor_on_both_paths():
-    results = []
-    for foreach in (False, True):
-        params = [torch.zeros(4, requires_grad=True), torch.zeros(3, requires_grad=True)]
-        opt = GENIE(params, lr=0.1, foreach=foreach, generator=torch.Generator().manual_seed(0))
-        for k in range(3):
-            params[0].grad = torch.tensor([1.0, float("nan") if k == 1 else 2.0, 0.5, -1.0])
-            params[1].grad = torch.tensor([0.1, -0.2, 0.3]) * (k + 1)
-            opt.step()
-        results.append([prm.detach().clone() for prm in params])
-    (a0, a1), (b0, b1) = results
+    grads = [[torch.tensor([1.0, float("nan") if k == 1 else 2.0, 0.5, -1.0]),
+              torch.tensor([0.1, -0.2, 0.3]) * (k + 1)] for k in range(3)]
+    (a0, a1), (b0, b1) = _both_paths([torch.zeros(4), torch.zeros(3)], grads, seed=0, lr=0.1)
     assert not bool(torch.isfinite(a0).all()) and not bool(torch.isfinite(b0).all())
     assert bool(torch.isfinite(a1).all())
     torch.testing.assert_close(a1, b1, rtol=1e-6, atol=1e-7)
