@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""Compare the metrics of two results.json files, bit for bit.
+
+    python scripts/compare_results.py BEFORE/results.json AFTER/results.json
+    python scripts/compare_results.py BEFORE_DIR AFTER_DIR        # every results.json below each
+
+Every per-round row, final metric and per-client result of every method is compared for exact
+equality (floats included). Wall-clock entries (``*-seconds``, ``seconds-per-round``) differ from
+run to run and are skipped; so are the run's start time, its total seconds and the package
+versions. The partition summary and the config must match too (``out-dir`` and ``engine`` aside,
+so that two engines' runs of one config can be compared). Prints one line per difference and a
+summary; exits 1 when anything differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+IGNORED_CONFIG = {"out-dir", "engine"}
+
+
+def _timing(key: str) -> bool:
+    return key.endswith("seconds") or key == "seconds-per-round"
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+def _compare_rows(where: str, a: dict, b: dict, out: list[str]) -> int:
+    checked = 0
+    for key in sorted(set(a) | set(b)):
+        if _timing(key):
+            continue
+        checked += 1
+        if key not in a or key not in b:
+            out.append(f"{where}: '{key}' only in {'before' if key in a else 'after'}")
+        elif not _same(a[key], b[key]):
+            out.append(f"{where}: '{key}' {a[key]!r} != {b[key]!r}")
+    return checked
+
+
+def compare(before: dict, after: dict) -> tuple[list[str], int]:
+    """The differences between two results dictionaries, and how many values were compared."""
+    out: list[str] = []
+    checked = 0
+    config_a = {k: v for k, v in before.get("config", {}).items() if k not in IGNORED_CONFIG}
+    config_b = {k: v for k, v in after.get("config", {}).items() if k not in IGNORED_CONFIG}
+    checked += _compare_rows("config", config_a, config_b, out)
+    if before.get("partition") != after.get("partition"):
+        out.append("partition summaries differ")
+    methods_a, methods_b = before.get("methods", {}), after.get("methods", {})
+    for name in sorted(set(methods_a) ^ set(methods_b)):
+        out.append(f"method '{name}' only in {'before' if name in methods_a else 'after'}")
+    for name in [n for n in methods_a if n in methods_b]:
+        a, b = methods_a[name], methods_b[name]
+        if len(a["rounds"]) != len(b["rounds"]):
+            out.append(f"[{name}] {len(a['rounds'])} rounds != {len(b['rounds'])}")
+        for row_a, row_b in zip(a["rounds"], b["rounds"], strict=False):
+            checked += _compare_rows(f"[{name}] round {row_a.get('round')}", row_a, row_b, out)
+        checked += _compare_rows(f"[{name}] final", a.get("final", {}), b.get("final", {}), out)
+        clients_a = {c["id"]: c for c in a.get("clients", [])}
+        clients_b = {c["id"]: c for c in b.get("clients", [])}
+        if set(clients_a) != set(clients_b):
+            out.append(f"[{name}] evaluated clients differ")
+        for cid in sorted(set(clients_a) & set(clients_b)):
+            checked += _compare_rows(f"[{name}] client {cid}", clients_a[cid], clients_b[cid], out)
+        for key in ("method", "overrides"):
+            if a.get(key) != b.get(key):
+                out.append(f"[{name}] '{key}' {a.get(key)!r} != {b.get(key)!r}")
+    return out, checked
+
+
+def _pairs(before: Path, after: Path) -> list[tuple[Path, Path]]:
+    if before.is_file():
+        return [(before, after)]
+    found = sorted(p.relative_to(before) for p in before.rglob("results.json"))
+    if not found:
+        raise SystemExit(f"error: no results.json under {before}")
+    return [(before / rel, after / rel) for rel in found]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("before", type=Path)
+    parser.add_argument("after", type=Path)
+    args = parser.parse_args(argv)
+    total_diffs = 0
+    for path_a, path_b in _pairs(args.before, args.after):
+        if not path_b.is_file():
+            print(f"{path_b}: missing")
+            total_diffs += 1
+            continue
+        diffs, checked = compare(json.loads(path_a.read_text()), json.loads(path_b.read_text()))
+        methods = len(json.loads(path_a.read_text()).get("methods", {}))
+        for line in diffs:
+            print(f"{path_b}: {line}")
+        status = "identical" if not diffs else f"{len(diffs)} differences"
+        print(f"{path_a} vs {path_b}: {methods} methods, {checked} values compared, {status}")
+        total_diffs += len(diffs)
+    print("no differences" if not total_diffs else f"{total_diffs} differences in all")
+    return 1 if total_diffs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
