@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pflalign.config import OPTIONS, ConfigError, format_settings, resolve
 from pflalign.methods import METHODS
+from pflalign.results import Reporter
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
 
@@ -64,10 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(format_settings(settings), end="")
             return 0
-        from pflalign.results import Reporter
-        from strategies.simulation import simulate
+        reporter = Reporter(quiet=args.quiet)
+        if settings.run.engine == "sequential":
+            from pflalign.engines.sequential import simulate as simulate_sequential
 
-        simulate(settings, Reporter(quiet=args.quiet), verbose=args.verbose)
+            simulate_sequential(settings, reporter)
+        else:
+            from strategies.simulation import simulate
+
+            simulate(settings, reporter, verbose=args.verbose)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

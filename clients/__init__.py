@@ -1,4 +1,8 @@
-"""Flower ClientApp side: Message in, a local-training call into ``pflalign``, Message out."""
+"""Flower ClientApp side: Message in, a method's client rule in ``pflalign``, Message out.
+
+A package is imported before any of its modules, so this sets Flower's and Ray's environment
+(no telemetry, no update checks, no package installs) before any module here imports flwr.
+"""
 
 from pflalign.runtime import set_flower_environment
 

@@ -1,26 +1,24 @@
-"""The ClientApp: one Flower client serving every registered method.
+"""The Flower ClientApp: one client serving every registered method, routed by action.
 
-Every message carries the run's settings (``run-config``) and ``config`` with ``method`` and
-``server-round``; the client's stable id is ``partition-id`` from ``context.node_config`` (never
-Flower's random node id).
+Each message carries the run's settings (``run-config``, parsed once per process and run) and
+``config`` with the method, its label and the round; the client's stable id is ``partition-id``
+from ``context.node_config`` (never Flower's random node id). The method's client rule runs in
+:func:`pflalign.engines.host.handle`; its state lives in the node's ``context.state`` as one
+ArrayRecord named by the method entry's label (a client serving a new method drops what earlier
+methods left behind: less to carry per message).
 """
 
 from __future__ import annotations
 
-import time
 from functools import lru_cache
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-import clients  # noqa: F401  (sets the Flower environment before flwr is imported)
-from clients.base import ClientMethod, ClientState, RoundInput
 from pflalign.config import Settings
-from pflalign.federation import federated_dataset
-from pflalign.methods import METHODS
-from pflalign.train import configure_threads, pick_device
-
-ARRAYS, CONFIG, RUN_CONFIG, METRICS = "arrays", "config", "run-config", "metrics"
+from pflalign.engines.host import discovery, handle
+from pflalign.protocol import CONFIG, EVALUATE, LABEL, METRICS, QUERY, RUN_CONFIG, TRAIN
 
 app = ClientApp()
 
@@ -31,6 +29,7 @@ def _settings(items: tuple) -> Settings:
 
 
 def settings_of(msg: Message) -> Settings:
+    """The run's settings from the message, parsed once per process and run."""
     return _settings(tuple(sorted(msg.content.config_records[RUN_CONFIG].items())))
 
 
@@ -41,63 +40,41 @@ def client_id_of(context: Context) -> int:
     return int(context.node_config["partition-id"])
 
 
-def _build(msg: Message, context: Context) -> tuple[ClientMethod, RoundInput]:
-    settings = settings_of(msg)
-    config: ConfigRecord = msg.content.config_records[CONFIG]
-    spec = METHODS[str(config["method"])]
-    configure_threads(float(settings["client-resources-num-cpus"]))
-    device = pick_device(float(settings["client-resources-num-gpus"]))
-    state = ClientState(context.state, str(config.get("label", spec.name)))
-    method = spec.load_client()(settings, client_id_of(context), state, device)
-    records = {name: record.to_torch_state_dict()
-               for name, record in msg.content.array_records.items() if len(record)}
-    return method, RoundInput(int(config["server-round"]), records, dict(config))
+def _reply(msg: Message, context: Context, action: str) -> Message:
+    config = dict(msg.content.config_records[CONFIG])
+    label = str(config[LABEL])
+    for key in [k for k in context.state if k != label]:
+        del context.state[key]
+    record = context.state.array_records.get(label)
+    saved = {k: a.numpy() for k, a in record.items()} if record is not None else None
+    arrays = {name: record.to_torch_state_dict()
+              for name, record in msg.content.array_records.items() if len(record)}
+    metrics, reply_arrays, state = handle(action, settings_of(msg), client_id_of(context),
+                                          config, arrays, saved)
+    if state is not None:
+        context.state[label] = ArrayRecord({k: Array(np.ascontiguousarray(v))
+                                            for k, v in state.items()})
+    content = RecordDict({METRICS: MetricRecord(metrics)})
+    for name, values in reply_arrays.items():
+        content[name] = ArrayRecord({k: v.detach().cpu() for k, v in values.items()})
+    return Message(content, reply_to=msg)
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Report this node's stable client id and split sizes (the server's client discovery), or,
-    when the config asks for ``action = gga``, answer an annealing round."""
+    """Discovery (this node's stable client id and split sizes), or, when the config names an
+    action, that action (an annealing round of GGA's warm start)."""
     if CONFIG in msg.content.config_records:
-        method, inputs = _build(msg, context)
-        if inputs.config.get("action") != "gga":
-            raise ValueError(f"Unknown query action {inputs.config.get('action')!r}.")
-        losses, sketches = method.gga_statistics(inputs)
-        metrics = MetricRecord({"partition-id": method.client_id,
-                                "num-examples": method.data.num_train,
-                                **{f"gga-loss-{k}": v for k, v in enumerate(losses)}})
-        return Message(RecordDict({METRICS: metrics, "sketch": ArrayRecord(
-            {"sketch": sketches})}), reply_to=msg)
-    cid = client_id_of(context)
-    partition = federated_dataset(settings_of(msg)).partition
-    if cid >= partition.num_clients:
-        raise ValueError(f"partition-id {cid} is outside this run's {partition.num_clients} "
-                         "clients (num-clients + num-unseen-clients).")
-    metrics = MetricRecord({"partition-id": cid, "num-train": len(partition.train[cid]),
-                            "num-test": len(partition.test[cid]),
-                            "unseen": int(partition.is_unseen(cid))})
-    return Message(RecordDict({METRICS: metrics}), reply_to=msg)
+        return _reply(msg, context, QUERY)
+    metrics = discovery(settings_of(msg), client_id_of(context))
+    return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    started = time.perf_counter()
-    method, inputs = _build(msg, context)
-    result = method.fit(inputs)
-    metrics = MetricRecord({"partition-id": method.client_id,
-                            "num-examples": method.data.num_train, **result.metrics,
-                            "client-seconds": time.perf_counter() - started})
-    content = RecordDict({METRICS: metrics})
-    if result.state is not None:
-        content[ARRAYS] = ArrayRecord({k: v.detach().cpu() for k, v in result.state.items()})
-    for name, record in result.records.items():
-        content[name] = ArrayRecord({k: v.detach().cpu() for k, v in record.items()})
-    return Message(content, reply_to=msg)
+    return _reply(msg, context, TRAIN)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    method, inputs = _build(msg, context)
-    metrics = method.evaluate(inputs)
-    metrics = MetricRecord({"partition-id": method.client_id, **metrics})
-    return Message(RecordDict({METRICS: metrics}), reply_to=msg)
+    return _reply(msg, context, EVALUATE)

@@ -1,8 +1,9 @@
 """The defining rules of the pFL baselines, on tensors (no Flower, no data).
 
 Each function is one update rule from a method's paper, written over lists of tensors with torch's
-foreach ops (one kernel launch per list, not a Python loop over parameters). The client halves in
-``clients/`` compose them into training loops; the tests check each against hand-computed values.
+foreach ops (one kernel launch per list, not a Python loop over parameters). The method files in
+``pflalign/methods/`` compose them into their rules; the tests check each against hand-computed
+values.
 ALGORITHMS.md does not specify these methods; the papers cited with each function do.
 """
 
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from pflalign.aggregation import weighted_average
 
 Tensors = Sequence[torch.Tensor]
 
@@ -68,8 +71,6 @@ def scaffold_server_update(model: np.ndarray, control: np.ndarray,
     hold equal data; sample weighting makes ``eta_g = 1`` with zero control variates exactly
     FedAvg). ``N`` is the number of training clients, sampled or not.
     """
-    from pflalign.aggregation import weighted_average
-
     step = weighted_average(model_deltas, weights)
     new_control = control.astype(np.float64) + np.sum(control_deltas, axis=0,
                                                       dtype=np.float64) / num_clients

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pflalign.config import ConfigError
+from pflalign.options import ConfigError
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 

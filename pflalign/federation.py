@@ -9,9 +9,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from pflalign.config import parse_angles
 from pflalign.data import ClientData, Dataset, load_dataset
-from pflalign.partition import Partition, make_partition
+from pflalign.partition import Partition, make_partition, parse_angles
 
 # The config keys that determine the data each client sees.
 DATA_KEYS = ("dataset", "data-root", "download", "max-samples", "partition", "num-clients",

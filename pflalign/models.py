@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pflalign.config import ConfigError
+from pflalign.options import ConfigError
 
 
 class CNN(nn.Module):

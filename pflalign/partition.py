@@ -18,12 +18,13 @@ test labels follow its train labels (:func:`split_train_test`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from pflalign.config import ConfigError
+from pflalign.options import ConfigError
 
 DIRICHLET_TRIES = 10
 
@@ -287,3 +288,16 @@ def make_partition(labels: np.ndarray, num_classes: int, *, scheme: str, num_cli
     return Partition(train=tuple(s[0] for s in splits), test=tuple(s[1] for s in splits),
                      num_train_clients=num_clients, topped_up_clients=topped_up,
                      rotations=tuple(rotations))
+
+
+def parse_angles(text: str) -> tuple[float, ...]:
+    """'rotation-angles' as a tuple of finite floats (at least one)."""
+    try:
+        angles = tuple(float(a) for a in str(text).split(",") if a.strip())
+    except ValueError:
+        raise ConfigError(f"Config key 'rotation-angles' = {text!r} must be comma-separated "
+                          "numbers of degrees, e.g. '0,30,60,90'.") from None
+    if not angles or not all(math.isfinite(a) for a in angles):
+        raise ConfigError(f"Config key 'rotation-angles' = {text!r} needs at least one finite "
+                          "angle, e.g. '0,30,60,90'.")
+    return angles

@@ -46,8 +46,9 @@ def _compare_rows(where: str, a: dict, b: dict, out: list[str]) -> int:
     return checked
 
 
-def compare(before: dict, after: dict) -> tuple[list[str], int]:
-    """The differences between two results dictionaries, and how many values were compared."""
+def compare(before: dict, after: dict, allow_new: bool = False) -> tuple[list[str], int]:
+    """The differences between two results dictionaries, and how many values were compared.
+    With ``allow_new``, methods only in ``after`` (methods added since) are not differences."""
     out: list[str] = []
     checked = 0
     config_a = {k: v for k, v in before.get("config", {}).items() if k not in IGNORED_CONFIG}
@@ -57,7 +58,8 @@ def compare(before: dict, after: dict) -> tuple[list[str], int]:
         out.append("partition summaries differ")
     methods_a, methods_b = before.get("methods", {}), after.get("methods", {})
     for name in sorted(set(methods_a) ^ set(methods_b)):
-        out.append(f"method '{name}' only in {'before' if name in methods_a else 'after'}")
+        if not (allow_new and name in methods_b):
+            out.append(f"method '{name}' only in {'before' if name in methods_a else 'after'}")
     for name in [n for n in methods_a if n in methods_b]:
         a, b = methods_a[name], methods_b[name]
         if len(a["rounds"]) != len(b["rounds"]):
@@ -90,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
+    parser.add_argument("--allow-new", action="store_true",
+                        help="Methods only in AFTER (added since BEFORE) are listed, not counted "
+                             "as differences.")
     args = parser.parse_args(argv)
     total_diffs = 0
     for path_a, path_b in _pairs(args.before, args.after):
@@ -97,12 +102,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path_b}: missing")
             total_diffs += 1
             continue
-        diffs, checked = compare(json.loads(path_a.read_text()), json.loads(path_b.read_text()))
-        methods = len(json.loads(path_a.read_text()).get("methods", {}))
+        before, after = json.loads(path_a.read_text()), json.loads(path_b.read_text())
+        diffs, checked = compare(before, after, args.allow_new)
+        methods = len(before.get("methods", {}))
+        new = sorted(set(after.get("methods", {})) - set(before.get("methods", {})))
         for line in diffs:
             print(f"{path_b}: {line}")
         status = "identical" if not diffs else f"{len(diffs)} differences"
-        print(f"{path_a} vs {path_b}: {methods} methods, {checked} values compared, {status}")
+        print(f"{path_a} vs {path_b}: {methods} methods, {checked} values compared, {status}"
+              + (f" (new since: {', '.join(new)})" if new and args.allow_new else ""))
         total_diffs += len(diffs)
     print("no differences" if not total_diffs else f"{total_diffs} differences in all")
     return 1 if total_diffs else 0

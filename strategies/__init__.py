@@ -1,4 +1,9 @@
-"""Flower server side: one Strategy per method family, thin over the math in ``pflalign``."""
+"""Flower server side: the ServerApp and the Flower engine, thin over the round loop and the
+methods in ``pflalign``.
+
+A package is imported before any of its modules, so this sets Flower's and Ray's environment
+(no telemetry, no update checks, no package installs) before any module here imports flwr.
+"""
 
 from pflalign.runtime import set_flower_environment
 

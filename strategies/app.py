@@ -1,5 +1,6 @@
 """The ServerApp. ``flwr run .`` uses the module-level ``app`` (settings from the run config);
-``simulate.py`` builds one with :func:`make_server_app` around already-resolved settings."""
+``simulate.py`` builds one with :func:`make_server_app` around already-resolved settings. Both run
+every method entry through :func:`pflalign.engines.run_methods` on the Flower engine."""
 
 from __future__ import annotations
 
@@ -8,18 +9,23 @@ from collections.abc import Callable
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-import strategies  # noqa: F401  (sets the Flower environment before flwr is imported)
 from pflalign.config import Settings
+from pflalign.engines import run_methods
 from pflalign.results import Reporter
-from strategies.runner import run_methods
+from strategies.flower import FlowerEngine
 
 app = ServerApp()
 
 
+def run_on_grid(grid: Grid, settings: Settings, reporter: Reporter | None = None) -> dict:
+    """Run every method of ``settings`` over the Flower engine on ``grid``."""
+    reporter = reporter or Reporter()
+    return run_methods(settings, lambda s: FlowerEngine(grid, s, reporter), reporter)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    settings = Settings(dict(context.run_config), source="the run config")
-    run_methods(grid, settings)
+    run_on_grid(grid, Settings(dict(context.run_config), source="the run config"))
 
 
 def make_server_app(settings: Settings, reporter: Reporter | None = None,
@@ -29,7 +35,7 @@ def make_server_app(settings: Settings, reporter: Reporter | None = None,
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        results = run_methods(grid, settings, reporter)
+        results = run_on_grid(grid, settings, reporter)
         if on_results is not None:
             on_results(results)
 

@@ -28,8 +28,8 @@ def backend_config(settings: Settings, verbose: bool = False) -> dict:
     """Ray backend settings; the workers' own log lines reach the terminal only when verbose
     (client errors still come back as error replies, which the strategy reports)."""
     return {
-        "client_resources": {"num_cpus": float(settings["client-resources-num-cpus"]),
-                             "num_gpus": float(settings["client-resources-num-gpus"])},
+        "client_resources": {"num_cpus": settings.run.client_resources_num_cpus,
+                             "num_gpus": settings.run.client_resources_num_gpus},
         "init_args": {"logging_level": "ERROR", "log_to_driver": verbose},
     }
 
@@ -38,8 +38,7 @@ def check_resources(settings: Settings) -> None:
     """Fail before Ray starts when the requested client resources cannot exist on this machine."""
     import torch
 
-    cpus, gpus = float(settings["client-resources-num-cpus"]), float(
-        settings["client-resources-num-gpus"])
+    cpus, gpus = settings.run.client_resources_num_cpus, settings.run.client_resources_num_gpus
     if cpus > (os.cpu_count() or 1):
         raise ConfigError(f"client-resources-num-cpus = {cpus:g} exceeds this machine's "
                           f"{os.cpu_count()} CPU cores; no client could be scheduled.")

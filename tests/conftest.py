@@ -27,3 +27,20 @@ def labels_10k() -> object:
     import numpy as np
 
     return np.random.default_rng(123).permutation(np.repeat(np.arange(10), 1000))
+
+
+def assert_reported_accuracy_matches_its_clients(result: dict) -> None:
+    """A method's final ``personal-acc`` is the test-size-weighted accuracy of its seen clients
+    as listed in ``clients``, and ``unseen-acc`` that of its unseen clients: the reported
+    numbers are exactly what the clients scored."""
+    import pytest
+
+    final, clients = result["final"], result["clients"]
+    for key, group in (("personal-acc", [c for c in clients if not c["unseen"]]),
+                       ("unseen-acc", [c for c in clients if c["unseen"]])):
+        if not group:
+            assert key not in final
+            continue
+        correct = sum(c["personal-acc"] * c["num-test"] for c in group)
+        assert final[key] == pytest.approx(correct / sum(c["num-test"] for c in group),
+                                           rel=1e-12)

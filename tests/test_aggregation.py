@@ -7,8 +7,8 @@ from pflalign.aggregation import FlatSpec, fedavg, weighted_average
 from pflalign.config import Settings
 from pflalign.methods import METHODS
 from pflalign.results import Reporter
-from strategies.base import ClientInfo, to_record
-from strategies.fedavg import FedAvgStrategy
+from pflalign.server import ClientInfo, Exchange, Federation, ServerRuntime
+from strategies.flower import FlowerEngine, to_record
 
 
 def test_weighted_average_matches_hand_computation():
@@ -49,7 +49,18 @@ def test_flat_spec_round_trip_and_problems():
     assert "NaN or infinite" in spec.problem_with(bad)
 
 
-# --- the strategy's aggregation against Flower's own FedAvg --------------------------------------
+# --- the round loop's aggregation over the Flower engine, against Flower's own FedAvg ------------
+class _Replies:
+    """An engine that answers every exchange with prepared Flower replies (in the given order),
+    converted by the Flower engine as real replies are."""
+
+    def __init__(self, flower: FlowerEngine, replies: list[Message]):
+        self.flower, self.replies = flower, replies
+
+    def exchange(self, action, messages):
+        return Exchange([self.flower.reply(m) for m in self.replies], 0, 0)
+
+
 def _reply(node: int, content: RecordDict) -> Message:
     md = Metadata(run_id=1, message_id="", src_node_id=node, dst_node_id=0,
                   reply_to_message_id="m", group_id="", created_at=0.0, ttl=60,
@@ -70,12 +81,18 @@ def _train_reply(node: int, cid: int, state: dict, n: int, loss: float = 0.5) ->
         "metrics": MetricRecord({"partition-id": cid, "num-examples": n, "train-loss": loss})}))
 
 
-def _strategy(initial: dict, num_clients: int = 3) -> FedAvgStrategy:
-    settings = Settings({"num-clients": num_clients, "methods": "fedavg"})
-    strategy = FedAvgStrategy(settings, METHODS["fedavg"], initial, Reporter(quiet=True))
-    strategy.clients = {i: ClientInfo(i, 100 + i, 10, 5, False) for i in range(num_clients)}
-    strategy.node_to_client = {100 + i: i for i in range(num_clients)}
-    return strategy
+def _federation(initial: dict, replies: list[Message], num_clients: int = 3,
+                **changes) -> Federation:
+    """FedAvg's round loop over the Flower engine, with clients 0..n-1 on nodes 100..100+n-1."""
+    settings = Settings({"num-clients": num_clients, "methods": "fedavg", **changes})
+    server = ServerRuntime(settings, METHODS["fedavg"].build(settings), "fedavg", initial,
+                           tuple(initial), template=lambda: None)
+    server.clients = {i: ClientInfo(i, 10, 5, False) for i in range(num_clients)}
+    flower = FlowerEngine(None, settings, Reporter(quiet=True))
+    flower.client_of = {100 + i: i for i in range(num_clients)}
+    federation = Federation(server, _Replies(flower, replies), Reporter(quiet=True))
+    federation.state = server.method.init_server(server, initial)
+    return federation
 
 
 def _states(seed: int, k: int) -> list[dict]:
@@ -84,14 +101,14 @@ def _states(seed: int, k: int) -> list[dict]:
              "fc.bias": rng.normal(size=(5,)).astype(np.float32)} for _ in range(k)]
 
 
-def test_strategy_aggregation_equals_hand_computed_mean_and_flowers_fedavg():
+def test_aggregation_equals_hand_computed_mean_and_flowers_fedavg():
     states = _states(0, 3)
     sizes = [10, 30, 60]
     replies = [_train_reply(100 + i, i, s, n)
                for i, (s, n) in enumerate(zip(states, sizes, strict=True))]
-    strategy = _strategy(states[0])
-    arrays, metrics = strategy.aggregate_train(1, replies[::-1])  # reply order must not matter
-    ours = {k: v.numpy() for k, v in arrays.items()}
+    federation = _federation(states[0], replies[::-1])  # reply order must not matter
+    metrics = federation.train_round(1)
+    ours = federation.state.model
     for key in ours:
         expected = sum(n * s[key].astype(np.float64)
                        for s, n in zip(states, sizes, strict=True)) / 100
@@ -109,9 +126,6 @@ def test_malformed_and_non_finite_updates_are_rejected_and_the_rest_aggregated()
     nan_state["fc.bias"][2] = np.nan
     wrong_shape = {"conv.weight": np.zeros((4, 1, 3, 3), np.float32),
                    "fc.bias": np.zeros(6, np.float32)}
-    strategy = _strategy(states[0], num_clients=5)
-    warnings = []
-    strategy.reporter.warn = warnings.append
     replies = [
         _train_reply(100, 0, states[0], 10),
         _train_reply(101, 1, nan_state, 10),
@@ -120,34 +134,40 @@ def test_malformed_and_non_finite_updates_are_rejected_and_the_rest_aggregated()
         _reply(104, RecordDict({"metrics": MetricRecord(
             {"partition-id": 4, "num-examples": 10, "train-loss": float("inf")}),
             "arrays": to_record(states[2])})),
+        _train_reply(105, 4, states[2], 10),  # an unknown node claiming client 4's id
     ]
-    arrays, metrics = strategy.aggregate_train(1, replies)
-    assert metrics["failures"] == 4 and metrics["clients-trained"] == 1
-    np.testing.assert_array_equal(arrays["fc.bias"].numpy(), states[0]["fc.bias"])
+    federation = _federation(states[0], replies, num_clients=5)
+    warnings = []
+    federation.reporter.warn = warnings.append
+    metrics = federation.train_round(1)
+    assert metrics["failures"] == 5 and metrics["clients-trained"] == 1
+    np.testing.assert_array_equal(federation.state.model["fc.bias"], states[0]["fc.bias"])
     text = "\n".join(warnings)
     assert "client 1's update was rejected: array 'fc.bias' contains NaN" in text
     assert "client 2's update was rejected: array 'fc.bias' has shape (6,)" in text
     assert "client 3 failed: out of memory" in text
     assert "client 4 reported a non-finite" in text
+    assert "node 105 reported partition-id 4, which is not the id it was discovered with" in text
 
 
 def test_when_every_update_fails_the_global_model_is_kept():
     states = _states(2, 1)
-    strategy = _strategy(states[0])
-    arrays, metrics = strategy.aggregate_train(1, [_error_reply(100, "boom")])
-    assert metrics["clients-trained"] == 0
-    np.testing.assert_array_equal(arrays["conv.weight"].numpy(), states[0]["conv.weight"])
+    federation = _federation(states[0], [_error_reply(100, "boom")])
+    metrics = federation.train_round(1)
+    assert metrics["clients-trained"] == 0 and metrics["failures"] == 1
+    np.testing.assert_array_equal(federation.state.model["conv.weight"], states[0]["conv.weight"])
 
 
 def test_client_sampling_is_reproducible_and_method_independent():
-    strategy = _strategy(_states(0, 1)[0], num_clients=10)
-    s2 = Settings({"num-clients": 10, "fraction-train": 0.3, "seed": 5})
-    strategy.settings = s2
-    first = [strategy.sample(r) for r in range(1, 6)]
-    assert first == [strategy.sample(r) for r in range(1, 6)]
+    def samples(seed: int) -> list[list[int]]:
+        server = _federation(_states(0, 1)[0], [], num_clients=10, seed=seed,
+                             **{"fraction-train": 0.3}).server
+        return [server.sample(r) for r in range(1, 6)]
+
+    first = samples(5)
+    assert first == samples(5)
     assert all(len(s) == 3 for s in first) and len({tuple(s) for s in first}) > 1
-    strategy.settings = Settings({"num-clients": 10, "fraction-train": 0.3, "seed": 6})
-    assert [strategy.sample(r) for r in range(1, 6)] != first
+    assert samples(6) != first
 
 
 def test_arrayrecord_round_trip_is_exact():
@@ -164,21 +184,21 @@ def _eval_reply(node: int, cid: int, correct: int, count: int, global_correct: i
 
 
 def test_evaluation_metrics_from_client_replies():
-    strategy = _strategy(_states(0, 1)[0], num_clients=4)
-    strategy.clients[3] = ClientInfo(3, 103, 10, 5, True)  # an unseen client
-    warnings = []
-    strategy.reporter.warn = warnings.append
-    metrics = strategy.aggregate_evaluate(1, [
+    federation = _federation(_states(0, 1)[0], [
         _eval_reply(100, 0, 8, 10, 5), _eval_reply(101, 1, 10, 30, 20),
         _eval_reply(102, 2, 12, 10, 3),  # more correct than samples: rejected
-        _eval_reply(103, 3, 3, 4, 3)])
+        _eval_reply(103, 3, 3, 4, 3)], num_clients=4)
+    federation.server.clients[3] = ClientInfo(3, 10, 5, True)  # an unseen client
+    warnings = []
+    federation.reporter.warn = warnings.append
+    metrics = federation.evaluate_round(1)
     assert metrics["personal-acc"] == pytest.approx(18 / 40)
     assert metrics["personal-acc-unweighted"] == pytest.approx((0.8 + 1 / 3) / 2)
     assert metrics["global-acc"] == pytest.approx(25 / 40)
     assert metrics["unseen-acc"] == pytest.approx(3 / 4)
     assert metrics["eval-failures"] == 1
     assert "client 2 reported personal-correct = 12" in warnings[0]
-    assert [c["id"] for c in strategy.client_results] == [0, 1, 3]
+    assert [c["id"] for c in federation.client_results] == [0, 1, 3]
 
 
 def test_personal_offset_and_personalized_init_by_hand():

@@ -104,7 +104,7 @@ def test_format_settings_round_trips_through_toml():
 def test_pyproject_app_config_matches_the_schema_defaults():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     app_config = pyproject["tool"]["flwr"]["app"]["config"]
-    assert app_config == defaults(), "run `python scripts/sync_pyproject.py`"
+    assert app_config == defaults(), "run `python -m pflalign.docs`"
 
 
 def _simulate(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -1,7 +1,5 @@
 """Every shipped config file must be valid and say what its header promises."""
 
-import re
-
 import pytest
 from conftest import ROOT
 
@@ -29,20 +27,26 @@ def test_pfllib_config_matches_pfllibs_benchmark():
         20, 0.1, 0.25, "cnn", 10, 1, 0.005, 2000, 1.0)
 
 
-def test_readme_lists_every_method_with_its_paper_and_its_own_keys():
-    from pflalign.methods import _TRAIN_KEYS, METHODS
+def test_generated_docs_are_current():
+    from pflalign.docs import stale
 
-    text = (ROOT / "README.md").read_text()
-    table = text[text.index("## Methods"):text.index("### pFLAlign")]
-    rows = {cells[1].strip(): cells for line in table.splitlines() if line.startswith("| `")
-            for cells in [re.split(r"(?<!\\)\|", line)]}
+    assert stale() == [], "run `python -m pflalign.docs`"
+
+
+def test_methods_doc_has_every_method_its_paper_state_and_keys_and_config_doc_every_key():
+    from pflalign.config import OPTIONS
+    from pflalign.docs import render_config, render_methods
+    from pflalign.methods import METHODS
+
+    methods = render_methods()
     for name, spec in METHODS.items():
         if spec.variant_of is not None:
+            assert f"| `{name}` | " in methods, name  # in its method's variants table
             continue
-        assert f"`{name}`" in rows, name
-        row = rows[f"`{name}`"]
-        assert len(row) == 6 and row[2].strip() and row[3].strip(), name  # summary, paper
-        row = row[4]
-        for key in set(spec.keys) - set(_TRAIN_KEYS):
-            prefix = key.split("-")[0]
-            assert f"`{key}`" in row or f"`{prefix}-*`" in row, (name, key)
+        section = methods[methods.index(f"## `{name}`"):]
+        section = section[:section.index("\n## ", 1)] if "\n## " in section[1:] else section
+        assert spec.paper in section and "Client state:" in section, name
+        for option in spec.method.Params.options():
+            assert f"| `{option.key}` | " in section, (name, option.key)
+    config = render_config()
+    assert all(f"| `{o.key}` | " in config for o in OPTIONS)

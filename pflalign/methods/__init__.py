@@ -1,238 +1,130 @@
-"""The method registry: every federated method is one name here.
+"""The method registry: every federated method is one line here.
 
-A method has a client half (``clients/<file>.py``, run inside a Flower ClientApp) and a server half
-(``strategies/<file>.py``, a Flower Strategy). They are referenced by import path so that this
-module, like all of ``pflalign``, never imports ``flwr``. ``overrides`` lets a registered variant
-(an ablation, say) be an existing method with some config keys fixed.
+Each entry maps a name to a method class (``pflalign/methods/<name>.py``), which declares its
+``Params``, its state and its client and server rules; a variant (an ablation) is an existing
+method with some of its ``Params`` fixed. Nothing here imports an engine, so every method runs
+the same under every engine (``engine = flower | sequential``).
+
+**What is scored.** ``personal-acc`` scores each method's personalized model on the client's test
+split and ``global-acc`` the global model where the method has one; each method's section says
+which model that is, and what a new client (an unseen client, or a seen one evaluated before its
+first training) does. ``--methods all`` runs every method except the variants; any entry can carry
+its own settings, which is how sweeps run on one partition in one start:
+``--methods "fedavg,pflalign(pflalign-lr=2),pflalign(pflalign-lr=5)"`` (the entry is its label in
+tables and results.json).
+
+**Deviations and limits, stated.** Only the clients sampled in a round train in it, for every
+method (pFedMe's paper lets all clients update locally and averages a subset; here the sampled
+clients are the same for every method, which keeps the comparison fair and the cost bounded).
+SCAFFOLD weights the model step by sample count (the paper's 1/|S| for equal-size clients) and
+refuses momentum and weight decay, as option II assumes plain SGD; APFL refuses momentum, since
+its personal model follows plain SGD. ``local-steps`` caps only a round's main local training
+(``local-epochs``); phases counted in their own epochs (FedRep's head epochs, Ditto's personal
+epochs, fine-tuning and new-client fitting) run in full. A layer frozen in a phase keeps its
+batch-norm statistics too. Each method's defining rule is tested against hand-computed values
+(``tests/test_baselines.py``, ``tests/test_baseline_clients.py``).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pflalign.config import ConfigError
+from pflalign.method import Method
+from pflalign.methods.apfl import APFL
+from pflalign.methods.ditto import Ditto
+from pflalign.methods.fedala import FedALA
+from pflalign.methods.fedavg import FedAvg
+from pflalign.methods.fedavg_ft import FedAvgFineTune
+from pflalign.methods.fedbn import FedBN
+from pflalign.methods.fedper import FedPer
+from pflalign.methods.fedprox import FedProx
+from pflalign.methods.fedrep import FedRep
+from pflalign.methods.local import Local
+from pflalign.methods.perfedavg import PerFedAvg
+from pflalign.methods.pfedme import PFedMe
+from pflalign.methods.pflalign import PFLAlignMethod
+from pflalign.methods.scaffold import Scaffold
+from pflalign.options import ConfigError, Value
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registered method: its two halves, what it reads from the config, and what it reports."""
+    """A registered name: its method class, and for a variant the config keys it fixes."""
 
     name: str
+    method: type[Method]
     summary: str
-    paper: str
-    client: str
-    strategy: str
-    keys: tuple[str, ...] = ()
-    overrides: Mapping[str, Any] = field(default_factory=dict)
-    has_global_model: bool = True
+    #: config keys the entry fixes (a variant's Params)
+    overrides: Mapping[str, Value] = field(default_factory=dict)
     variant_of: str | None = None
-    #: the method needs batch norm: the run's model is swapped for its batch-norm version
-    #: (``cnn`` -> ``cnn-bn``) unless the entry sets ``model`` itself
-    needs_batch_norm: bool = False
-    #: the method's local training takes ``local-optimizer`` (false: it has its own rule)
-    local_optimizer: bool = True
 
-    def load_client(self) -> Any:
-        return _load(self.client)
+    @property
+    def paper(self) -> str:
+        return self.method.paper
 
-    def load_strategy(self) -> Any:
-        return _load(self.strategy)
+    @property
+    def has_global_model(self) -> bool:
+        return self.method.has_global_model
 
+    @property
+    def needs_batch_norm(self) -> bool:
+        return self.method.needs_batch_norm
 
-def _load(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    @property
+    def local_optimizer(self) -> bool:
+        return self.method.local_optimizer
 
-
-_TRAIN_KEYS = ("lr", "momentum", "weight-decay", "batch-size", "local-epochs", "local-steps",
-               "local-optimizer", "adam-lr", "genie-lr", "genie-moving-avg", "genie-p",
-               "genie-precondition", "genie-noise", "genie-mask")
-_PFLALIGN_KEYS = ("pflalign-lr", "pflalign-beta", "pflalign-eps", "pflalign-precondition",
-                  "pflalign-gamma", "pflalign-personalize", "pflalign-state", "pflalign-bn",
-                  "pflalign-local-update", "genie-lr", "genie-moving-avg", "genie-p",
-                  "genie-precondition", "genie-noise", "genie-mask",
-                  "batch-size", "local-epochs", "local-steps", "lr")
-_PFLALIGN_PAPER = ("Kim et al., Personalized Federated Learning for Gradient Alignment "
-                   "(pFLAlign), arXiv 2605.02143")
+    def build(self, settings: Mapping[str, Value]) -> Method:
+        """The method with its ``Params`` read from a validated config."""
+        return self.method(self.method.Params.from_settings(settings))
 
 
-def _pflalign(name: str, summary: str, **overrides: Any) -> MethodSpec:
-    """pFLAlign, or with ``overrides`` one of its ablations (ALGORITHMS.md 1.11): pflalign with
-    some ``pflalign-*`` switches fixed."""
-    return MethodSpec(name=name, summary=summary, paper=_PFLALIGN_PAPER,
-                      client="clients.pflalign:PFLAlignClient",
-                      strategy="strategies.pflalign:PFLAlignStrategy", keys=_PFLALIGN_KEYS,
-                      overrides={f"pflalign-{k}": v for k, v in overrides.items()},
-                      variant_of="pflalign" if overrides else None, local_optimizer=False)
+def method(cls: type[Method]) -> MethodSpec:
+    """A method under its own name."""
+    return MethodSpec(cls.name, cls, cls.summary)
 
 
-METHODS: dict[str, MethodSpec] = {
-    spec.name: spec
-    for spec in (
-        MethodSpec(
-            name="fedavg",
-            summary="Sample-weighted averaging of locally trained models; every client uses "
-                    "the global model.",
-            paper="McMahan et al., Communication-Efficient Learning of Deep Networks from "
-                  "Decentralized Data, AISTATS 2017",
-            client="clients.fedavg:FedAvgClient",
-            strategy="strategies.fedavg:FedAvgStrategy",
-            keys=_TRAIN_KEYS,
-        ),
-        MethodSpec(
-            name="fedavg-ft",
-            summary="FedAvg, and each client's model is the global model fine-tuned locally "
-                    "for finetune-epochs before evaluation.",
-            paper="FedAvg + local fine-tuning (e.g. Wang et al., Federated Evaluation of "
-                  "On-device Personalization, 2019)",
-            client="clients.fedavg_ft:FedAvgFineTuneClient",
-            strategy="strategies.fedavg:FedAvgStrategy",
-            keys=(*_TRAIN_KEYS, "finetune-epochs"),
-        ),
-        MethodSpec(
-            name="local",
-            summary="Each client trains only on its own data; no averaging. Its model persists "
-                    "across rounds in the client's state.",
-            paper="Local-only training (the standard pFL reference)",
-            client="clients.local:LocalClient",
-            strategy="strategies.local:LocalStrategy",
-            keys=_TRAIN_KEYS,
-            has_global_model=False,
-        ),
-        MethodSpec(
-            name="fedprox",
-            summary="FedAvg with a proximal term mu/2 ||w - w_global||^2 in each client's "
-                    "local objective.",
-            paper="Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020",
-            client="clients.fedprox:FedProxClient",
-            strategy="strategies.fedavg:FedAvgStrategy",
-            keys=(*_TRAIN_KEYS, "fedprox-mu"),
-        ),
-        MethodSpec(
-            name="scaffold",
-            summary="Client and server control variates correct each local gradient for client "
-                    "drift (variance reduction); option II control-variate update.",
-            paper="Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated "
-                  "Learning, ICML 2020",
-            client="clients.scaffold:ScaffoldClient",
-            strategy="strategies.scaffold:ScaffoldStrategy",
-            keys=(*_TRAIN_KEYS, "scaffold-server-lr"),
-            local_optimizer=False,
-        ),
-        MethodSpec(
-            name="ditto",
-            summary="FedAvg for the global model, plus a personal model per client trained "
-                    "with a proximal pull lambda/2 ||v - w_global||^2.",
-            paper="Li et al., Ditto: Fair and Robust Federated Learning Through "
-                  "Personalization, ICML 2021",
-            client="clients.ditto:DittoClient",
-            strategy="strategies.fedavg:FedAvgStrategy",
-            keys=(*_TRAIN_KEYS, "ditto-lambda", "ditto-personal-epochs"),
-        ),
-        MethodSpec(
-            name="fedper",
-            summary="Shared body averaged by FedAvg; the head (last head-layers layers) stays "
-                    "on each client; body and head trained jointly.",
-            paper="Arivazhagan et al., Federated Learning with Personalization Layers, "
-                  "arXiv 1912.00818",
-            client="clients.fedper:FedPerClient",
-            strategy="strategies.partial:HeadStrategy",
-            keys=(*_TRAIN_KEYS, "head-layers", "finetune-epochs"),
-            has_global_model=False,
-        ),
-        MethodSpec(
-            name="fedrep",
-            summary="Shared representation (body) and personal head: the head is trained "
-                    "first with the body frozen, then the body with the head frozen.",
-            paper="Collins et al., Exploiting Shared Representations for Personalized "
-                  "Federated Learning, ICML 2021",
-            client="clients.fedrep:FedRepClient",
-            strategy="strategies.partial:HeadStrategy",
-            keys=(*_TRAIN_KEYS, "head-layers", "fedrep-head-epochs", "finetune-epochs"),
-            has_global_model=False,
-        ),
-        MethodSpec(
-            name="fedbn",
-            summary="FedAvg of every layer except batch norm, which stays local to each "
-                    "client (runs on cnn-bn when the model is cnn).",
-            paper="Li et al., FedBN: Federated Learning on Non-IID Features via Local Batch "
-                  "Normalization, ICLR 2021",
-            client="clients.fedbn:FedBNClient",
-            strategy="strategies.partial:BatchNormStrategy",
-            keys=(*_TRAIN_KEYS, "finetune-epochs"),
-            has_global_model=False,
-            needs_batch_norm=True,
-        ),
-        MethodSpec(
-            name="apfl",
-            summary="Each client mixes a personal model v with the global model w as "
-                    "alpha v + (1 - alpha) w, learning alpha by gradient descent.",
-            paper="Deng, Kamani, Mahdavi, Adaptive Personalized Federated Learning, "
-                  "arXiv 2003.13461",
-            client="clients.apfl:APFLClient",
-            strategy="strategies.fedavg:FedAvgStrategy",
-            keys=(*_TRAIN_KEYS, "apfl-alpha", "apfl-adaptive", "apfl-alpha-lr"),
-            local_optimizer=False,
-        ),
-        MethodSpec(
-            name="perfedavg",
-            summary="First-order MAML: the global model is trained to adapt well in one step; "
-                    "clients personalize by a few SGD steps from it.",
-            paper="Fallah, Mokhtari, Ozdaglar, Personalized Federated Learning with "
-                  "Theoretical Guarantees: A Model-Agnostic Meta-Learning Approach, NeurIPS 2020",
-            client="clients.perfedavg:PerFedAvgClient",
-            strategy="strategies.fedavg:FedAvgStrategy",
-            keys=("batch-size", "local-epochs", "local-steps", "perfedavg-alpha",
-                  "perfedavg-beta", "perfedavg-eval-steps"),
-            local_optimizer=False,
-        ),
-        MethodSpec(
-            name="pfedme",
-            summary="Personal models as Moreau-envelope proximal points of the local model "
-                    "(K inner steps per batch); the server mixes with beta.",
-            paper="T Dinh, Tran, Nguyen, Personalized Federated Learning with Moreau "
-                  "Envelopes, NeurIPS 2020",
-            client="clients.pfedme:PFedMeClient",
-            strategy="strategies.pfedme:PFedMeStrategy",
-            keys=("lr", "batch-size", "local-epochs", "local-steps", "pfedme-lambda", "pfedme-k",
-                  "pfedme-personal-lr", "pfedme-beta"),
-            local_optimizer=False,
-        ),
-        MethodSpec(
-            name="fedala",
-            summary="Adaptive local aggregation: element-wise learned weights merge the global "
-                    "model into each client's model (top layers) before local training.",
-            paper="Zhang et al., FedALA: Adaptive Local Aggregation for Personalized Federated "
-                  "Learning, AAAI 2023",
-            client="clients.fedala:FedALAClient",
-            strategy="strategies.fedavg:FedAvgStrategy",
-            keys=(*_TRAIN_KEYS, "fedala-eta", "fedala-rand-percent", "fedala-layers",
-                  "fedala-threshold", "fedala-num-pre-loss"),
-        ),
-        _pflalign("pflalign", "pFLAlign: clients start from global + their offset Delta and "
-                  "train with a persistent multiplicative preconditioner P and a gamma-weighted "
-                  "removal of Delta; the server averages (ALGORITHMS.md 1)."),
-        _pflalign("pflalign-noprecond", "pFLAlign without the preconditioner (raw "
-                          "gradient, SGD rate 'lr').", precondition=False),
-        _pflalign("pflalign-gamma0", "pFLAlign with gamma = 0 (the offset is kept).",
-                          gamma="zero"),
-        _pflalign("pflalign-gamma05", "pFLAlign with gamma = 1/2.", gamma="half"),
-        _pflalign("pflalign-gamma1", "pFLAlign with gamma = 1 (the offset is removed "
-                          "over the round).", gamma="one"),
-        _pflalign("pflalign-hardgamma", "pFLAlign with gamma = 1/2 + 1/2 sign(m Delta).",
-                          gamma="hard"),
-        _pflalign("pflalign-nopersonal", "pFLAlign with Delta = 0 (no personalized "
-                          "initialization, no correction).", personalize=False),
-        _pflalign("pflalign-genie", "pFLAlign's federation (personalized initialization "
-                  "and offsets) with GENIE as the local update, its state persistent per client "
-                  "(ALGORITHMS.md 4.2).", **{"local-update": "genie"}),
-        _pflalign("pflalign-sgd", "pFLAlign with P = 1 and Delta = 0: FedAvg with plain "
-                          "SGD.", precondition=False, personalize=False),
-    )
-}
+def variant(name: str, cls: type[Method], summary: str, **fixed: Any) -> MethodSpec:
+    """``cls`` with some of its Params fixed (by field name), registered as ``name``."""
+    keys = cls.Params.keys()
+    return MethodSpec(name, cls, summary, overrides={keys[k]: v for k, v in fixed.items()},
+                      variant_of=cls.name)
+
+
+METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
+    method(FedAvg),
+    method(FedAvgFineTune),
+    method(Local),
+    method(FedProx),
+    method(Scaffold),
+    method(Ditto),
+    method(FedPer),
+    method(FedRep),
+    method(FedBN),
+    method(APFL),
+    method(PerFedAvg),
+    method(PFedMe),
+    method(FedALA),
+    method(PFLAlignMethod),
+    variant("pflalign-noprecond", PFLAlignMethod, "pFLAlign without the preconditioner (raw "
+            "gradient, SGD rate 'lr').", precondition=False),
+    variant("pflalign-gamma0", PFLAlignMethod, "pFLAlign with gamma = 0 (the offset is kept).",
+            gamma="zero"),
+    variant("pflalign-gamma05", PFLAlignMethod, "pFLAlign with gamma = 1/2.", gamma="half"),
+    variant("pflalign-gamma1", PFLAlignMethod, "pFLAlign with gamma = 1 (the offset is removed "
+            "over the round).", gamma="one"),
+    variant("pflalign-hardgamma", PFLAlignMethod, "pFLAlign with gamma = 1/2 + 1/2 "
+            "sign(m Delta).", gamma="hard"),
+    variant("pflalign-nopersonal", PFLAlignMethod, "pFLAlign with Delta = 0 (no personalized "
+            "initialization, no correction).", personalize=False),
+    variant("pflalign-genie", PFLAlignMethod, "pFLAlign's federation (personalized "
+            "initialization and offsets) with GENIE as the local update, its state persistent "
+            "per client (ALGORITHMS.md 4.2).", local_update="genie"),
+    variant("pflalign-sgd", PFLAlignMethod, "pFLAlign with P = 1 and Delta = 0: FedAvg with "
+            "plain SGD.", precondition=False, personalize=False),
+)}
 
 
 #: a method that needs batch norm runs on this version of the run's model

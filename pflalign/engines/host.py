@@ -1,0 +1,99 @@
+"""The client side of every engine: one message in, a method's client rule, one reply out.
+
+:func:`handle` takes what an engine delivered to a client (the action, the message config, the
+array records as NumPy state dicts, and the client's saved state as flat arrays), runs the
+method's rule on a :class:`~pflalign.client.ClientRuntime`, and returns the reply's metrics and
+array records and the client's new saved state. The Flower ClientApp and the sequential engine
+both call it, so a method behaves the same under each.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from pflalign.annealing import GGA_ACTION, client_answer
+from pflalign.client import ClientRuntime, Received
+from pflalign.federation import federated_dataset
+from pflalign.method import Method
+from pflalign.methods import METHODS
+from pflalign.options import Value
+from pflalign.protocol import (
+    ACTION,
+    CLIENT_SECONDS,
+    EVALUATE,
+    METHOD,
+    MODEL,
+    NUM_EXAMPLES,
+    NUM_TEST,
+    NUM_TRAIN,
+    PARTITION_ID,
+    QUERY,
+    ROUND,
+    TRAIN,
+    UNSEEN,
+)
+from pflalign.state import Arrays
+from pflalign.train import configure_threads, pick_device
+
+Metrics = dict[str, float | int]
+ReplyArrays = dict[str, Mapping[str, torch.Tensor]]
+
+
+@lru_cache(maxsize=8)
+def method_of(settings: Mapping[str, Value], name: str) -> Method:
+    """The registered method ``name`` with its Params read from ``settings`` (cached per run)."""
+    return METHODS[name].build(settings)
+
+
+def discovery(settings: Mapping[str, Value], client_id: int) -> Metrics:
+    """A client's answer to discovery: its stable id and split sizes."""
+    partition = federated_dataset(settings).partition
+    if not 0 <= client_id < partition.num_clients:
+        raise ValueError(f"partition-id {client_id} is outside this run's {partition.num_clients} "
+                         "clients (num-clients + num-unseen-clients).")
+    return {PARTITION_ID: client_id, NUM_TRAIN: len(partition.train[client_id]),
+            NUM_TEST: len(partition.test[client_id]), UNSEEN: int(partition.is_unseen(client_id))}
+
+
+def to_torch(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Received array records as torch state dicts (copies; empty records dropped)."""
+    return {name: {k: torch.from_numpy(np.array(v, copy=True)) for k, v in record.items()}
+            for name, record in arrays.items() if len(record)}
+
+
+def handle(action: str, settings: Mapping[str, Value], client_id: int,
+           config: Mapping[str, Value], arrays: Mapping[str, Mapping[str, torch.Tensor]],
+           saved: Arrays | None) -> tuple[Metrics, ReplyArrays, Arrays | None]:
+    """Run one action of the method named in ``config`` for ``client_id``.
+
+    ``arrays`` are the received records as torch state dicts, ``saved`` the client's state as
+    :meth:`~pflalign.state.ArrayState.to_arrays` left it (None when it has none). Returns the
+    reply's metrics and array records and the new saved state (None: unchanged)."""
+    started = time.perf_counter()
+    method = method_of(settings, str(config[METHOD]))
+    configure_threads(settings.run.client_resources_num_cpus)
+    device = pick_device(settings.run.client_resources_num_gpus)
+    client = ClientRuntime(settings, client_id, device)
+    received = Received(int(config[ROUND]), dict(arrays), dict(config))
+    if action == QUERY:
+        if config.get(ACTION) != GGA_ACTION:
+            raise ValueError(f"Unknown query action {config.get(ACTION)!r}.")
+        metrics, reply = client_answer(client, received, settings.gga)
+        return {PARTITION_ID: client_id, **metrics}, reply, None
+    state = method.ClientState.from_arrays(saved or {})
+    if action == EVALUATE:
+        return {PARTITION_ID: client_id, **method.evaluate(client, received, state)}, {}, None
+    if action != TRAIN:
+        raise ValueError(f"Unknown action {action!r}.")
+    upload, new_state = method.train(client, received, state)
+    metrics = {PARTITION_ID: client_id, NUM_EXAMPLES: client.data.num_train, **upload.metrics,
+               CLIENT_SECONDS: time.perf_counter() - started}
+    reply = dict(upload.arrays)
+    if upload.model is not None:
+        reply = {MODEL: upload.model, **reply}
+    return metrics, reply, new_state.to_arrays()

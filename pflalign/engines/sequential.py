@@ -1,0 +1,90 @@
+"""The sequential engine: every client's rule called in turn, in this process, without Flower.
+
+Messages carry what Flower's would (NumPy state dicts, the message config), each client's state
+is kept as the flat arrays :meth:`~pflalign.state.ArrayState.to_arrays` gives, exactly as a
+Flower client keeps it in its node state, and the bytes counted are those of the arrays Flower
+would serialize. A client rule that raises becomes an error reply, which the round loop skips
+with a warning, as under Flower. Needs neither Ray nor flwr.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from pflalign.config import Settings
+from pflalign.engines import run_methods
+from pflalign.engines.host import discovery, handle, to_torch
+from pflalign.federation import federated_dataset
+from pflalign.protocol import NUM_TEST, NUM_TRAIN, UNSEEN
+from pflalign.results import Reporter
+from pflalign.server import ClientInfo, Exchange, Outgoing, Reply
+from pflalign.state import Arrays
+
+
+@lru_cache(maxsize=256)
+def _npy_header_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+    buffer = io.BytesIO()
+    header = {"descr": dtype, "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(buffer, header)
+    return buffer.tell()
+
+
+def npy_bytes(array: np.ndarray | torch.Tensor) -> int:
+    """The bytes of ``array`` in NumPy's .npy format: what a Flower ``Array`` carries."""
+    if isinstance(array, torch.Tensor):
+        array = array.detach().cpu().numpy()
+    array = np.asarray(array)
+    return _npy_header_bytes(np.lib.format.dtype_to_descr(array.dtype),
+                             tuple(array.shape)) + array.nbytes
+
+
+def payload_bytes(records: Iterable[Mapping[str, np.ndarray | torch.Tensor]]) -> int:
+    return sum(npy_bytes(a) for record in records for a in record.values())
+
+
+class SequentialEngine:
+    """Clients called one after another in this process, with their states kept in memory."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.states: dict[int, Arrays] = {}
+
+    def discover(self) -> dict[int, ClientInfo]:
+        partition = federated_dataset(self.settings).partition
+        clients = {}
+        for cid in range(partition.num_clients):
+            m = discovery(self.settings, cid)
+            clients[cid] = ClientInfo(id=cid, num_train=int(m[NUM_TRAIN]),
+                                      num_test=int(m[NUM_TEST]), unseen=bool(m[UNSEEN]))
+        return clients
+
+    def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
+        replies, down, up = [], 0, 0
+        for message in messages:
+            down += payload_bytes(message.payload.arrays.values())
+            cid = message.client
+            try:
+                metrics, arrays, state = handle(action, self.settings, cid, message.config,
+                                                to_torch(message.payload.arrays),
+                                                self.states.get(cid))
+            except Exception as err:  # a failing client is an error reply, as under Flower
+                replies.append(Reply(cid, f"client {cid}",
+                                     error=f"failed: {type(err).__name__}: {err}"))
+                continue
+            if state is not None:
+                self.states[cid] = state
+            reply_arrays = {name: {k: v.detach().cpu().numpy().copy() for k, v in rec.items()}
+                            for name, rec in arrays.items()}
+            up += payload_bytes(reply_arrays.values())
+            replies.append(Reply(cid, f"client {cid}", metrics=metrics, arrays=reply_arrays))
+        return Exchange(replies, down, up)
+
+
+def simulate(settings: Settings, reporter: Reporter | None = None) -> dict:
+    """Run every method of ``settings`` on the sequential engine; return the results."""
+    return run_methods(settings, SequentialEngine, reporter)

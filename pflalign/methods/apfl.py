@@ -1,0 +1,124 @@
+"""APFL (Deng, Kamani, Mahdavi, Adaptive Personalized Federated Learning, arXiv 2003.13461,
+Algorithm 1).
+
+The client holds a personal model ``v`` and a mixing weight ``alpha`` (state). Its personalized
+model is the mixture ``v_bar = alpha v + (1 - alpha) w``. On each mini-batch, with ``w`` and ``v``
+as they were before the step:
+
+- ``w <- w - lr grad f(w)`` (the global model's local update, uploaded and averaged as FedAvg);
+- ``v <- v - lr alpha grad f(v_bar)`` (the chain rule through the mixture);
+- ``alpha <- clip(alpha - apfl-alpha-lr <v - w, grad f(v_bar)>, 0, 1)`` when ``apfl-adaptive``.
+
+``personal-acc`` scores ``alpha v + (1 - alpha) w_g`` with the latest global model; a client that
+has not trained (unseen ones included) has ``v = w_g``, so its mixture is the global model.
+Batch-norm buffers of the mixture come from ``w``. With ``alpha = 0`` and no adaptation the
+method is FedAvg exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pflalign.baselines import apfl_alpha_grad, apfl_alpha_step, grads_of, lerp_models
+from pflalign.client import ClientRuntime, Received, Upload
+from pflalign.method import Method
+from pflalign.params import Params, param
+from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
+from pflalign.state import ArrayState, TorchState
+
+
+@dataclass(frozen=True)
+class APFLParams(Params):
+    prefix = "apfl"
+
+    alpha: float = param(0.5, "Initial mixing weight alpha of the personal model in "
+                         "alpha v + (1 - alpha) w.", minimum=0.0, maximum=1.0)
+    adaptive: bool = param(True, "Learn alpha per client by gradient descent (false keeps it "
+                           "fixed).")
+    alpha_lr: float = param(0.05, "Step size of alpha's gradient step.", minimum=0.0,
+                            exclusive_minimum=True)
+
+
+@dataclass
+class APFLClientState(ArrayState):
+    #: the personal model v
+    personal: TorchState | None = None
+    #: the client's mixing weight (the initial apfl-alpha until it trains)
+    alpha: float | None = None
+
+
+def _trainable(model: nn.Module) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class APFL(Method):
+    name = "apfl"
+    summary = ("Each client mixes a personal model v with the global model w as "
+               "alpha v + (1 - alpha) w, learning alpha by gradient descent.")
+    paper = ("Deng, Kamani, Mahdavi, Adaptive Personalized Federated Learning, "
+             "arXiv 2003.13461")
+    Params = APFLParams
+    ClientState = APFLClientState
+    local_optimizer = False
+
+    def _alpha(self, state: APFLClientState) -> float:
+        return self.params.alpha if state.alpha is None else state.alpha
+
+    def train(self, client: ClientRuntime, received: Received, state: APFLClientState,
+              ) -> tuple[Upload, APFLClientState]:
+        t = client.training
+        if t.momentum:
+            raise ValueError("apfl updates its personal model by plain SGD (Algorithm 1); set "
+                             "momentum = 0 for it, so that both of its models use the same rule.")
+        lr, alpha_lr, adaptive = t.lr, self.params.alpha_lr, self.params.adaptive
+        model = client.new_model(received.model)
+        personal = client.new_model(state.personal or received.model)
+        mixed = client.new_model(received.model)
+        w, v, w_bar = _trainable(model), _trainable(personal), _trainable(mixed)
+        alpha = self._alpha(state)
+        optimizer = t.sgd(w)
+        model.train()
+        mixed.train()
+        loss_sum, mixed_sum, seen, steps = 0.0, 0.0, 0, 0
+        for inputs, targets in client.batches(received.server_round):
+            with torch.no_grad():
+                torch._foreach_copy_(w_bar, lerp_models(w, v, alpha))
+            mixed.zero_grad(set_to_none=True)
+            mixed_loss = F.cross_entropy(mixed(inputs), targets)
+            mixed_loss.backward()
+            g_bar = grads_of(w_bar)
+            if adaptive:
+                alpha_grad = apfl_alpha_grad(v, w, g_bar)
+            loss = F.cross_entropy(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                torch._foreach_add_(v, g_bar, alpha=-lr * alpha)
+            if adaptive:
+                alpha = apfl_alpha_step(alpha, alpha_grad, alpha_lr)
+            loss_sum += float(loss.detach()) * len(targets)
+            mixed_sum += float(mixed_loss.detach()) * len(targets)
+            seen += len(targets)
+            steps += 1
+        upload = Upload(model.state_dict(), {
+            TRAIN_LOSS: loss_sum / max(seen, 1), LOCAL_STEPS: steps,
+            "personal-train-loss": mixed_sum / max(seen, 1), "alpha": alpha})
+        return upload, APFLClientState(personal.state_dict(), alpha)
+
+    def evaluate(self, client: ClientRuntime, received: Received,
+                 state: APFLClientState) -> dict:
+        global_model = client.new_model(received.model)
+        global_result = client.test(global_model)
+        if state.personal is None:
+            return client.eval_metrics(global_result, global_result)
+        mixed = client.new_model(global_model.state_dict())
+        with torch.no_grad():
+            torch._foreach_copy_(_trainable(mixed), lerp_models(
+                _trainable(global_model), _trainable(client.new_model(state.personal)),
+                self._alpha(state)))
+        return client.eval_metrics(client.test(mixed), global_result)

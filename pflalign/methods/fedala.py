@@ -1,0 +1,148 @@
+"""FedALA (Zhang et al., FedALA: Adaptive Local Aggregation for Personalized Federated Learning,
+AAAI 2023, Algorithm 1).
+
+Before local training the client merges the received global model ``Theta`` into its own model
+``theta_i`` (from its last round, in its state): lower layers take ``Theta``; the top
+``fedala-layers`` parameterised layers become ``theta_i + (Theta - theta_i) * W`` with element-wise
+weights ``W`` in [0, 1] (initialised to 1, kept in the state). ``W`` is learned on a random
+``fedala-rand-percent`` % of the client's train split (drawn per round) by
+``W <- clip(W - fedala-eta grad * (Theta - theta_i), 0, 1)`` with the lower layers frozen. At the
+client's first adaptation this repeats until the standard deviation of the last
+``fedala-num-pre-loss`` losses falls below ``fedala-threshold`` (at most ``MAX_FIRST_EPOCHS``
+passes); afterwards it is one pass per round. When only the last layer is adapted and the model
+has no batch norm or dropout, the lower layers' outputs are computed once per round and reused.
+The merged model is trained as in FedAvg, kept as ``theta_i`` and uploaded. Server: FedAvg's.
+
+A client without ``theta_i`` (its first round, or an unseen client) takes ``Theta`` as is: the
+merge is the identity. ``personal-acc`` scores what the client would start its next round from,
+the merge of the current ``Theta`` into its ``theta_i`` (as in the reference implementation, where
+every client adapts the new global model before evaluation; here the evaluation's adaptation is
+not stored); for clients that never trained that is ``Theta``. ``global-acc`` scores ``Theta``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pflalign.baselines import ala_converged, ala_merge, ala_weight_step_, grads_of
+from pflalign.client import ClientRuntime, Received, Upload
+from pflalign.method import Method
+from pflalign.models import head_keys
+from pflalign.params import Params, param
+from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
+from pflalign.state import ArrayState, TorchState
+from pflalign.train import STREAM_ADAPT, batch_indices
+
+MAX_FIRST_EPOCHS = 50
+
+
+@dataclass(frozen=True)
+class FedALAParams(Params):
+    prefix = "fedala"
+
+    eta: float = param(1.0, "Step size of the aggregation weights W.", minimum=0.0,
+                       exclusive_minimum=True)
+    rand_percent: int = param(80, "Percent of the client's train split used to learn W each "
+                              "round.", minimum=1, maximum=100)
+    layers: int = param(1, "Number of final parameterised layers merged with learned weights "
+                        "(lower layers take the global model).", minimum=1)
+    threshold: float = param(0.1, "The first adaptation stops when the std of the last "
+                             "fedala-num-pre-loss losses is below this.", minimum=0.0,
+                             exclusive_minimum=True)
+    num_pre_loss: int = param(10, "Number of recent losses in the stopping rule.", minimum=2)
+
+
+@dataclass
+class FedALAClientState(ArrayState):
+    #: theta_i, the client's model from its last round
+    model: TorchState | None = None
+    #: the element-wise aggregation weights W of the top layers
+    weights: TorchState | None = None
+
+
+class FedALA(Method):
+    name = "fedala"
+    summary = ("Adaptive local aggregation: element-wise learned weights merge the global model "
+               "into each client's model (top layers) before local training.")
+    paper = ("Zhang et al., FedALA: Adaptive Local Aggregation for Personalized Federated "
+             "Learning, AAAI 2023")
+    Params = FedALAParams
+    ClientState = FedALAClientState
+
+    def adapt(self, client: ClientRuntime, own: TorchState, received: TorchState,
+              saved: TorchState | None, server_round: int,
+              ) -> tuple[nn.Module, dict[str, torch.Tensor], int]:
+        """The merged model, the learned weights ``W`` and the number of passes spent learning
+        them. Buffers (batch-norm statistics) are the received model's."""
+        p = self.params
+        device = client.device
+        model = client.new_model(received)
+        higher = [k for k in head_keys(model, p.layers) if k in dict(model.named_parameters())]
+        params = dict(model.named_parameters())
+        top = [params[k] for k in higher]
+        local = [own[k].to(device) for k in higher]
+        global_ = [received[k].to(device) for k in higher]
+        weights = ([saved[k].to(device) for k in higher] if saved
+                   else [torch.ones_like(q) for q in top])
+        for name, q in params.items():
+            q.requires_grad_(name in set(higher))
+        data = client.data
+        generator = client.generator(server_round, STREAM_ADAPT)
+        count = max(1, math.floor(data.num_train * p.rand_percent / 100))
+        subset = torch.randperm(data.num_train, generator=generator)[:count].to(device)
+        head = client.last_layer_owning(model, higher)  # lower layers are fixed while W learns
+        features = None if head is None else client.head_inputs(model, head, subset)
+        losses: list[float] = []
+        passes = 0
+        model.train()
+        while True:
+            passes += 1
+            for idx in batch_indices(count, client.training.batch_size, 1, 0, generator, device):
+                with torch.no_grad():
+                    torch._foreach_copy_(top, ala_merge(local, global_, weights))
+                model.zero_grad(set_to_none=True)
+                chosen = subset[idx]
+                outputs = (model(data.normalize(data.train_x[chosen])) if features is None
+                           else head(features[idx]))
+                loss = F.cross_entropy(outputs, data.train_y[chosen])
+                loss.backward()
+                ala_weight_step_(weights, grads_of(top), local, global_, p.eta)
+                losses.append(float(loss.detach()))
+            if (saved or passes >= MAX_FIRST_EPOCHS
+                    or ala_converged(losses, p.num_pre_loss, p.threshold)):
+                break
+        with torch.no_grad():
+            torch._foreach_copy_(top, ala_merge(local, global_, weights))
+        for q in params.values():
+            q.requires_grad_(True)
+        model.load_state_dict({k: v for k, v in received.items() if k not in params},
+                              strict=False)  # undo what the adaptation passes did to buffers
+        return model, dict(zip(higher, weights, strict=True)), passes
+
+    def train(self, client: ClientRuntime, received: Received, state: FedALAClientState,
+              ) -> tuple[Upload, FedALAClientState]:
+        passes, weights = 0, state.weights
+        if state.model is None:
+            model = client.new_model(received.model)
+        else:
+            model, weights, passes = self.adapt(client, state.model, received.model,
+                                                state.weights, received.server_round)
+        stats = client.local_train(model, received.server_round)
+        trained = model.state_dict()
+        upload = Upload(trained, {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps,
+                                  "ala-passes": passes})
+        return upload, FedALAClientState(trained, weights)
+
+    def evaluate(self, client: ClientRuntime, received: Received,
+                 state: FedALAClientState) -> dict:
+        global_result = client.test(client.new_model(received.model))
+        if state.model is None:
+            return client.eval_metrics(global_result, global_result)
+        merged, _, _ = self.adapt(client, state.model, received.model, state.weights,
+                                  received.server_round)
+        return client.eval_metrics(client.test(merged), global_result)

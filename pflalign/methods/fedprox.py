@@ -1,0 +1,44 @@
+"""FedProx (Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020).
+
+Client: local training on ``F_i(w) + mu/2 ||w - w_g||^2``: the proximal term's gradient
+``mu (w - w_g)`` is added to every mini-batch gradient before the step
+(:func:`pflalign.baselines.add_proximal_`), with ``w_g`` the global model received this round.
+With ``mu = 0`` the update is FedAvg's, bit for bit. Server: FedAvg's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pflalign.baselines import add_proximal_
+from pflalign.client import ClientRuntime, Received, Upload
+from pflalign.methods.fedavg import FedAvg
+from pflalign.params import Params, param
+from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
+from pflalign.state import NoClientState
+
+
+@dataclass(frozen=True)
+class FedProxParams(Params):
+    prefix = "fedprox"
+
+    mu: float = param(0.01, "Weight mu of the proximal term mu/2 ||w - w_global||^2 (0 is "
+                      "FedAvg).", minimum=0.0)
+
+
+class FedProx(FedAvg):
+    name = "fedprox"
+    summary = ("FedAvg with a proximal term mu/2 ||w - w_global||^2 in each client's local "
+               "objective.")
+    paper = "Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020"
+    Params = FedProxParams
+
+    def train(self, client: ClientRuntime, received: Received, state: NoClientState,
+              ) -> tuple[Upload, NoClientState]:
+        model = client.new_model(received.model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        anchor = [p.detach().clone() for p in params]
+        mu = self.params.mu
+        stats = client.local_train(model, received.server_round,
+                                   before_step=lambda: add_proximal_(params, anchor, mu))
+        return Upload(model.state_dict(), {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps}), state

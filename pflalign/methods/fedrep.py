@@ -1,0 +1,46 @@
+"""FedRep (Collins et al., Exploiting Shared Representations for Personalized Federated
+Learning, ICML 2021, Algorithm 1).
+
+Each round, with the global representation (body) loaded onto the client's own head: first the
+head is trained for ``fedrep-head-epochs`` epochs with the body frozen, then the body for
+``local-epochs`` epochs with the head frozen; the body is uploaded and averaged. When the body
+computes the same function in train and eval mode (no batch norm or dropout) the head epochs run
+on the body's features computed once. See :mod:`pflalign.methods.partial` for state and new
+clients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from pflalign.client import ClientRuntime
+from pflalign.methods.fedper import FedPer
+from pflalign.methods.partial import HeadParams
+from pflalign.params import param
+from pflalign.train import STREAM_PERSONAL, STREAM_TRAIN, TrainStats
+
+
+@dataclass(frozen=True)
+class FedRepParams(HeadParams):
+    head_epochs: int = param(10, "fedrep: epochs of head training (body frozen) before the "
+                             "body's local-epochs (head frozen).", key="fedrep-head-epochs",
+                             minimum=1, group="fedrep")
+
+
+class FedRep(FedPer):
+    name = "fedrep"
+    summary = ("Shared representation (body) and personal head: the head is trained first with "
+               "the body frozen, then the body with the head frozen.")
+    paper = ("Collins et al., Exploiting Shared Representations for Personalized Federated "
+             "Learning, ICML 2021")
+    Params = FedRepParams
+
+    def train_round(self, client: ClientRuntime, model: nn.Module,
+                    server_round: int) -> TrainStats:
+        head = self.personal_entries(client.template())
+        self.train_part(client, model, head, server_round, STREAM_PERSONAL,
+                        self.params.head_epochs)
+        body = tuple(n for n, _ in model.named_parameters() if n not in set(head))
+        return self.train_part(client, model, body, server_round, STREAM_TRAIN, None)

@@ -1,0 +1,97 @@
+"""Per-FedAvg, first-order version (Fallah, Mokhtari, Ozdaglar, Personalized Federated Learning
+with Theoretical Guarantees: A Model-Agnostic Meta-Learning Approach, NeurIPS 2020, Algorithm 1
+with the FO approximation).
+
+Each local step takes two mini-batches ``D``, ``D'`` from the shuffled stream:
+``w_tmp = w - alpha grad f(w; D)``, then ``w <- w - beta grad f(w_tmp; D')`` (the gradient at the
+adapted point, applied to the meta-parameters). A round has ``floor(T / 2)`` such steps for the
+``T`` batches plain training would use (at least one; a client with a single batch uses it twice).
+The meta-model is uploaded and averaged as in FedAvg.
+
+Personalization (also for unseen clients): from the global model, ``perfedavg-eval-steps`` steps
+of SGD at rate ``perfedavg-alpha`` on mini-batches of the client's train split; ``personal-acc``
+scores the adapted model, ``global-acc`` the meta-model.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pflalign.client import ClientRuntime, Received, Upload
+from pflalign.method import Method
+from pflalign.params import Params, param
+from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
+from pflalign.state import NoClientState
+from pflalign.train import STREAM_FINETUNE
+
+
+@dataclass(frozen=True)
+class PerFedAvgParams(Params):
+    prefix = "perfedavg"
+
+    alpha: float = param(0.01, "Inner (adaptation) step size alpha, also used for the "
+                         "personalization steps at evaluation (README: alpha >= 0.02 drives the "
+                         "meta-model itself to chance accuracy).", minimum=0.0,
+                         exclusive_minimum=True)
+    beta: float = param(0.05, "Outer (meta) step size beta.", minimum=0.0, exclusive_minimum=True)
+    eval_steps: int = param(1, "SGD steps of personalization from the global model before "
+                            "evaluation.", minimum=1)
+
+
+class PerFedAvg(Method):
+    name = "perfedavg"
+    summary = ("First-order MAML: the global model is trained to adapt well in one step; clients "
+               "personalize by a few SGD steps from it.")
+    paper = ("Fallah, Mokhtari, Ozdaglar, Personalized Federated Learning with Theoretical "
+             "Guarantees: A Model-Agnostic Meta-Learning Approach, NeurIPS 2020")
+    Params = PerFedAvgParams
+    local_optimizer = False
+
+    def train(self, client: ClientRuntime, received: Received, state: NoClientState,
+              ) -> tuple[Upload, NoClientState]:
+        alpha, beta = self.params.alpha, self.params.beta
+        model = client.new_model(received.model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        model.train()
+        batches = list(client.batches(received.server_round))
+        pairs = list(zip(batches[0::2], batches[1::2], strict=False)) or [(batches[0],
+                                                                            batches[0])]
+        loss_sum, seen = 0.0, 0
+        for (x1, y1), (x2, y2) in pairs:
+            saved = [p.detach().clone() for p in params]
+            model.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x1), y1)
+            loss.backward()
+            with torch.no_grad():
+                torch._foreach_add_(params, [p.grad for p in params], alpha=-alpha)
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x2), y2).backward()
+            with torch.no_grad():
+                torch._foreach_copy_(params, saved)
+                torch._foreach_add_(params, [p.grad for p in params], alpha=-beta)
+            loss_sum += float(loss.detach()) * len(y1)
+            seen += len(y1)
+        return Upload(model.state_dict(), {TRAIN_LOSS: loss_sum / max(seen, 1),
+                                           LOCAL_STEPS: len(pairs)}), state
+
+    def personalize(self, client: ClientRuntime, received: Received) -> torch.nn.Module:
+        """``perfedavg-eval-steps`` SGD steps at rate ``perfedavg-alpha`` from the global model."""
+        model = client.new_model(received.model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(params, lr=self.params.alpha)
+        model.train()
+        steps = self.params.eval_steps
+        stream = client.batches(received.server_round, STREAM_FINETUNE, epochs=steps)
+        for x, y in itertools.islice(stream, steps):
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        return model
+
+    def evaluate(self, client: ClientRuntime, received: Received, state: NoClientState) -> dict:
+        global_result = client.test(client.new_model(received.model))
+        return client.eval_metrics(client.test(self.personalize(client, received)), global_result)

@@ -1,0 +1,129 @@
+"""SCAFFOLD (Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated
+Learning, ICML 2020, Algorithm 1, option II).
+
+Client: each step uses the corrected gradient ``g(y) - c_i + c`` (plain SGD at rate ``lr``). After
+``K`` steps the client's control variate becomes ``c_i+ = c_i - c + (x - y) / (K lr)``; the client
+keeps ``c_i+`` and uploads its model ``y`` with ``dc = c_i+ - c_i`` (record ``control-delta``). A
+client that has not trained yet has ``c_i = 0``. Option II's estimate assumes plain SGD: with
+``momentum`` or ``weight-decay`` the step is no longer ``lr g``, so the client refuses them.
+
+Server (lines 16-17): it keeps ``c`` (trainable entries, zeros at start) and sends it as the record
+``control`` beside the global model; it steps ``x <- x + eta_g sum_i p_i (y_i - x)`` (sample
+weights ``p_i``; buffers averaged as in FedAvg) and ``c <- c + (1/N) sum_i dc_i`` over the N
+training clients (:func:`pflalign.baselines.scaffold_server_update`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pflalign.aggregation import FlatSpec, fedavg
+from pflalign.baselines import (
+    add_control_variates_,
+    scaffold_client_control,
+    scaffold_server_update,
+)
+from pflalign.client import ClientRuntime, Received, Upload
+from pflalign.method import Method, Payload, Update
+from pflalign.params import Params, param
+from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS
+from pflalign.server import ServerRuntime
+from pflalign.state import ArrayState, ServerState, State, TorchState
+
+CONTROL, CONTROL_DELTA = "control", "control-delta"
+
+
+@dataclass(frozen=True)
+class ScaffoldParams(Params):
+    prefix = "scaffold"
+
+    server_lr: float = param(1.0, "Global step size eta_g applied to the averaged model change.",
+                             minimum=0.0, exclusive_minimum=True)
+
+
+@dataclass
+class ScaffoldClientState(ArrayState):
+    #: the client's control variate c_i (trainable entries)
+    control: TorchState | None = None
+
+
+@dataclass
+class ScaffoldServerState(ServerState):
+    #: the server's control variate c over the trainable entries, flat, float64
+    control: np.ndarray | None = None
+
+
+class Scaffold(Method):
+    name = "scaffold"
+    summary = ("Client and server control variates correct each local gradient for client drift "
+               "(variance reduction); option II control-variate update.")
+    paper = ("Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated "
+             "Learning, ICML 2020")
+    Params = ScaffoldParams
+    ClientState = ScaffoldClientState
+    ServerState = ScaffoldServerState
+    local_optimizer = False
+
+    # --- client --------------------------------------------------------------------------------
+    def train(self, client: ClientRuntime, received: Received, state: ScaffoldClientState,
+              ) -> tuple[Upload, ScaffoldClientState]:
+        t = client.training
+        if t.momentum or t.weight_decay:
+            raise ValueError("scaffold's control variates (option II) assume plain SGD; set "
+                             "momentum = 0 and weight-decay = 0 for it.")
+        model = client.new_model(received.model)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        start = [p.detach().clone() for p in params]
+        zeros = [torch.zeros_like(p) for p in params]
+        server = received.arrays.get(CONTROL)
+        c = [server[n].to(client.device) for n, _ in named] if server else zeros
+        c_i = [state.control[n].to(client.device) for n, _ in named] if state.control else zeros
+        stats = client.local_train(model, received.server_round,
+                                   before_step=lambda: add_control_variates_(params, c, c_i))
+        new_c_i = scaffold_client_control(c_i, c, start, params, stats.steps, t.lr)
+        names = [n for n, _ in named]
+        delta = torch._foreach_sub(new_c_i, c_i)
+        upload = Upload(model.state_dict(), {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps},
+                        arrays={CONTROL_DELTA: dict(zip(names, delta, strict=True))})
+        return upload, ScaffoldClientState(dict(zip(names, new_c_i, strict=True)))
+
+    def evaluate(self, client: ClientRuntime, received: Received,
+                 state: ScaffoldClientState) -> dict:
+        result = client.test(client.new_model(received.model))
+        return client.eval_metrics(result, result)
+
+    # --- server --------------------------------------------------------------------------------
+    def init_server(self, server: ServerRuntime, model: State) -> ScaffoldServerState:
+        return ScaffoldServerState(model=model, control=np.zeros(server.trainable_spec.size,
+                                                                 dtype=np.float64))
+
+    def reply_arrays(self, server: ServerRuntime) -> dict[str, FlatSpec]:
+        return {CONTROL_DELTA: server.trainable_spec}
+
+    def train_payload(self, server: ServerRuntime, state: ScaffoldServerState, client: int,
+                      server_round: int) -> Payload:
+        control = server.trainable_spec.unflatten(state.control)
+        return Payload({MODEL: server.shared_model(state), CONTROL: control})
+
+    def aggregate(self, server: ServerRuntime, state: ScaffoldServerState, server_round: int,
+                  updates: Sequence[Update]) -> tuple[ScaffoldServerState, dict[str, float]]:
+        spec = server.trainable_spec
+        weights = [u.num_examples for u in updates]
+        x = spec.flatten(state.model, np.float64)
+        model, control = scaffold_server_update(
+            x, state.control, [spec.flatten(u.model, np.float64) - x for u in updates],
+            [spec.flatten(u.arrays[CONTROL_DELTA], np.float64) for u in updates], weights,
+            num_clients=len(server.training_clients()), server_lr=self.params.server_lr)
+        averaged = fedavg([u.model for u in updates], weights, server.flat)
+        new = server.with_model(state, {**averaged, **spec.unflatten(model)})
+        return dataclasses.replace(new, control=control), {}
+
+    def round_diagnostics(self, server: ServerRuntime, state: ScaffoldServerState,
+                          ) -> dict[str, float]:
+        return {"control-norm": float(np.linalg.norm(state.control))}

@@ -1,0 +1,373 @@
+"""The federated round loop over any method and any engine: sampling, validation, metrics.
+
+:class:`Federation` runs one method for a run's rounds. Each round it asks the method's server rule
+what every sampled client receives, hands those payloads to the engine (an :class:`Engine`:
+Flower messages, or a plain in-process loop), validates the replies, lets the server rule
+aggregate them, and records the round's metrics. Evaluation rounds do the same with the
+evaluation rule. Nothing here knows how a client is reached, and nothing here learns: the
+method's rules do that.
+
+Clients are identified by the stable ``partition-id`` they report (never an engine's node ids).
+Replies are processed in client-id order, so aggregation is deterministic whatever order an engine
+returns them in. A reply that cannot be used is skipped with one warning naming the client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from pflalign.aggregation import FlatSpec, State, mean_cosine
+from pflalign.method import Method, Payload, Update
+from pflalign.metrics import accuracy_summary
+from pflalign.options import Value
+from pflalign.protocol import (
+    CLIENT_SECONDS,
+    CORRECT_COUNTS,
+    EVAL_REQUIRED,
+    EVALUATE,
+    GLOBAL_CORRECT,
+    LABEL,
+    METHOD,
+    MODEL,
+    NEXT_CORRECT,
+    NUM_EXAMPLES,
+    NUM_TEST,
+    PARTITION_ID,
+    PERSONAL_CORRECT,
+    PERSONAL_LOSS,
+    ROUND,
+    TRAIN,
+    TRAIN_LOSS,
+)
+from pflalign.results import Reporter, round_line
+from pflalign.sampling import sample_clients
+from pflalign.state import ServerState
+
+if TYPE_CHECKING:  # the parser imports the method registry, which imports this module
+    from pflalign.config import Settings
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """A client as discovered at start: its stable id, its split sizes, whether it is unseen."""
+
+    id: int
+    num_train: int
+    num_test: int
+    unseen: bool
+
+
+@dataclass
+class Outgoing:
+    """One message to one client: its payload and the message config (method, label, round and
+    the rule's own entries)."""
+
+    client: int
+    payload: Payload
+    config: dict[str, Value]
+
+
+@dataclass
+class Reply:
+    """One client's answer as an engine delivers it: metrics and array records, or an error.
+
+    ``sender`` is the client the engine knows sent it (None when it cannot tell), ``who`` names
+    it in messages, and ``error`` completes the sentence "<who> ..." when the reply is unusable."""
+
+    sender: int | None
+    who: str
+    metrics: dict[str, object] = field(default_factory=dict)
+    arrays: dict[str, State] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class Exchange:
+    """The replies to one round of messages, and the array bytes that went each way."""
+
+    replies: list[Reply]
+    bytes_down: int
+    bytes_up: int
+
+
+class Engine(Protocol):
+    """How a :class:`Federation` reaches its clients."""
+
+    def discover(self) -> dict[int, ClientInfo]:
+        """The run's clients by id."""
+
+    def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
+        """Deliver ``messages`` (``action`` is train, evaluate or query) and collect replies."""
+
+
+class ClientFailure(Exception):
+    """A reply that cannot be used; the message says which client and why."""
+
+
+class ServerRuntime:
+    """The server's view of a run for one method: its settings, clients and model layout."""
+
+    def __init__(self, settings: Settings, method: Method, label: str,
+                 initial_model: State, trainable: tuple[str, ...],
+                 template: Callable[[], object]):
+        self.settings = settings
+        self.method = method
+        self.label = label
+        self.seed = settings.run.seed
+        self.rounds = settings.run.rounds
+        self.eval_every = settings.run.eval_every
+        self.fraction_train = settings.run.fraction_train
+        self.trainable = trainable
+        #: builds a fresh model of the run (for looking up its layers, not for training)
+        self.template_model = template
+        self.clients: dict[int, ClientInfo] = {}
+        personal = set(method.personal_keys(self))
+        self.shared = tuple(k for k in initial_model if k not in personal)
+        #: the exchanged part of the model: what is sent, uploaded, validated and averaged
+        self.flat = FlatSpec.of({k: initial_model[k] for k in self.shared})
+        #: the trainable entries (control variates, mixing)
+        self.trainable_spec = FlatSpec.of({k: initial_model[k] for k in trainable})
+        self._samples: dict[int, list[int]] = {}
+
+    def shared_model(self, state: ServerState) -> State:
+        """The exchanged entries of the global model."""
+        return {k: state.model[k] for k in self.shared}
+
+    @staticmethod
+    def with_model(state: ServerState, new: State) -> ServerState:
+        """``state`` with some model entries replaced."""
+        return dataclasses.replace(state, model={**state.model, **new})
+
+    def training_clients(self) -> list[int]:
+        return [cid for cid, info in self.clients.items() if not info.unseen]
+
+    def sample(self, server_round: int) -> list[int]:
+        """This round's training clients: reproducible from (seed, round), the same for every
+        method."""
+        if server_round not in self._samples:
+            self._samples[server_round] = sample_clients(
+                self.training_clients(), self.fraction_train, self.seed, server_round)
+        return self._samples[server_round]
+
+    def largest_first(self, clients: Iterable[int]) -> list[int]:
+        """Clients in decreasing order of data size: engines hand messages to free workers in
+        order, so the longest jobs go first and workers stay evenly busy (LPT scheduling)."""
+        return sorted(clients, key=lambda c: (-self.clients[c].num_train - self.clients[c].num_test,
+                                              c))
+
+    def is_eval_round(self, server_round: int) -> bool:
+        return server_round % self.eval_every == 0 or server_round == self.rounds
+
+
+class RoundHook(Protocol):
+    """A cross-cutting step before a round's training (GGA's warm start): it may replace the
+    server state; its row entries and bytes are recorded in the round's row."""
+
+    def before_training(self, federation: Federation, server_round: int,
+                        ) -> tuple[dict[str, float], int, int]:
+        """The row entries, bytes down and bytes up."""
+
+
+class Federation:
+    """Runs one method for the run's rounds over an engine; see the module docstring."""
+
+    def __init__(self, server: ServerRuntime, engine: Engine, reporter: Reporter | None = None,
+                 hooks: Sequence[RoundHook] = ()):
+        self.server = server
+        self.method = server.method
+        self.engine = engine
+        self.reporter = reporter or Reporter()
+        self.hooks = list(hooks)
+        self.state: ServerState | None = None
+        self.rounds: list[dict] = []
+        self.client_results: list[dict] = []
+
+    @property
+    def label(self) -> str:
+        return self.server.label
+
+    def message(self, client: int, payload: Payload, server_round: int) -> Outgoing:
+        return Outgoing(client, payload, {METHOD: self.method.name, LABEL: self.label,
+                                          ROUND: server_round, **payload.config})
+
+    def warn(self, text: str) -> None:
+        self.reporter.warn(f"[{self.label}] {text}")
+
+    # --- the run -------------------------------------------------------------------------------
+    def run(self, initial_model: State) -> dict:
+        """Run all rounds; return ``{"rounds": [...], "final": {...}, "clients": [...]}``."""
+        server, run = self.server, self.server.settings.run
+        self.reporter.info(
+            f"[{self.label}] {run.rounds} rounds, {run.num_clients} clients "
+            f"(+{run.num_unseen_clients} unseen), fraction-train {run.fraction_train}, "
+            f"model {run.model} ({server.flat.size:,} values)")
+        server.clients = self.engine.discover()
+        self.state = self.method.init_server(server, initial_model)
+        last_eval: dict[str, float] = {}
+        for server_round in range(1, server.rounds + 1):
+            started = time.perf_counter()
+            row: dict = {"round": server_round}
+            down = up = 0
+            for hook in self.hooks:
+                entries, hook_down, hook_up = hook.before_training(self, server_round)
+                row.update(entries)
+                down, up = down + hook_down, up + hook_up
+            row.update(self.train_round(server_round))
+            down, up = down + row.pop("_down"), up + row.pop("_up")
+            row["train-seconds"] = time.perf_counter() - started
+            row.update(self.method.round_diagnostics(server, self.state))
+            if server.is_eval_round(server_round):
+                eval_started = time.perf_counter()
+                last_eval = self.evaluate_round(server_round)
+                down, up = down + last_eval.pop("_down"), up + last_eval.pop("_up")
+                row.update(last_eval)
+                row["eval-seconds"] = time.perf_counter() - eval_started
+            row.update({"round-seconds": time.perf_counter() - started,
+                        "bytes-up": up, "bytes-down": down})
+            self.rounds.append(row)
+            self.reporter.info(round_line(self.label, row, server.rounds))
+        return {"rounds": self.rounds, "final": self.final_metrics(last_eval),
+                "clients": self.client_results}
+
+    def train_round(self, server_round: int) -> dict:
+        server, method = self.server, self.method
+        messages = [self.message(cid, method.train_payload(server, self.state, cid, server_round),
+                                 server_round)
+                    for cid in server.largest_first(server.sample(server_round))]
+        exchange = self.engine.exchange(TRAIN, messages)
+        reply_arrays = {MODEL: server.flat, **method.reply_arrays(server)} \
+            if method.uploads_model else {}
+        updates = [Update(client=int(m[PARTITION_ID]), num_examples=m[NUM_EXAMPLES], metrics=m,
+                          model=arrays.get(MODEL),
+                          arrays={k: v for k, v in arrays.items() if k != MODEL})
+                   for m, arrays in self.collect(exchange.replies, reply_arrays, (NUM_EXAMPLES,))]
+        failures = len(exchange.replies) - len(updates)
+        row: dict = {"clients-trained": len(updates), "failures": failures,
+                     "_down": exchange.bytes_down, "_up": exchange.bytes_up}
+        if not updates:
+            self.warn(f"round {server_round}: no usable training reply; the global model is kept "
+                      "unchanged.")
+            return row
+        previous = self.state.model
+        self.state, diagnostics = method.aggregate(server, self.state, server_round, updates)
+        if method.uploads_model:
+            row["update-cosine"] = self.update_cosine(previous, self.state.model, updates)
+        for key in method.client_diagnostics:
+            values = [u.metrics[key] for u in updates if key in u.metrics]
+            if values:
+                row[key] = float(np.mean(values))
+        row.update(diagnostics)
+        row[CLIENT_SECONDS] = float(sum(u.metrics.get(CLIENT_SECONDS, 0.0) for u in updates))
+        if all(TRAIN_LOSS in u.metrics for u in updates):
+            row[TRAIN_LOSS] = float(np.average([u.metrics[TRAIN_LOSS] for u in updates],
+                                               weights=[u.num_examples for u in updates]))
+        return row
+
+    def evaluate_round(self, server_round: int) -> dict:
+        server, method = self.server, self.method
+        messages = [self.message(cid, method.eval_payload(server, self.state, cid, server_round),
+                                 server_round)
+                    for cid in server.largest_first(method.eval_clients(server))]
+        exchange = self.engine.exchange(EVALUATE, messages)
+        rows = [m for m, _ in self.collect(exchange.replies, {}, EVAL_REQUIRED)]
+        metrics: dict = {"eval-failures": len(exchange.replies) - len(rows),
+                         "_down": exchange.bytes_down, "_up": exchange.bytes_up}
+        info = {int(m[PARTITION_ID]): server.clients[int(m[PARTITION_ID])] for m in rows}
+        seen = [m for m in rows if not info[int(m[PARTITION_ID])].unseen]
+        unseen = [m for m in rows if info[int(m[PARTITION_ID])].unseen]
+        if seen:
+            metrics.update(accuracy_summary([m[PERSONAL_CORRECT] for m in seen],
+                                            [m[NUM_TEST] for m in seen]))
+            metrics[PERSONAL_LOSS] = float(np.average(
+                [m[PERSONAL_LOSS] for m in seen], weights=[m[NUM_TEST] for m in seen]))
+            tested = sum(m[NUM_TEST] for m in seen)
+            if method.has_global_model and all(GLOBAL_CORRECT in m for m in seen):
+                metrics["global-acc"] = sum(m[GLOBAL_CORRECT] for m in seen) / tested
+            if all(NEXT_CORRECT in m for m in seen):
+                metrics["personal-acc-next"] = sum(m[NEXT_CORRECT] for m in seen) / tested
+        if unseen:
+            metrics["unseen-acc"] = (sum(m[PERSONAL_CORRECT] for m in unseen)
+                                     / sum(m[NUM_TEST] for m in unseen))
+        self.client_results = [
+            {"id": cid, "unseen": info[cid].unseen, "num-train": info[cid].num_train,
+             "num-test": int(m[NUM_TEST]), "personal-acc": m[PERSONAL_CORRECT] / m[NUM_TEST]}
+            for m in rows for cid in [int(m[PARTITION_ID])]]
+        return metrics
+
+    def update_cosine(self, previous: State, new: State, updates: Sequence[Update]) -> float:
+        """Mean cosine between each client's update and the aggregated update (trainable shared
+        entries): how much aggregation agrees with the clients' directions."""
+        spec = FlatSpec.of({k: previous[k] for k in self.server.trainable
+                            if k in self.server.shared})
+        base = spec.flatten(previous, np.float64)
+        return mean_cosine([spec.flatten(u.model, np.float64) - base for u in updates
+                            if u.model is not None], spec.flatten(new, np.float64) - base)
+
+    def final_metrics(self, last_eval: Mapping[str, float]) -> dict[str, float]:
+        seconds = [r["round-seconds"] for r in self.rounds]
+        final = dict(last_eval)
+        if self.rounds and TRAIN_LOSS in self.rounds[-1]:
+            final[TRAIN_LOSS] = self.rounds[-1][TRAIN_LOSS]
+        final.update({
+            "rounds": len(self.rounds),
+            "seconds-per-round": float(np.mean(seconds)) if seconds else 0.0,
+            "total-seconds": float(np.sum(seconds)),
+            "bytes-up": int(sum(r["bytes-up"] for r in self.rounds)),
+            "bytes-down": int(sum(r["bytes-down"] for r in self.rounds)),
+        })
+        return final
+
+    # --- validation ----------------------------------------------------------------------------
+    def validate(self, reply: Reply, arrays: Mapping[str, FlatSpec], required: tuple[str, ...],
+                 ) -> tuple[dict[str, float], dict[str, State]]:
+        """The reply's metrics and array records, checked; :class:`ClientFailure` otherwise."""
+        who = reply.who
+        if reply.error is not None:
+            raise ClientFailure(f"{who} {reply.error}")
+        metrics = reply.metrics
+        for key in (PARTITION_ID, *required):
+            if key not in metrics:
+                raise ClientFailure(f"{who} replied without the metric '{key}'")
+        for key, value in metrics.items():
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise ClientFailure(f"{who} reported a non-finite or non-scalar '{key}': {value!r}")
+        if reply.sender != int(metrics[PARTITION_ID]):
+            raise ClientFailure(f"{who} reported partition-id {metrics[PARTITION_ID]}, which "
+                                "is not the id it was discovered with")
+        for key in required:
+            if key.startswith("num-") and metrics[key] <= 0:
+                raise ClientFailure(f"{who} reported {key} = {metrics[key]}, expected > 0")
+        for key in CORRECT_COUNTS:
+            if key in metrics and not 0 <= metrics[key] <= metrics.get(NUM_TEST, 0):
+                raise ClientFailure(f"{who} reported {key} = {metrics[key]} for "
+                                    f"{metrics.get(NUM_TEST)} test samples")
+        checked: dict[str, State] = {}
+        for name, spec in arrays.items():
+            if name not in reply.arrays:
+                what = "its model arrays" if name == MODEL else f"the array record '{name}'"
+                raise ClientFailure(f"{who} replied without {what}")
+            problem = spec.problem_with(reply.arrays[name])
+            if problem:
+                what = "update" if name == MODEL else f"'{name}' record"
+                raise ClientFailure(f"{who}'s {what} was rejected: {problem}")
+            checked[name] = reply.arrays[name]
+        return metrics, checked  # type: ignore[return-value]
+
+    def collect(self, replies: Iterable[Reply], arrays: Mapping[str, FlatSpec],
+                required: tuple[str, ...]) -> list[tuple[dict[str, float], dict[str, State]]]:
+        """Validated (metrics, array records) pairs sorted by client id; each failure warned."""
+        good = []
+        for reply in replies:
+            try:
+                good.append(self.validate(reply, arrays, required))
+            except ClientFailure as failure:
+                self.warn(f"{failure}; the reply is skipped.")
+        good.sort(key=lambda pair: int(pair[0][PARTITION_ID]))
+        return good

@@ -1,0 +1,149 @@
+"""The Flower engine: a federation's messages as Flower Messages through a Grid.
+
+:class:`FlowerEngine` is what :class:`~pflalign.server.Federation` runs on under ``flwr run`` and
+``simulate.py`` (a Flower simulation on Ray), and in a real deployment of SuperNodes. It
+discovers the nodes (a QUERY for each one's stable ``partition-id`` and split sizes), turns each
+outgoing payload into a Message to that client's node, and turns replies back into metrics and
+NumPy state dicts. Everything else, from sampling to aggregation, is the round loop's and the
+method's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from pflalign.config import Settings
+from pflalign.protocol import (
+    CONFIG,
+    EVALUATE,
+    METRICS,
+    NUM_TEST,
+    NUM_TRAIN,
+    PARTITION_ID,
+    QUERY,
+    RUN_CONFIG,
+    TRAIN,
+    UNSEEN,
+)
+from pflalign.results import Reporter
+from pflalign.server import ClientInfo, Exchange, Outgoing, Reply
+from pflalign.state import State
+
+MESSAGE_TYPES = {TRAIN: MessageType.TRAIN, EVALUATE: MessageType.EVALUATE,
+                 QUERY: MessageType.QUERY}
+
+
+def to_state(record: ArrayRecord) -> State:
+    return {key: array.numpy() for key, array in record.items()}
+
+
+def to_record(state: Mapping[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in state.items()})
+
+
+def payload_bytes(content: RecordDict) -> int:
+    """Bytes of array payload in a message (what dominates traffic: the model tensors)."""
+    return sum(len(array.data) for record in content.array_records.values()
+               for array in record.values())
+
+
+class FlowerEngine:
+    """Reaches a run's clients as Flower SuperNodes through ``grid``."""
+
+    def __init__(self, grid: Grid, settings: Settings, reporter: Reporter | None = None,
+                 timeout: float = 3600.0, discovery_timeout: float = 120.0):
+        self.grid = grid
+        self.settings = settings
+        self.reporter = reporter or Reporter()
+        self.timeout = timeout
+        self.discovery_timeout = discovery_timeout
+        self.run_config = ConfigRecord(settings.to_dict())
+        self.node_of: dict[int, int] = {}
+        self.client_of: dict[int, int] = {}
+
+    def discover(self) -> dict[int, ClientInfo]:
+        """Wait for the nodes, then ask each for its partition-id and split sizes (QUERY).
+
+        Nodes whose partition-id is outside this run (more SuperNodes than clients) are left idle
+        with a warning; a missing or duplicated id is an error naming the fix.
+        """
+        expected = self.settings.num_nodes
+        started = time.monotonic()
+        next_notice = started
+        while len(node_ids := sorted(self.grid.get_node_ids())) < expected:
+            waited = time.monotonic() - started
+            if waited > self.discovery_timeout:
+                raise RuntimeError(
+                    f"Only {len(node_ids)} of {expected} nodes connected within "
+                    f"{self.discovery_timeout:.0f}s. This run needs num-clients + "
+                    f"num-unseen-clients = {expected} SuperNodes: with `flwr run`, pass "
+                    f"--federation-config \"num-supernodes={expected}\"; in a deployment, "
+                    "start the missing SuperNodes.")
+            if time.monotonic() >= next_notice:
+                self.reporter.info(f"Waiting for nodes: {len(node_ids)} of {expected} connected")
+                next_notice += 15.0
+            time.sleep(0.5)
+        content = RecordDict({RUN_CONFIG: self.run_config})
+        messages = [Message(content=content, dst_node_id=node, message_type=MessageType.QUERY)
+                    for node in node_ids]
+        clients: dict[int, ClientInfo] = {}
+        nodes: dict[int, int] = {}
+        for msg in self.grid.send_and_receive(messages, timeout=self.timeout):
+            if msg.has_error():
+                self.reporter.warn(f"Node {msg.metadata.src_node_id} is not used: "
+                                   f"{msg.error.reason}")
+                continue
+            m = msg.content.metric_records[METRICS]
+            cid = int(m[PARTITION_ID])
+            if cid in clients:
+                raise RuntimeError(f"Two nodes report partition-id {cid}; every SuperNode needs "
+                                   "its own partition-id.")
+            clients[cid] = ClientInfo(id=cid, num_train=int(m[NUM_TRAIN]),
+                                      num_test=int(m[NUM_TEST]), unseen=bool(m[UNSEEN]))
+            nodes[cid] = msg.metadata.src_node_id
+        missing = sorted(set(range(expected)) - set(clients))
+        if missing:
+            raise RuntimeError(f"No node answered for client ids {missing[:10]}; each of the "
+                               f"{expected} SuperNodes needs a distinct partition-id "
+                               f"0..{expected - 1}.")
+        self.node_of = nodes
+        self.client_of = {node: cid for cid, node in nodes.items()}
+        return clients
+
+    def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
+        records: dict[tuple, ArrayRecord] = {}  # one serialization per distinct state
+
+        def record(state: State) -> ArrayRecord:
+            key = tuple((k, id(v)) for k, v in state.items())
+            if key not in records:
+                records[key] = to_record(state)
+            return records[key]
+
+        outgoing = [Message(
+            content=RecordDict({CONFIG: ConfigRecord(m.config), RUN_CONFIG: self.run_config,
+                                **{name: record(state)
+                                   for name, state in m.payload.arrays.items()}}),
+            dst_node_id=self.node_of[m.client], message_type=MESSAGE_TYPES[action])
+            for m in messages]
+        down = sum(payload_bytes(m.content) for m in outgoing)
+        replies = list(self.grid.send_and_receive(outgoing, timeout=self.timeout))
+        up = sum(payload_bytes(m.content) for m in replies if not m.has_error())
+        return Exchange([self.reply(m) for m in replies], down, up)
+
+    def reply(self, msg: Message) -> Reply:
+        node = msg.metadata.src_node_id
+        sender = self.client_of.get(node)
+        who = f"client {sender}" if sender is not None else f"node {node}"
+        if msg.has_error():
+            return Reply(sender, who, error=f"failed: {msg.error.reason}")
+        metrics = msg.content.metric_records.get(METRICS)
+        if metrics is None:
+            return Reply(sender, who, error=f"replied without a '{METRICS}' MetricRecord")
+        return Reply(sender, who, metrics=dict(metrics),
+                     arrays={name: to_state(rec) for name, rec in
+                             msg.content.array_records.items()})

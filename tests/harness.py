@@ -1,0 +1,86 @@
+"""Test helpers: a method's client and server rules run by hand, state kept as the engines keep it.
+
+A client's state goes through ``to_arrays`` / ``from_arrays`` between calls, exactly as the
+engines persist it (:mod:`pflalign.engines.host`), so a test sees what survives between rounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from pflalign.client import ClientRuntime, Received, Upload
+from pflalign.config import Settings
+from pflalign.engines import initial_model, template_model
+from pflalign.method import Method
+from pflalign.methods import METHODS
+from pflalign.server import ClientInfo, ServerRuntime
+from pflalign.state import ArrayState
+
+CPU = torch.device("cpu")
+
+
+def method_settings(name: str, base: Mapping[str, object], **changes: object) -> Settings:
+    """``base`` with ``changes``, and the keys a registered variant fixes."""
+    settings = Settings({**base, **changes})
+    overrides = dict(METHODS[name].overrides)
+    return settings.replace(overrides) if overrides else settings
+
+
+def build(name: str, base: Mapping[str, object], cid: int = 0, **changes: object,
+          ) -> tuple[Method, ClientRuntime]:
+    """The method ``name`` and client ``cid`` of a run configured by ``base`` and ``changes``."""
+    settings = method_settings(name, base, **changes)
+    return METHODS[name].build(settings), ClientRuntime(settings, cid, CPU)
+
+
+def persist(state: ArrayState) -> ArrayState:
+    """``state`` after a save and a load, as an engine keeps it between messages."""
+    return type(state).from_arrays(state.to_arrays())
+
+
+def train(method: Method, client: ClientRuntime, server_round: int,
+          arrays: Mapping[str, Mapping[str, torch.Tensor]], state: ArrayState | None = None,
+          config: Mapping[str, object] | None = None) -> tuple[Upload, ArrayState]:
+    """One training action; ``state`` None is a client that has none yet. Returns the upload and
+    the client's new state as it would be loaded for its next action."""
+    state = method.ClientState() if state is None else persist(state)
+    upload, new = method.train(client, Received(server_round, dict(arrays), dict(config or {})),
+                               state)
+    return upload, persist(new)
+
+
+def evaluate(method: Method, client: ClientRuntime, server_round: int,
+             arrays: Mapping[str, Mapping[str, torch.Tensor]], state: ArrayState | None = None,
+             config: Mapping[str, object] | None = None) -> dict:
+    """One evaluation action on ``state`` as given (None: a client without state)."""
+    state = method.ClientState() if state is None else state
+    return method.evaluate(client, Received(server_round, dict(arrays), dict(config or {})), state)
+
+
+def global_state(client: ClientRuntime, shift: float = 0.0) -> dict[str, torch.Tensor]:
+    """The run's initial model, its floating entries shifted by ``shift``."""
+    return {k: v + shift if v.is_floating_point() else v
+            for k, v in client.new_model().state_dict().items()}
+
+
+def server(name: str, settings: Settings, num_clients: int,
+           initial: Mapping[str, np.ndarray] | None = None, trainable: tuple[str, ...] = (),
+           num_train: Callable[[int], int] = lambda c: 10,
+           ) -> tuple[Method, ServerRuntime, dict[str, np.ndarray]]:
+    """The method ``name``, its server runtime with clients ``0..num_clients-1`` (``num_train(c)``
+    train and 5 test samples each, none unseen) and the initial model: the run's, or ``initial``
+    with the entries ``trainable``."""
+    method = METHODS[name].build(settings)
+    if initial is None:
+        model, names = initial_model(settings)
+        template = template_model(settings)
+    else:
+        model, names = dict(initial), tuple(trainable)
+        template = lambda: None  # noqa: E731  (a hand-made model has no layers to look up)
+    runtime = ServerRuntime(settings, method, name, model, names, template)
+    runtime.clients = {c: ClientInfo(id=c, num_train=num_train(c), num_test=5, unseen=False)
+                       for c in range(num_clients)}
+    return method, runtime, model

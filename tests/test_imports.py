@@ -1,0 +1,91 @@
+"""The module graph: no import cycles, and the library never imports an engine's framework."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+from conftest import ROOT
+
+PACKAGES = ("pflalign", "clients", "strategies")
+
+
+def _module_name(path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(tree: ast.AST) -> set[str]:
+    """Every module imported at run time (anywhere, functions included), leaving out what is
+    imported only for type checking (``if TYPE_CHECKING:``)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Project module -> the project modules it imports."""
+    files = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py")]
+    modules = {_module_name(p): p for p in files}
+    graph = {}
+    for name, path in modules.items():
+        imported = _runtime_imports(ast.parse(path.read_text()))
+        graph[name] = {m for m in imported if m in modules and m != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (cycle := dfs(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := dfs(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles_in_the_project():
+    graph = import_graph()
+    assert "pflalign.config" in graph and "pflalign.methods" in graph
+    assert find_cycle(graph) is None
+
+
+def test_the_library_imports_neither_flwr_nor_ray():
+    code = ("import sys, pflalign.config, pflalign.engines.sequential, pflalign.docs; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('flwr', 'ray')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    assert out.strip() == "[]"
