@@ -38,6 +38,7 @@ from pflalign.methods.fedala import FedALA
 from pflalign.methods.fedavg import FedAvg
 from pflalign.methods.fedavg_ft import FedAvgFineTune
 from pflalign.methods.fedbn import FedBN
+from pflalign.methods.fedcp import FedCP
 from pflalign.methods.feddyn import FedDyn
 from pflalign.methods.fedper import FedPer
 from pflalign.methods.fedprox import FedProx
@@ -109,6 +110,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     method(PFedMe),
     method(FedALA),
     method(FedDyn),
+    method(FedCP),
     method(PFLAlignMethod),
     variant("pflalign-noprecond", PFLAlignMethod, "pFLAlign without the preconditioner (raw "
             "gradient, SGD rate 'lr').", precondition=False),
