@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -52,8 +51,7 @@ def _reply(msg: Message, context: Context, action: str) -> Message:
     metrics, reply_arrays, state = handle(action, settings_of(msg), client_id_of(context),
                                           config, arrays, saved)
     if state is not None:
-        context.state[label] = ArrayRecord({k: Array(np.ascontiguousarray(v))
-                                            for k, v in state.items()})
+        context.state[label] = ArrayRecord({k: Array(v) for k, v in state.items()})
     content = RecordDict({METRICS: MetricRecord(metrics)})
     for name, values in reply_arrays.items():
         content[name] = ArrayRecord({k: v.detach().cpu() for k, v in values.items()})

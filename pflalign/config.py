@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import difflib
 import math
+import tomllib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 from pflalign.annealing import GGAParams
 from pflalign.methods import METHODS, method_overrides
@@ -35,7 +34,7 @@ PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated")
 @dataclass(frozen=True)
 class RunConfig(Params):
     """The run-wide settings: what runs, on which data and clients, on which engine. A method
-    entry may not override them (but ``model``, which a method needing batch norm changes)."""
+    entry may not override those in :data:`RUN_WIDE_KEYS` (the data, the clients, the engine)."""
 
     methods: str = param(
         'fedavg,fedavg-ft,local,pflalign',
@@ -65,7 +64,7 @@ class RunConfig(Params):
         'Dataset: fashion-mnist (embedded default, read from '
         '/usr/share/datasets/fashion-mnist or data-root), mnist, cifar10, cifar100 '
         '(torchvision files under data-root).',
-        choices=('fashion-mnist', 'mnist', 'cifar10', 'cifar100'), group='data')
+        choices=DATASETS, group='data')
     data_root: str = param(
         '',
         "Directory holding the dataset files; empty means the Debian package's directory for "
@@ -86,7 +85,7 @@ class RunConfig(Params):
         '(classes-per-client classes each), quantity (power-law client sizes), rotated '
         '(domain shift: client groups with rotated images, dirichlet labels within; see '
         'rotation-angles).',
-        choices=('dirichlet', 'iid', 'pathological', 'quantity', 'rotated'), group='data')
+        choices=PARTITIONS, group='data')
     num_clients: int = param(
         20,
         'Number of training clients (Flower SuperNodes).',
@@ -139,7 +138,7 @@ class RunConfig(Params):
         'How the clients run: flower (a Flower simulation on Ray, the same ClientApp and '
         'ServerApp as a deployment) or sequential (every client in turn in this process, '
         'without Ray or Flower; the same metrics).',
-        choices=('flower', 'sequential'), group='simulation')
+        choices=ENGINES, group='simulation')
     client_resources_num_cpus: float = param(
         1.0,
         "CPU cores per simulated client (Ray resource; also the client's torch thread count).",

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from pflalign import methods as registry
-from pflalign.config import OPTIONS, Option, defaults, toml_literal
+from pflalign.config import OPTIONS, RUN_WIDE_KEYS, Option, defaults, toml_literal
 from pflalign.methods import METHODS, MethodSpec
 from pflalign.train import LocalTraining
 
@@ -102,9 +102,9 @@ def render_config() -> str:
              "Configs are flat `key = value` TOML (Flower's run-config style), so one file serves "
              "`python simulate.py --config FILE` and `flwr run . --run-config FILE`; "
              "`--set key=value` overrides one key, and a method entry can carry its own: "
-             "`--methods \"fedavg,pflalign(pflalign-lr=2)\"`. Keys of the `run`, `data`, "
-             "`federation` and `simulation` groups are shared by every method of a run and "
-             "cannot be set per entry.", ""]
+             "`--methods \"fedavg,pflalign(pflalign-lr=2)\"`. These keys define the data, "
+             "the clients and the engine that every method of a run shares, and cannot be set "
+             f"per entry: {', '.join(f'`{k}`' for k in RUN_WIDE_KEYS)}.", ""]
     groups: dict[str, list[Option]] = {}
     for option in OPTIONS:
         groups.setdefault(option.group, []).append(option)

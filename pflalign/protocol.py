@@ -12,7 +12,6 @@ MODEL = "arrays"  #: the model (or its shared part) sent to or uploaded by a cli
 CONFIG = "config"  #: per-message config: method, label, round, and a rule's own entries
 RUN_CONFIG = "run-config"  #: the run's settings, so that a client needs nothing else
 METRICS = "metrics"  #: a reply's metrics
-STATE = "state"  #: a client's persistent method state (in the node's context)
 
 # --- the per-message config --------------------------------------------------------------------
 METHOD = "method"  #: the registered method's name

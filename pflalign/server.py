@@ -125,8 +125,8 @@ class ServerRuntime:
         self.eval_every = settings.run.eval_every
         self.fraction_train = settings.run.fraction_train
         self.trainable = trainable
-        #: builds a fresh model of the run (for looking up its layers, not for training)
-        self.template_model = template
+        self._build_template = template
+        self._template: object | None = None
         self.clients: dict[int, ClientInfo] = {}
         personal = set(method.personal_keys(self))
         self.shared = tuple(k for k in initial_model if k not in personal)
@@ -135,6 +135,13 @@ class ServerRuntime:
         #: the trainable entries (control variates, mixing)
         self.trainable_spec = FlatSpec.of({k: initial_model[k] for k in trainable})
         self._samples: dict[int, list[int]] = {}
+
+    def template_model(self) -> object:
+        """A model of the run, built once, for looking up its layers (read-only; its weights
+        are not the run's)."""
+        if self._template is None:
+            self._template = self._build_template()
+        return self._template
 
     def shared_model(self, state: ServerState) -> State:
         """The exchanged entries of the global model."""

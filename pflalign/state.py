@@ -3,8 +3,8 @@
 A method's :class:`ClientState` (what one client keeps between rounds: a personal model, control
 variates, optimizer moments) and :class:`ServerState` (the global model and whatever else the
 server keeps) are plain dataclasses. :meth:`ArrayState.to_arrays` packs one into a flat
-``{name: ndarray}`` and :meth:`ArrayState.from_arrays` rebuilds it, exactly, so saving, resuming
-and shipping state is one call whatever the engine.
+``{name: ndarray}`` and :meth:`ArrayState.from_arrays` rebuilds it (values, dtypes and shapes
+exact), so saving, resuming and shipping state is one call whatever the engine.
 
 The field kinds and their flat names:
 
@@ -13,10 +13,11 @@ The field kinds and their flat names:
 - one tensor or array: ``field``;
 - a scalar (``int``, ``float``, ``bool``): ``field`` as a 0-d array (read back as the Python type);
 - a set of client ids (``frozenset[int]``): ``field`` as a 1-d int64 array;
-- ``None``: absent.
+- ``None``: absent. An empty state dict is absent too, so it comes back as ``None``; and a
+  state dict's own keys may not start with ``#``, which marks a client id.
 
 Client states hold ``torch.Tensor`` values (client rules compute in torch), server states NumPy
-arrays (server rules aggregate in NumPy); :attr:`ArrayState.torch` says which.
+arrays (server rules aggregate in NumPy); :attr:`ArrayState.holds_tensors` says which.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class ArrayState:
     """Mixin for a state dataclass: :meth:`to_arrays` / :meth:`from_arrays`."""
 
     #: values are torch tensors (client states) rather than NumPy arrays (server states)
-    torch: ClassVar[bool] = True
+    holds_tensors: ClassVar[bool] = True
 
     def to_arrays(self) -> Arrays:
         """The state as one flat ``{name: ndarray}`` (copies; ``None`` fields are left out)."""
@@ -74,7 +75,7 @@ class ArrayState:
         hints = typing.get_type_hints(cls)
         values: dict[str, object] = {}
         names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        convert = (lambda a: torch.from_numpy(np.array(a, copy=True))) if cls.torch else (
+        convert = (lambda a: torch.from_numpy(np.array(a, copy=True))) if cls.holds_tensors else (
             lambda a: np.array(a, copy=True))
         for name, array in arrays.items():
             field_name, sep, rest = name.partition(_SEP)
@@ -113,6 +114,6 @@ class ServerState(ArrayState):
 
     Methods with more server state subclass it."""
 
-    torch: ClassVar[bool] = False
+    holds_tensors: ClassVar[bool] = False
 
     model: State = dataclasses.field(default_factory=dict)

@@ -19,8 +19,8 @@ if [ ! -e "$FMNIST" ]; then
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null
 fi
 
-if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
-    echo "error: $PYTHON is $("$PYTHON" --version 2>&1); pflalign needs Python >= 3.10." >&2
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo "error: $PYTHON is $("$PYTHON" --version 2>&1); pflalign needs Python >= 3.11 (tomllib, typing.Self)." >&2
     exit 1
 fi
 

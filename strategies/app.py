@@ -9,7 +9,7 @@ from collections.abc import Callable
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from pflalign.config import Settings
+from pflalign.config import ConfigError, Settings
 from pflalign.engines import run_methods
 from pflalign.results import Reporter
 from strategies.flower import FlowerEngine
@@ -25,7 +25,11 @@ def run_on_grid(grid: Grid, settings: Settings, reporter: Reporter | None = None
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run_on_grid(grid, Settings(dict(context.run_config), source="the run config"))
+    settings = Settings(dict(context.run_config), source="the run config")
+    if settings.run.engine != "flower":
+        raise ConfigError(f"engine = {settings.run.engine!r} runs with `python simulate.py`; "
+                          "`flwr run` always uses the Flower engine (leave engine = 'flower').")
+    run_on_grid(grid, settings)
 
 
 def make_server_app(settings: Settings, reporter: Reporter | None = None,

@@ -9,11 +9,11 @@ shut down so that no process outlives the run.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 
-from pflalign.config import ConfigError, Settings
+from pflalign.config import Settings
+from pflalign.engines import check_resources
 from pflalign.federation import federated_dataset
 from pflalign.results import Reporter
 from pflalign.runtime import set_flower_environment
@@ -32,23 +32,6 @@ def backend_config(settings: Settings, verbose: bool = False) -> dict:
                              "num_gpus": settings.run.client_resources_num_gpus},
         "init_args": {"logging_level": "ERROR", "log_to_driver": verbose},
     }
-
-
-def check_resources(settings: Settings) -> None:
-    """Fail before Ray starts when the requested client resources cannot exist on this machine."""
-    import torch
-
-    cpus, gpus = settings.run.client_resources_num_cpus, settings.run.client_resources_num_gpus
-    if cpus > (os.cpu_count() or 1):
-        raise ConfigError(f"client-resources-num-cpus = {cpus:g} exceeds this machine's "
-                          f"{os.cpu_count()} CPU cores; no client could be scheduled.")
-    if gpus > 0 and not torch.cuda.is_available():
-        raise ConfigError(f"client-resources-num-gpus = {gpus:g} but no GPU is visible to "
-                          "PyTorch here; set it to 0 to train on the CPU.")
-    if gpus > torch.cuda.device_count():
-        raise ConfigError(f"client-resources-num-gpus = {gpus:g} exceeds the "
-                          f"{torch.cuda.device_count()} GPU(s) here; use a fraction of one "
-                          "(e.g. 0.25) to share a GPU between clients.")
 
 
 def simulate(settings: Settings, reporter: Reporter | None = None, verbose: bool = False) -> dict:

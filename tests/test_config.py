@@ -1,9 +1,9 @@
 import subprocess
 import sys
 import time
+import tomllib
 
 import pytest
-import tomllib
 from conftest import ROOT
 
 from pflalign.config import (

@@ -15,11 +15,14 @@ config's method entries one after another over whichever engine it is given.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
+import torch
+
 from pflalign.annealing import AnnealedWarmStart
-from pflalign.config import Settings
+from pflalign.config import ConfigError, Settings
 from pflalign.federation import federated_dataset
 from pflalign.methods import METHODS, method_overrides
 from pflalign.models import build_model
@@ -41,6 +44,21 @@ def template_model(settings: Settings) -> Callable[[], object]:
     """A builder of fresh (unseeded) models of the run, for looking up layers."""
     dataset = federated_dataset(settings).dataset
     return lambda: build_model(settings.run.model, dataset.input_shape, dataset.num_classes)
+
+
+def check_resources(settings: Settings) -> None:
+    """Fail before any engine starts when the requested client resources cannot exist here."""
+    cpus, gpus = settings.run.client_resources_num_cpus, settings.run.client_resources_num_gpus
+    if cpus > (os.cpu_count() or 1):
+        raise ConfigError(f"client-resources-num-cpus = {cpus:g} exceeds this machine's "
+                          f"{os.cpu_count()} CPU cores; no client could be scheduled.")
+    if gpus > 0 and not torch.cuda.is_available():
+        raise ConfigError(f"client-resources-num-gpus = {gpus:g} but no GPU is visible to "
+                          "PyTorch here; set it to 0 to train on the CPU.")
+    if gpus > torch.cuda.device_count():
+        raise ConfigError(f"client-resources-num-gpus = {gpus:g} exceeds the "
+                          f"{torch.cuda.device_count()} GPU(s) here; use a fraction of one "
+                          "(e.g. 0.25) to share a GPU between clients.")
 
 
 def run_methods(settings: Settings, make_engine: Callable[[Settings], Engine],

@@ -18,6 +18,7 @@ import torch
 
 from pflalign.annealing import GGA_ACTION, client_answer
 from pflalign.client import ClientRuntime, Received
+from pflalign.config import Settings
 from pflalign.federation import federated_dataset
 from pflalign.method import Method
 from pflalign.methods import METHODS
@@ -45,12 +46,12 @@ ReplyArrays = dict[str, Mapping[str, torch.Tensor]]
 
 
 @lru_cache(maxsize=8)
-def method_of(settings: Mapping[str, Value], name: str) -> Method:
+def method_of(settings: Settings, name: str) -> Method:
     """The registered method ``name`` with its Params read from ``settings`` (cached per run)."""
     return METHODS[name].build(settings)
 
 
-def discovery(settings: Mapping[str, Value], client_id: int) -> Metrics:
+def discovery(settings: Settings, client_id: int) -> Metrics:
     """A client's answer to discovery: its stable id and split sizes."""
     partition = federated_dataset(settings).partition
     if not 0 <= client_id < partition.num_clients:
@@ -66,7 +67,7 @@ def to_torch(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict[s
             for name, record in arrays.items() if len(record)}
 
 
-def handle(action: str, settings: Mapping[str, Value], client_id: int,
+def handle(action: str, settings: Settings, client_id: int,
            config: Mapping[str, Value], arrays: Mapping[str, Mapping[str, torch.Tensor]],
            saved: Arrays | None) -> tuple[Metrics, ReplyArrays, Arrays | None]:
     """Run one action of the method named in ``config`` for ``client_id``.

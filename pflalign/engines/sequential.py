@@ -1,15 +1,17 @@
 """The sequential engine: every client's rule called in turn, in this process, without Flower.
 
-Messages carry what Flower's would (NumPy state dicts, the message config), each client's state
-is kept as the flat arrays :meth:`~pflalign.state.ArrayState.to_arrays` gives, exactly as a
-Flower client keeps it in its node state, and the bytes counted are those of the arrays Flower
-would serialize. A client rule that raises becomes an error reply, which the round loop skips
-with a warning, as under Flower. Needs neither Ray nor flwr.
+Messages carry what Flower's would (the arrays the Flower engine serializes, the message config),
+each client's state is kept as the flat arrays :meth:`~pflalign.state.ArrayState.to_arrays` gives,
+as a Flower client keeps it in its node state, and the bytes counted are those Flower would send.
+A client rule that raises becomes an error reply naming the exception and where it was raised,
+which the round loop skips with a warning, as under Flower. Torch uses
+``client-resources-num-cpus`` threads. Needs neither Ray nor flwr.
 """
 
 from __future__ import annotations
 
 import io
+import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 from pflalign.config import Settings
-from pflalign.engines import run_methods
+from pflalign.engines import check_resources, run_methods
 from pflalign.engines.host import discovery, handle, to_torch
 from pflalign.federation import federated_dataset
 from pflalign.protocol import NUM_TEST, NUM_TRAIN, UNSEEN
@@ -66,15 +68,18 @@ class SequentialEngine:
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
         replies, down, up = [], 0, 0
         for message in messages:
-            down += payload_bytes(message.payload.arrays.values())
+            # what the Flower engine serializes (to_record: C-contiguous, 0-d arrays as 1-d)
+            sent = {name: {k: np.ascontiguousarray(v) for k, v in record.items()}
+                    for name, record in message.payload.arrays.items()}
+            down += payload_bytes(sent.values())
             cid = message.client
             try:
                 metrics, arrays, state = handle(action, self.settings, cid, message.config,
-                                                to_torch(message.payload.arrays),
-                                                self.states.get(cid))
+                                                to_torch(sent), self.states.get(cid))
             except Exception as err:  # a failing client is an error reply, as under Flower
-                replies.append(Reply(cid, f"client {cid}",
-                                     error=f"failed: {type(err).__name__}: {err}"))
+                where = traceback.extract_tb(err.__traceback__)[-1]
+                replies.append(Reply(cid, f"client {cid}", error=(
+                    f"failed: {type(err).__name__}: {err} (at {where.filename}:{where.lineno})")))
                 continue
             if state is not None:
                 self.states[cid] = state
@@ -86,5 +91,8 @@ class SequentialEngine:
 
 
 def simulate(settings: Settings, reporter: Reporter | None = None) -> dict:
-    """Run every method of ``settings`` on the sequential engine; return the results."""
+    """Validate the data and resources, run every method of ``settings`` on the sequential
+    engine, and return the results."""
+    federated_dataset(settings)  # data and partition errors surface here, before any training
+    check_resources(settings)
     return run_methods(settings, SequentialEngine, reporter)

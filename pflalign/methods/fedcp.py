@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -126,6 +128,15 @@ def without_head(model: nn.Module) -> Iterator[nn.Module]:
         yield model
     finally:
         setattr(parent, attr, head)
+
+
+@functools.cache
+def _policy_spec(features: int) -> FlatSpec:
+    """The layout of a CPN's state (what a reply's ``cpn`` record must match)."""
+    with torch.device("meta"):
+        policy = ConditionalPolicy(features)
+    return FlatSpec.of({k: np.empty(tuple(v.shape), dtype=np.float32)
+                        for k, v in policy.state_dict().items()})
 
 
 @dataclass(frozen=True)
@@ -250,8 +261,7 @@ class FedCP(Method):
                                                   for k, v in policy.state_dict().items()})
 
     def reply_arrays(self, server: ServerRuntime) -> dict[str, FlatSpec]:
-        policy = new_policy(self._features(server), server.seed)
-        return {CPN: FlatSpec.of({k: v.detach().numpy() for k, v in policy.state_dict().items()})}
+        return {CPN: _policy_spec(self._features(server))}
 
     def train_payload(self, server: ServerRuntime, state: FedCPServerState, client: int,
                       server_round: int) -> Payload:

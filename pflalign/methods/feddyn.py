@@ -12,7 +12,9 @@ linear term: every mini-batch gradient becomes ``grad L_k - g_k + alpha (theta -
 first-order condition of that minimization updates the linear term,
 ``g_k <- g_k - alpha (theta_k^t - theta^{t-1})`` (:func:`linear_term_update`), and the client
 uploads ``theta_k^t``. With ``g_k = 0`` (a client's first round) the local update is FedProx's with
-``mu = alpha``, exactly.
+``mu = alpha``, exactly. The local optimizer's weight decay counts as part of ``L_k`` (its
+stationarity condition is then that of the decayed loss); momentum changes the path, not the
+minimizer.
 
 Server: it keeps ``h`` (zeros at first) over the trainable entries and, over the round's
 participants ``P_t`` and the ``m`` training clients,

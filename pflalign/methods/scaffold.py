@@ -29,7 +29,8 @@ from pflalign.baselines import (
     scaffold_server_update,
 )
 from pflalign.client import ClientRuntime, Received, Upload
-from pflalign.method import Method, Payload, Update
+from pflalign.method import Payload, Update
+from pflalign.methods.fedavg import FedAvg
 from pflalign.params import Params, param
 from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS
 from pflalign.server import ServerRuntime
@@ -58,7 +59,7 @@ class ScaffoldServerState(ServerState):
     control: np.ndarray | None = None
 
 
-class Scaffold(Method):
+class Scaffold(FedAvg):
     name = "scaffold"
     summary = ("Client and server control variates correct each local gradient for client drift "
                "(variance reduction); option II control-variate update.")
@@ -68,6 +69,10 @@ class Scaffold(Method):
     ClientState = ScaffoldClientState
     ServerState = ScaffoldServerState
     local_optimizer = False
+
+    def __init__(self, params: ScaffoldParams):
+        super().__init__(params)
+        self._unpacked: tuple[np.ndarray, State] | None = None
 
     # --- client --------------------------------------------------------------------------------
     def train(self, client: ClientRuntime, received: Received, state: ScaffoldClientState,
@@ -93,11 +98,6 @@ class Scaffold(Method):
                         arrays={CONTROL_DELTA: dict(zip(names, delta, strict=True))})
         return upload, ScaffoldClientState(dict(zip(names, new_c_i, strict=True)))
 
-    def evaluate(self, client: ClientRuntime, received: Received,
-                 state: ScaffoldClientState) -> dict:
-        result = client.test(client.new_model(received.model))
-        return client.eval_metrics(result, result)
-
     # --- server --------------------------------------------------------------------------------
     def init_server(self, server: ServerRuntime, model: State) -> ScaffoldServerState:
         return ScaffoldServerState(model=model, control=np.zeros(server.trainable_spec.size,
@@ -108,8 +108,15 @@ class Scaffold(Method):
 
     def train_payload(self, server: ServerRuntime, state: ScaffoldServerState, client: int,
                       server_round: int) -> Payload:
-        control = server.trainable_spec.unflatten(state.control)
-        return Payload({MODEL: server.shared_model(state), CONTROL: control})
+        return Payload({MODEL: server.shared_model(state),
+                        CONTROL: self._control_arrays(server, state.control)})
+
+    def _control_arrays(self, server: ServerRuntime, control: np.ndarray) -> State:
+        """``c`` as arrays in the model's dtypes, unpacked once per value of ``c`` (the same
+        arrays for every client of a round, so an engine serializes them once)."""
+        if self._unpacked is None or self._unpacked[0] is not control:
+            self._unpacked = (control, server.trainable_spec.unflatten(control))
+        return self._unpacked[1]
 
     def aggregate(self, server: ServerRuntime, state: ScaffoldServerState, server_round: int,
                   updates: Sequence[Update]) -> tuple[ScaffoldServerState, dict[str, float]]:
