@@ -48,11 +48,13 @@ def _compare_rows(where: str, a: dict, b: dict, out: list[str]) -> int:
 
 def compare(before: dict, after: dict, allow_new: bool = False) -> tuple[list[str], int]:
     """The differences between two results dictionaries, and how many values were compared.
-    With ``allow_new``, methods only in ``after`` (methods added since) are not differences."""
+    With ``allow_new``, methods and config keys only in ``after`` (added since) are not
+    differences."""
     out: list[str] = []
     checked = 0
     config_a = {k: v for k, v in before.get("config", {}).items() if k not in IGNORED_CONFIG}
-    config_b = {k: v for k, v in after.get("config", {}).items() if k not in IGNORED_CONFIG}
+    config_b = {k: v for k, v in after.get("config", {}).items() if k not in IGNORED_CONFIG
+                and (k in config_a or not allow_new)}
     checked += _compare_rows("config", config_a, config_b, out)
     if before.get("partition") != after.get("partition"):
         out.append("partition summaries differ")
@@ -93,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     parser.add_argument("--allow-new", action="store_true",
-                        help="Methods only in AFTER (added since BEFORE) are listed, not counted "
-                             "as differences.")
+                        help="Methods and config keys only in AFTER (added since BEFORE) are not "
+                             "counted as differences; the new methods are listed.")
     args = parser.parse_args(argv)
     total_diffs = 0
     for path_a, path_b in _pairs(args.before, args.after):
