@@ -226,14 +226,15 @@ class Federation:
                 entries, hook_down, hook_up = hook.before_training(self, server_round)
                 row.update(entries)
                 down, up = down + hook_down, up + hook_up
-            row.update(self.train_round(server_round))
-            down, up = down + row.pop("_down"), up + row.pop("_up")
+            entries, train_down, train_up = self.train_round(server_round)
+            row.update(entries)
+            down, up = down + train_down, up + train_up
             row["train-seconds"] = time.perf_counter() - started
             row.update(self.method.round_diagnostics(server, self.state))
             if server.is_eval_round(server_round):
                 eval_started = time.perf_counter()
-                last_eval = self.evaluate_round(server_round)
-                down, up = down + last_eval.pop("_down"), up + last_eval.pop("_up")
+                last_eval, eval_down, eval_up = self.evaluate_round(server_round)
+                down, up = down + eval_down, up + eval_up
                 row.update(last_eval)
                 row["eval-seconds"] = time.perf_counter() - eval_started
             row.update({"round-seconds": time.perf_counter() - started,
@@ -243,7 +244,8 @@ class Federation:
         return {"rounds": self.rounds, "final": self.final_metrics(last_eval),
                 "clients": self.client_results}
 
-    def train_round(self, server_round: int) -> dict:
+    def train_round(self, server_round: int) -> tuple[dict, int, int]:
+        """One training round: the round's metrics, and the bytes sent down and up."""
         server, method = self.server, self.method
         messages = [self.message(cid, method.train_payload(server, self.state, cid, server_round),
                                  server_round)
@@ -256,12 +258,12 @@ class Federation:
                           arrays={k: v for k, v in arrays.items() if k != MODEL})
                    for m, arrays in self.collect(exchange.replies, reply_arrays, (NUM_EXAMPLES,))]
         failures = len(exchange.replies) - len(updates)
-        row: dict = {"clients-trained": len(updates), "failures": failures,
-                     "_down": exchange.bytes_down, "_up": exchange.bytes_up}
+        row: dict = {"clients-trained": len(updates), "failures": failures}
+        traffic = exchange.bytes_down, exchange.bytes_up
         if not updates:
             self.warn(f"round {server_round}: no usable training reply; the global model is kept "
                       "unchanged.")
-            return row
+            return row, *traffic
         previous = self.state.model
         self.state, diagnostics = method.aggregate(server, self.state, server_round, updates)
         if method.uploads_model:
@@ -275,17 +277,17 @@ class Federation:
         if all(TRAIN_LOSS in u.metrics for u in updates):
             row[TRAIN_LOSS] = float(np.average([u.metrics[TRAIN_LOSS] for u in updates],
                                                weights=[u.num_examples for u in updates]))
-        return row
+        return row, *traffic
 
-    def evaluate_round(self, server_round: int) -> dict:
+    def evaluate_round(self, server_round: int) -> tuple[dict, int, int]:
+        """One evaluation round: its metrics, and the bytes sent down and up."""
         server, method = self.server, self.method
         messages = [self.message(cid, method.eval_payload(server, self.state, cid, server_round),
                                  server_round)
                     for cid in server.largest_first(method.eval_clients(server))]
         exchange = self.engine.exchange(EVALUATE, messages)
         rows = [m for m, _ in self.collect(exchange.replies, {}, EVAL_REQUIRED)]
-        metrics: dict = {"eval-failures": len(exchange.replies) - len(rows),
-                         "_down": exchange.bytes_down, "_up": exchange.bytes_up}
+        metrics: dict = {"eval-failures": len(exchange.replies) - len(rows)}
         info = {int(m[PARTITION_ID]): server.clients[int(m[PARTITION_ID])] for m in rows}
         seen = [m for m in rows if not info[int(m[PARTITION_ID])].unseen]
         unseen = [m for m in rows if info[int(m[PARTITION_ID])].unseen]
@@ -306,7 +308,7 @@ class Federation:
             {"id": cid, "unseen": info[cid].unseen, "num-train": info[cid].num_train,
              "num-test": int(m[NUM_TEST]), "personal-acc": m[PERSONAL_CORRECT] / m[NUM_TEST]}
             for m in rows for cid in [int(m[PARTITION_ID])]]
-        return metrics
+        return metrics, exchange.bytes_down, exchange.bytes_up
 
     def update_cosine(self, previous: State, new: State, updates: Sequence[Update]) -> float:
         """Mean cosine between each client's update and the aggregated update (trainable shared

@@ -107,7 +107,7 @@ def test_aggregation_equals_hand_computed_mean_and_flowers_fedavg():
     replies = [_train_reply(100 + i, i, s, n)
                for i, (s, n) in enumerate(zip(states, sizes, strict=True))]
     federation = _federation(states[0], replies[::-1])  # reply order must not matter
-    metrics = federation.train_round(1)
+    metrics, _, _ = federation.train_round(1)
     ours = federation.state.model
     for key in ours:
         expected = sum(n * s[key].astype(np.float64)
@@ -139,7 +139,7 @@ def test_malformed_and_non_finite_updates_are_rejected_and_the_rest_aggregated()
     federation = _federation(states[0], replies, num_clients=5)
     warnings = []
     federation.reporter.warn = warnings.append
-    metrics = federation.train_round(1)
+    metrics, _, _ = federation.train_round(1)
     assert metrics["failures"] == 5 and metrics["clients-trained"] == 1
     np.testing.assert_array_equal(federation.state.model["fc.bias"], states[0]["fc.bias"])
     text = "\n".join(warnings)
@@ -153,7 +153,7 @@ def test_malformed_and_non_finite_updates_are_rejected_and_the_rest_aggregated()
 def test_when_every_update_fails_the_global_model_is_kept():
     states = _states(2, 1)
     federation = _federation(states[0], [_error_reply(100, "boom")])
-    metrics = federation.train_round(1)
+    metrics, _, _ = federation.train_round(1)
     assert metrics["clients-trained"] == 0 and metrics["failures"] == 1
     np.testing.assert_array_equal(federation.state.model["conv.weight"], states[0]["conv.weight"])
 
@@ -191,7 +191,7 @@ def test_evaluation_metrics_from_client_replies():
     federation.server.clients[3] = ClientInfo(3, 10, 5, True)  # an unseen client
     warnings = []
     federation.reporter.warn = warnings.append
-    metrics = federation.evaluate_round(1)
+    metrics, _, _ = federation.evaluate_round(1)
     assert metrics["personal-acc"] == pytest.approx(18 / 40)
     assert metrics["personal-acc-unweighted"] == pytest.approx((0.8 + 1 / 3) / 2)
     assert metrics["global-acc"] == pytest.approx(25 / 40)

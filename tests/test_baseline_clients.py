@@ -406,7 +406,7 @@ def test_scaffold_server_sends_c_and_updates_it_from_the_control_deltas():
         _reply(1, y2, examples=10, **{CONTROL_DELTA: delta}),
         _reply(2, y1)]), Reporter(quiet=True))  # no control-delta: rejected, the rest aggregated
     federation.state = state
-    metrics = federation.train_round(1)
+    metrics, _, _ = federation.train_round(1)
     assert metrics["failures"] == 1 and metrics["clients-trained"] == 2
     np.testing.assert_allclose(federation.state.model["fc.bias"], x["fc.bias"] + 1.5, rtol=1e-6)
     control = method.train_payload(runtime, federation.state, 0, 2).arrays[CONTROL]

@@ -55,7 +55,7 @@ from pflalign.params import Params, param
 from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS
 from pflalign.server import ServerRuntime
 from pflalign.state import ArrayState, ServerState, TorchState
-from pflalign.train import EvalStats, derive_seed
+from pflalign.train import derive_seed
 
 CPN = "cpn"
 #: the MMD's Gaussian kernel bandwidths sigma in exp(-||u - v||^2 / (2 sigma))
@@ -98,6 +98,24 @@ def fedcp_logits(features: torch.Tensor, vector: torch.Tensor, policy: Condition
     """``W^hd(r * h) + W_i^hd(s * h)`` with ``{r, s} = CPN(v * h)``."""
     r, s = policy(vector * features)
     return global_head(r * features) + personal_head(s * features)
+
+
+class PersonalizedModel(nn.Module):
+    """A client's FedCP model as one module (features, policy, both heads), so that the shared
+    evaluation loop can score it."""
+
+    def __init__(self, model: nn.Module, global_head: nn.Module, personal_head: nn.Module,
+                 policy: ConditionalPolicy):
+        super().__init__()
+        self.model, self.global_head = model, global_head
+        self.personal_head, self.policy = personal_head, policy
+        self.vector = client_vector(personal_head.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with without_head(self.model):
+            features = self.model(x)
+        return fedcp_logits(features, self.vector, self.policy, self.global_head,
+                            self.personal_head)
 
 
 def mmd2(x: torch.Tensor, y: torch.Tensor, bandwidths: Sequence[float] = BANDWIDTHS,
@@ -226,29 +244,12 @@ class FedCP(Method):
                        arrays={CPN: policy.state_dict()}),
                 FedCPClientState(own_head))
 
-    @torch.inference_mode()
-    def _test(self, client: ClientRuntime, model: nn.Module, global_head: nn.Module,
-              personal_head: nn.Module, policy: ConditionalPolicy) -> EvalStats:
-        vector = client_vector(personal_head.weight)
-        data = client.data
-        model.eval()
-        policy.eval()
-        correct, loss_sum = 0, 0.0
-        with without_head(model):
-            for start in range(0, len(data.test_y), 256):
-                features = model(data.normalize(data.test_x[start:start + 256]))
-                logits = fedcp_logits(features, vector, policy, global_head, personal_head)
-                targets = data.test_y[start:start + 256]
-                correct += int((logits.argmax(dim=1) == targets).sum())
-                loss_sum += float(F.cross_entropy(logits, targets, reduction="sum"))
-        return EvalStats(correct=correct, loss_sum=loss_sum, count=len(data.test_y))
-
     def evaluate(self, client: ClientRuntime, received: Received,
                  state: FedCPClientState) -> dict:
         global_result = client.test(client.new_model(received.model))
         model, global_head, personal_head, policy, _ = self._parts(client, received, state)
-        return client.eval_metrics(self._test(client, model, global_head, personal_head, policy),
-                                   global_result)
+        personalized = PersonalizedModel(model, global_head, personal_head, policy)
+        return client.eval_metrics(client.test(personalized), global_result)
 
     # --- server --------------------------------------------------------------------------------
     @staticmethod
