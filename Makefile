@@ -7,7 +7,7 @@ setup:
 	bash scripts/setup.sh
 
 run: setup
-	$(PY) simulate.py
+	$(PY) simulate.py --overwrite
 
 test: setup lint
 	$(PY) -m pytest -q

@@ -4,6 +4,10 @@
     python simulate.py                                  # configs/default.toml
     python simulate.py --config FILE --set rounds=5 --methods fedavg,local --out DIR
     python simulate.py --print-config                   # every key with its resolved value
+    python simulate.py --ray-address 127.0.0.1:6379     # clients on a running Ray cluster
+
+Ctrl-C (or SIGTERM) stops a run: the finished method entries are written to results.json, marked
+"interrupted", and the exit status is 130 (143 for SIGTERM); a second Ctrl-C exits at once.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-from pflalign.config import OPTIONS, ConfigError, format_settings, resolve
+from pflalign.config import OPTIONS, ConfigError, Settings, format_settings, resolve
+from pflalign.interrupt import Interrupted, exit_status, handle_signals, signal_name, stop_signal
 from pflalign.methods import METHODS
-from pflalign.results import Reporter
+from pflalign.results import Reporter, prepare_output
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
 
@@ -46,6 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Comma-separated methods to compare, or 'all' (overrides 'methods').")
     parser.add_argument("--out", metavar="DIR", help="Output directory for results.json "
                         "(overrides 'out-dir').")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="Replace an existing results.json in the output directory (without "
+                             "it, a run refuses to start there).")
+    parser.add_argument("--ray-address", metavar="ADDR",
+                        help="Run the clients on an existing Ray cluster (e.g. 127.0.0.1:6379, "
+                             "as `ray start --head` prints) instead of starting a local Ray; "
+                             "this machine must be one of its nodes. engine = flower only.")
     parser.add_argument("--print-config", action="store_true",
                         help="Print the resolved config (every key, defaults included) and exit.")
     parser.add_argument("--quiet", action="store_true", help="Print only the final table.")
@@ -65,19 +77,51 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(format_settings(settings), end="")
             return 0
+        if args.ray_address and settings.run.engine != "flower":
+            raise ConfigError(f"--ray-address runs the clients on a Ray cluster, which needs "
+                              f"engine = 'flower' (this run has engine = "
+                              f"{settings.run.engine!r}).")
+        if not args.ray_address:
+            from pflalign.engines import check_resources
+
+            check_resources(settings)  # a config error comes before any complaint about --out
+        prepare_output(settings.run.out_dir, overwrite=args.overwrite)
         reporter = Reporter(quiet=args.quiet)
-        if settings.run.engine == "sequential":
-            from pflalign.engines.sequential import simulate as simulate_sequential
-
-            simulate_sequential(settings, reporter)
-        else:
-            from strategies.simulation import simulate
-
-            simulate(settings, reporter, verbose=args.verbose)
+        with handle_signals():
+            try:
+                run(settings, reporter, args)
+            except Interrupted as stop:
+                print(interrupted_message(stop), file=sys.stderr, flush=True)
+                return exit_status(stop_signal())
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def run(settings: Settings, reporter: Reporter, args: argparse.Namespace) -> dict:
+    if settings.run.engine == "sequential":
+        from pflalign.engines.sequential import simulate as simulate_sequential
+
+        return simulate_sequential(settings, reporter)
+    from strategies.simulation import simulate
+
+    return simulate(settings, reporter, verbose=args.verbose, ray_address=args.ray_address)
+
+
+def interrupted_message(stop: Interrupted) -> str:
+    """The one line printed when a run stops early: what finished and where it was written."""
+    head = f"Interrupted ({signal_name(stop_signal())})"
+    if stop.results_path is None:
+        return f"{head} before any method entry ran; nothing was written."
+    total = len(stop.finished) + len(stop.unfinished)
+    done = f" ({', '.join(stop.finished)})" if stop.finished else ""
+    partial = (f", with the {stop.partial_rounds} finished round(s) of {stop.unfinished[0]} "
+               "under 'partial'" if stop.partial_rounds else "")
+    return (f"{head}: {len(stop.finished)} of {total} method entries finished{done}; results so "
+            f"far are in {stop.results_path}, marked \"interrupted\": true{partial}. There is no "
+            "resume: re-running (with --overwrite, or another --out) starts from round 1 again; "
+            f"--methods '{','.join(stop.unfinished)}' runs just the unfinished entries.")
 
 
 if __name__ == "__main__":

@@ -6,18 +6,42 @@ from ``context.node_config`` (never Flower's random node id). The method's clien
 :func:`pflalign.engines.host.handle`; its state lives in the node's ``context.state`` as one
 ArrayRecord named by the method entry's label (a client serving a new method drops what earlier
 methods left behind: less to carry per message).
+
+A deployed SuperNode may also name, in its node config (:mod:`pflalign.node`):
+
+- ``data-path``: its own partition file (``python -m pflalign.export_partitions``); the node then
+  reads only that file, never the pooled dataset, and refuses one made for another config;
+- ``state-dir``: a directory where its method state is saved atomically after every training
+  action and read back when ``context.state`` has none (a restarted SuperNode resumes exactly);
+- ``cache-dir``: where a node without ``data-path`` caches its own partition after the first
+  message (default: ``state-dir``, else ``$XDG_CACHE_HOME/pflalign`` when every message runs in a
+  new ``flwr-clientapp`` process; ``cache-dir=""`` turns the cache off).
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from functools import lru_cache
+from logging import INFO
+from pathlib import Path
 
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.logger import log
 
 from pflalign.config import Settings
 from pflalign.engines.host import discovery, handle
-from pflalign.protocol import CONFIG, EVALUATE, LABEL, METRICS, QUERY, RUN_CONFIG, TRAIN
+from pflalign.faults import ClientDropout
+from pflalign.node import (
+    NodeData,
+    StateStore,
+    cached_node_data,
+    default_cache_dir,
+    file_sha256,
+    node_data_from_file,
+)
+from pflalign.protocol import CONFIG, EVALUATE, LABEL, METRICS, QUERY, ROUND, RUN_CONFIG, TRAIN
 
 app = ClientApp()
 
@@ -33,10 +57,49 @@ def settings_of(msg: Message) -> Settings:
 
 
 def client_id_of(context: Context) -> int:
+    """The node's ``partition-id``: an integer (its range is checked against the run at
+    discovery, where an id outside 0..num-clients + num-unseen-clients - 1 is refused)."""
     if "partition-id" not in context.node_config:
         raise ValueError("This SuperNode has no 'partition-id' in its node config; start it with "
                          "--node-config \"partition-id=<i> num-partitions=<n>\".")
-    return int(context.node_config["partition-id"])
+    value = context.node_config["partition-id"]
+    if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).lstrip(
+            "-").isdigit():
+        raise ValueError(f"This SuperNode's partition-id {value!r} is not an integer; start it "
+                         "with --node-config \"partition-id=<i> ...\" (i from 0).")
+    return int(value)
+
+
+def _one_process_per_message() -> bool:
+    """Whether this ClientApp runs in a ``flwr-clientapp`` process of a deployed SuperNode
+    (Flower's default subprocess isolation starts one per message)."""
+    return Path(sys.argv[0]).name == "flwr-clientapp"
+
+
+def partition_cache_dir(node_config: dict) -> Path | None:
+    """Where a node without ``data-path`` caches its own partition (None: no cache)."""
+    if "cache-dir" in node_config:
+        value = str(node_config["cache-dir"])
+        return Path(value).expanduser() if value else None
+    if node_config.get("state-dir"):
+        return Path(str(node_config["state-dir"])).expanduser()
+    return default_cache_dir() if _one_process_per_message() else None
+
+
+def node_data_of(context: Context, settings: Settings) -> NodeData | None:
+    """This node's data: its partition file (``data-path``), its cached partition, or None
+    (the pooled dataset, read and partitioned once per process: simulations)."""
+    cid = client_id_of(context)
+    if context.node_config.get("data-path"):
+        return node_data_from_file(str(context.node_config["data-path"]), settings, cid)
+    cache_dir = partition_cache_dir(dict(context.node_config))
+    return cached_node_data(settings, cid, cache_dir) if cache_dir is not None else None
+
+
+def state_store(context: Context, settings: Settings, label: str) -> StateStore | None:
+    """The node's state file for this run and method entry (None without ``state-dir``)."""
+    state_dir = context.node_config.get("state-dir")
+    return StateStore(str(state_dir), context.run_id, label, settings) if state_dir else None
 
 
 def _reply(msg: Message, context: Context, action: str) -> Message:
@@ -48,10 +111,24 @@ def _reply(msg: Message, context: Context, action: str) -> Message:
     saved = {k: a.numpy() for k, a in record.items()} if record is not None else None
     arrays = {name: record.to_torch_state_dict()
               for name, record in msg.content.array_records.items() if len(record)}
-    metrics, reply_arrays, state = handle(action, settings_of(msg), client_id_of(context),
-                                          config, arrays, saved)
+    settings = settings_of(msg)
+    store = state_store(context, settings, label)
+    if saved is None and store is not None and (loaded := store.load()) is not None:
+        saved, meta = loaded
+        context.state[label] = ArrayRecord({k: Array(v) for k, v in saved.items()})
+        log(INFO, "pflalign: client %s resumed the state of '%s' from %s (saved after round %s, "
+            "sha256 %s)", client_id_of(context), label, store.path, meta["round"],
+            file_sha256(store.path))
+    try:
+        metrics, reply_arrays, state = handle(action, settings, client_id_of(context), config,
+                                              arrays, saved, node=node_data_of(context, settings))
+    except ClientDropout as silent:  # injected: reply only after the server stopped waiting
+        time.sleep(settings.run.round_timeout + 1.0)
+        raise RuntimeError(f"{silent} (its reply comes after round-timeout)") from None
     if state is not None:
         context.state[label] = ArrayRecord({k: Array(v) for k, v in state.items()})
+        if store is not None:
+            store.save(state, int(config[ROUND]))
     content = RecordDict({METRICS: MetricRecord(metrics)})
     for name, values in reply_arrays.items():
         content[name] = ArrayRecord({k: v.detach().cpu() for k, v in values.items()})
@@ -64,7 +141,8 @@ def query(msg: Message, context: Context) -> Message:
     action, that action (an annealing round of GGA's warm start)."""
     if CONFIG in msg.content.config_records:
         return _reply(msg, context, QUERY)
-    metrics = discovery(settings_of(msg), client_id_of(context))
+    settings = settings_of(msg)
+    metrics = discovery(settings, client_id_of(context), node_data_of(context, settings))
     return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
 
 

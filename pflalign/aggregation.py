@@ -89,6 +89,50 @@ def weighted_average(vectors: Sequence[np.ndarray], weights: Sequence[float]) ->
     return acc
 
 
+def trimmed_mean(vectors: Sequence[np.ndarray], fraction: float) -> np.ndarray:
+    """Per coordinate, the mean of the values left after dropping ``floor(fraction * n)`` of the
+    smallest and as many of the largest (unweighted; Yin et al. 2018, "Byzantine-robust
+    distributed learning: towards optimal statistical rates"). ``fraction = 0`` is the plain
+    mean."""
+    if len(vectors) == 0:
+        raise ValueError("trimmed_mean needs at least one vector.")
+    if not 0 <= fraction < 0.5:
+        raise ValueError(f"The trimmed fraction must be in [0, 0.5), got {fraction}.")
+    stacked = np.stack([np.asarray(v, dtype=np.float64) for v in vectors])
+    cut = int(np.floor(fraction * len(vectors)))
+    if cut:
+        stacked = np.sort(stacked, axis=0)[cut:len(vectors) - cut]
+    return stacked.mean(axis=0)
+
+
+def coordinate_median(vectors: Sequence[np.ndarray]) -> np.ndarray:
+    """Per coordinate, the median of the clients' values (unweighted; the mean of the two middle
+    values for an even count; Yin et al. 2018)."""
+    if len(vectors) == 0:
+        raise ValueError("coordinate_median needs at least one vector.")
+    return np.median(np.stack([np.asarray(v, dtype=np.float64) for v in vectors]), axis=0)
+
+
+def combine(vectors: Sequence[np.ndarray], weights: Sequence[float], rule: str = "mean",
+            trim: float = 0.0) -> np.ndarray:
+    """Combine client vectors by ``rule``: ``mean`` (weighted by ``weights``), ``trimmed-mean``
+    or ``median`` (both unweighted)."""
+    if rule == "mean":
+        return weighted_average(vectors, weights)
+    if rule == "trimmed-mean":
+        return trimmed_mean(vectors, trim)
+    if rule == "median":
+        return coordinate_median(vectors)
+    raise ValueError(f"Unknown aggregation rule {rule!r}.")
+
+
+def update_norms(states: Sequence[Mapping[str, np.ndarray]], reference: Mapping[str, np.ndarray],
+                 spec: FlatSpec) -> np.ndarray:
+    """The norm of each state minus ``reference`` over ``spec``'s entries (float64)."""
+    base = spec.flatten(reference, np.float64)
+    return np.array([float(np.linalg.norm(spec.flatten(s, np.float64) - base)) for s in states])
+
+
 def fedavg(states: Sequence[Mapping[str, np.ndarray]], num_examples: Sequence[float],
            spec: FlatSpec | None = None) -> State:
     """Sample-weighted average of model states, returned with the states' dtypes."""

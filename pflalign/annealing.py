@@ -123,7 +123,9 @@ class AnnealedWarmStart:
         exchange = federation.engine.exchange(QUERY, messages)
         required = (NUM_EXAMPLES, *(losses_key(k) for k in range(p.candidates + 1)))
         losses, sketches, weights = [], [], []
-        for reply in exchange.replies:
+        # in client-id order, whatever order the engine delivered them in: the means below
+        # are then the same bits on every engine and run
+        for reply in sorted(exchange.replies, key=lambda r: (r.sender is None, r.sender or 0)):
             try:
                 metrics, _ = federation.validate(reply, {}, required)
                 record = reply.arrays.get(SKETCH)

@@ -1,10 +1,11 @@
 """What a client rule works with: its data, the run's model, seeded local training, evaluation.
 
 A :class:`ClientRuntime` is one client's view of a run, built by an engine for each action: its
-train and test splits (the process-wide cached partition, never re-read), the run's initial model
-(a per-process template, identical to the server's), the run's :class:`LocalTraining`, and the
-seeded training and evaluation loops every method shares. It holds no method state and knows no
-engine: a method's client rule receives it with what the server sent and its own ``ClientState``.
+train and test splits (the process-wide cached partition, never re-read, or the node's own
+partition file: :mod:`pflalign.node`), the run's initial model (a per-process template,
+identical to the server's), the run's :class:`LocalTraining`, and the seeded training and
+evaluation loops every method shares. It holds no method state and knows no engine: a method's
+client rule receives it with what the server sent and its own ``ClientState``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pflalign.federation import federated_dataset
+from pflalign.federation import FederatedDataset, federated_dataset
 from pflalign.models import build_model, is_deterministic_in_training, parameter_modules
+from pflalign.node import NodeData, pooled_node_data
 from pflalign.options import Value
 from pflalign.protocol import GLOBAL_CORRECT, MODEL, NUM_TEST, PERSONAL_CORRECT, PERSONAL_LOSS
 from pflalign.state import TorchState
@@ -72,14 +74,25 @@ class Upload:
 class ClientRuntime:
     """One client of a run: data, model template, and the seeded loops (no method state)."""
 
-    def __init__(self, settings: Settings, client_id: int, device: torch.device):
+    def __init__(self, settings: Settings, client_id: int, device: torch.device,
+                 node: NodeData | None = None):
+        """``node``: the client's data as its node holds it (a partition file); None takes it
+        from the process-wide pooled dataset and partition."""
         self.client_id = client_id
         self.device = device
         self.seed = settings.run.seed
         self.model_name = settings.run.model
         self.training: LocalTraining = settings.training
-        self.federation = federated_dataset(settings)
-        self.data = self.federation.client_data(client_id, device)
+        self._settings = settings
+        node = node if node is not None else pooled_node_data(settings, client_id, device)
+        self.data = node.data.to(device)
+        self.input_shape, self.num_classes = node.input_shape, node.num_classes
+
+    @property
+    def federation(self) -> FederatedDataset:
+        """The run's pooled dataset and partition (read on first use: a node given its own
+        partition file never needs it; prefer :attr:`data`, :attr:`num_classes`)."""
+        return federated_dataset(self._settings)
 
     # --- models --------------------------------------------------------------------------------
     def new_model(self, state: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
@@ -92,10 +105,9 @@ class ClientRuntime:
     def template(self) -> nn.Module:
         """The run's initial model (seeded; identical to the server's), cached per process.
         Read-only: :meth:`new_model` hands out copies."""
-        ds = self.federation.dataset
-        key = (self.model_name, ds.input_shape, ds.num_classes, self.seed)
+        key = (self.model_name, self.input_shape, self.num_classes, self.seed)
         if key not in _TEMPLATES:
-            _TEMPLATES[key] = build_model(key[0], ds.input_shape, ds.num_classes, seed=key[3])
+            _TEMPLATES[key] = build_model(key[0], key[1], key[2], seed=key[3])
         return _TEMPLATES[key]
 
     # --- training ------------------------------------------------------------------------------

@@ -29,6 +29,9 @@ from pflalign.train import LocalTraining
 ENGINES = ("flower", "sequential")
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100")
 PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated")
+AGGREGATIONS = ("mean", "trimmed-mean", "median")
+ATTACKS = ("none", "signflip", "scale", "noise", "labelflip", "inflate-count", "fake-eval",
+           "hang")
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,54 @@ class RunConfig(Params):
         'GPUs per simulated client (fractions share a GPU); clients use cuda when this is > 0 '
         'and a GPU exists.',
         minimum=0.0, group='simulation')
+    round_timeout: float = param(
+        600.0,
+        'Seconds the server waits for a round\'s replies; a client that has not replied by then '
+        'counts as failed (the server names the clients it waits for every 30 s).',
+        minimum=0.0, exclusive_minimum=True, group='robustness')
+    aggregation: str = param(
+        'mean',
+        'How client models are combined, for every method that averages models: mean '
+        '(weighted by num-examples), trimmed-mean (per coordinate, dropping trim-fraction of '
+        'the values at each end; unweighted) or median (per coordinate; unweighted). Yin et '
+        'al. 2018, "Byzantine-robust distributed learning".',
+        choices=AGGREGATIONS, group='robustness')
+    trim_fraction: float = param(
+        0.2,
+        'aggregation=trimmed-mean: fraction of the clients\' values dropped at each end of '
+        'every coordinate.',
+        minimum=0.0, maximum=0.5, exclusive_maximum=True, group='robustness')
+    update_norm_bound: float = param(
+        10.0,
+        'Reject a training reply whose update (its model minus the global model) has a norm '
+        'above this many times the round\'s median update norm; 0 turns the check off.',
+        minimum=0.0, group='robustness')
+    client_failure_rate: float = param(
+        0.0,
+        'Fault injection: probability that a sampled client\'s training call raises (seeded '
+        'by seed, round and client).',
+        minimum=0.0, maximum=1.0, exclusive_maximum=True, group='robustness')
+    client_dropout_rate: float = param(
+        0.0,
+        'Fault injection: probability that a sampled client does not reply to training before '
+        'round-timeout (seeded by seed, round and client).',
+        minimum=0.0, maximum=1.0, exclusive_maximum=True, group='robustness')
+    malicious_clients: int = param(
+        0,
+        'Fault injection: how many training clients (chosen by seed) run the attack.',
+        minimum=0, group='robustness')
+    attack: str = param(
+        'none',
+        'What malicious clients do: signflip (upload the global model minus their update), '
+        'scale (the global model plus attack-scale times their update), noise (a random update '
+        'of attack-scale times their update\'s norm), labelflip (train on labels c -> C-1-c), '
+        'inflate-count (report attack-scale times their num-examples), fake-eval (report '
+        'attack-scale times their num-test, all correct), hang (never reply).',
+        choices=ATTACKS, group='robustness')
+    attack_scale: float = param(
+        10.0,
+        'The factor of attack=scale, noise, inflate-count and fake-eval.',
+        minimum=0.0, exclusive_minimum=True, group='robustness')
     model: str = param(
         'cnn',
         "Model: cnn (PFLlib's 4-layer CNN), cnn-bn (the same with batch norm), mlp, resnet18.",
@@ -231,7 +282,8 @@ RUN_WIDE_KEYS = ("methods", "seed", "out-dir", "dataset", "data-root", "download
                  "rotation-angles", "rotation-unseen-groups",
                  "classes-per-client", "quantity-power", "min-samples-per-client",
                  "test-fraction", "engine", "client-resources-num-cpus",
-                 "client-resources-num-gpus")
+                 "client-resources-num-gpus", "round-timeout", "client-failure-rate",
+                 "client-dropout-rate", "malicious-clients", "attack", "attack-scale")
 
 
 @dataclass(frozen=True)
@@ -375,13 +427,31 @@ def _check_cross_keys(values: Mapping[str, Value]) -> None:
             raise ConfigError(f"rotation-unseen-groups = {held_out} leaves no angle of "
                               f"rotation-angles = {values['rotation-angles']!r} for the training "
                               "clients; hold out fewer groups or add angles.")
-    refusing = []
+    if values["malicious-clients"] > values["num-clients"]:
+        raise ConfigError(f"malicious-clients = {values['malicious-clients']} exceeds "
+                          f"num-clients = {values['num-clients']}.")
+    if (values["malicious-clients"] > 0) != (values["attack"] != "none"):
+        raise ConfigError(f"malicious-clients = {values['malicious-clients']} and attack = "
+                          f"{values['attack']!r} do not go together: set both (some clients and "
+                          "what they do) or neither.")
+    if values["client-failure-rate"] + values["client-dropout-rate"] >= 1:
+        raise ConfigError("client-failure-rate + client-dropout-rate must be below 1, got "
+                          f"{values['client-failure-rate'] + values['client-dropout-rate']:g}.")
+    refusing, not_robust = [], []
     for choice in parse_methods(str(values["methods"])):
         spec = METHODS[choice.name]
         overrides = method_overrides(spec, values, dict(choice.overrides))
+        if (overrides.get("aggregation", values["aggregation"]) != "mean"
+                and not spec.method.robust_aggregation):
+            not_robust.append(choice.label)
         if not spec.local_optimizer and overrides.get(
                 "local-optimizer", values["local-optimizer"]) != "sgd":
             refusing.append(choice.label)
+    if not_robust:
+        raise ConfigError(f"aggregation = {values['aggregation']!r} is not defined for "
+                          f"{', '.join(not_robust)}: its server update is not an average of "
+                          "models; use aggregation = 'mean' for it, e.g. "
+                          "'scaffold(aggregation=mean)'.")
     if refusing:
         raise ConfigError(f"local-optimizer = {values['local-optimizer']!r} does not apply to "
                           f"{', '.join(refusing)} (own local update rule); set it per method "

@@ -11,6 +11,7 @@ gets its own train/test split (see :mod:`pflalign.partition`).
 from __future__ import annotations
 
 import gzip
+import zlib
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -67,11 +68,22 @@ class Normalizer:
         return batch.float().mul_(self.scale).sub_(self.shift)
 
 
+#: how to get a damaged dataset file back, for error messages
+_REFETCH = ("download it again (Fashion-MNIST from Debian: `apt-get install --reinstall "
+            "dataset-fashion-mnist`; otherwise set download = true, or copy the original file)")
+
+
 def _read_idx(path: Path) -> np.ndarray:
     """Read an idx(.gz) file: a 4-byte magic whose last byte is the rank, then big-endian dims."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as handle:
-        raw = handle.read()
+    try:
+        with opener(path, "rb") as handle:
+            raw = handle.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:  # a cut-off download, a bad copy
+        raise ConfigError(f"Dataset file '{path}' is truncated or corrupt ({err}); delete it "
+                          f"and {_REFETCH}.") from err
+    except OSError as err:
+        raise ConfigError(f"Dataset file '{path}' cannot be read ({err.strerror or err}).") from err
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
         raise ConfigError(f"Dataset file '{path}' is not an unsigned-byte idx file; replace it "
                           "with the original download.")
@@ -80,7 +92,7 @@ def _read_idx(path: Path) -> np.ndarray:
     data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * rank)
     if data.size != int(np.prod(dims)):
         raise ConfigError(f"Dataset file '{path}' is truncated ({data.size} of "
-                          f"{int(np.prod(dims))} values); download it again.")
+                          f"{int(np.prod(dims))} values); {_REFETCH}.")
     return data.reshape(tuple(dims))
 
 

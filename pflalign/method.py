@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
-from pflalign.aggregation import FlatSpec, State, fedavg
+from pflalign.aggregation import FlatSpec, State
 from pflalign.client import ClientRuntime, Received, Upload
 from pflalign.options import Value
 from pflalign.params import NoParams, Params
@@ -76,6 +76,9 @@ class Method(Generic[P, C, S]):
     local_optimizer: ClassVar[bool] = True
     #: clients upload their model after training
     uploads_model: ClassVar[bool] = True
+    #: the server update is an average of client models, so ``aggregation`` (mean, trimmed-mean,
+    #: median) applies to it (false for server updates such as SCAFFOLD's and FedDyn's)
+    robust_aggregation: ClassVar[bool] = True
     #: client metrics averaged over the round's clients into the round's row
     client_diagnostics: ClassVar[tuple[str, ...]] = ()
 
@@ -123,7 +126,7 @@ class Method(Generic[P, C, S]):
                   updates: Sequence[Update]) -> tuple[S, dict[str, float]]:
         """The new server state from the round's validated updates, and diagnostics for the
         round's row (default: FedAvg by num-examples, ALGORITHMS.md 1.6)."""
-        new = fedavg([u.model for u in updates], [u.num_examples for u in updates], server.flat)
+        new = server.average([u.model for u in updates], [u.num_examples for u in updates])
         return server.with_model(state, new), {}
 
     def round_diagnostics(self, server: ServerRuntime, state: S) -> dict[str, float]:

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
+from pflalign.options import ConfigError
+
 _PACKAGES = ("pflalign", "torch", "torchvision", "flwr", "ray", "numpy")
 
 
@@ -52,6 +54,27 @@ def write_results(out_dir: str | Path, results: Mapping[str, object]) -> Path:
     return path
 
 
+def prepare_output(out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Before a run starts: create ``out_dir`` and check that ``results.json`` can be written
+    there (a probe file is written and removed), and that it would not replace an earlier
+    run's results unless ``overwrite``. Returns the path results will be written to; raises
+    :class:`~pflalign.options.ConfigError` with a one-line reason otherwise."""
+    out = Path(out_dir)
+    path = out / "results.json"
+    if path.exists() and not overwrite:
+        raise ConfigError(f"'{path}' already exists; pass --overwrite to replace it, or choose "
+                          "another directory with --out.")
+    probe = out / f".pflalign-write-test-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"Cannot write results to '{out}' ({err.strerror or err}); choose a "
+                          "writable directory with --out.") from err
+    return path
+
+
 def _pct(value: object) -> str:
     return f"{100 * value:6.2f}" if isinstance(value, float) and math.isfinite(value) else "     -"
 
@@ -71,10 +94,11 @@ def round_line(method: str, row: Mapping[str, object], rounds: int) -> str:
             parts.append(f"{label} {_pct(row[key]).strip()}%")
     parts.append(f"{row['round-seconds']:.1f}s")
     parts.append(f"up {_mb(row['bytes-up'])} down {_mb(row['bytes-down'])}")
-    if row.get("failures"):
-        parts.append(f"failures {row['failures']}")
-    if row.get("eval-failures"):
-        parts.append(f"eval-failures {row['eval-failures']}")
+    for key in ("failures", "timeouts", "rejected", "eval-failures", "rolled-back"):
+        if row.get(key):
+            parts.append(f"{key} {row[key]}")
+    if row.get("evaluated", 0) < row.get("eval-clients", 0):
+        parts.append(f"evaluated {row['evaluated']} of {row['eval-clients']}")
     return "  ".join(parts)
 
 
@@ -89,15 +113,21 @@ def comparison_table(methods: Mapping[str, Mapping[str, object]]) -> str:
     """The final metrics of each method side by side (accuracies in %)."""
     width = max([len("method"), *map(len, methods)])
     head = f"{'method':<{width}}  " + "  ".join(f"{label:>10}" for _, label in TABLE_COLUMNS)
-    head += f"  {'s/round':>8}  {'MB up':>8}  {'MB down':>8}"
+    head += f"  {'evaluated':>9}  {'s/round':>8}  {'MB up':>8}  {'MB down':>8}"
     lines = [head, "-" * len(head)]
+    partial = []
     for name, result in methods.items():
         final = result.get("final", {})
         cells = "  ".join(f"{_pct(final.get(key)):>10}" for key, _ in TABLE_COLUMNS)
         up, down = final.get("bytes-up", 0) / 1e6, final.get("bytes-down", 0) / 1e6
-        lines.append(f"{name:<{width}}  {cells}  {final.get('seconds-per-round', 0):8.2f}  "
-                     f"{up:8.1f}  {down:8.1f}")
-    return "\n".join(lines)
+        evaluated, asked = final.get("evaluated"), final.get("eval-clients")
+        count = f"{evaluated}/{asked}" if asked is not None else "-"
+        if asked is not None and evaluated < asked:
+            partial.append(f"{name}: evaluated {evaluated} of {asked} clients in its last "
+                           "evaluation; its accuracies cover those only.")
+        lines.append(f"{name:<{width}}  {cells}  {count:>9}  "
+                     f"{final.get('seconds-per-round', 0):8.2f}  {up:8.1f}  {down:8.1f}")
+    return "\n".join(lines + partial)
 
 
 class Reporter:

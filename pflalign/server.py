@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from pflalign.aggregation import FlatSpec, State, mean_cosine
+from pflalign.aggregation import FlatSpec, State, combine, fedavg, mean_cosine, update_norms
+from pflalign.interrupt import check_stop
 from pflalign.method import Method, Payload, Update
 from pflalign.metrics import accuracy_summary
 from pflalign.options import Value
@@ -33,7 +34,10 @@ from pflalign.protocol import (
     EVAL_REQUIRED,
     EVALUATE,
     GLOBAL_CORRECT,
+    HAD_STATE,
+    KEPT_STATE,
     LABEL,
+    LOSSES,
     METHOD,
     MODEL,
     NEXT_CORRECT,
@@ -86,6 +90,8 @@ class Reply:
     metrics: dict[str, object] = field(default_factory=dict)
     arrays: dict[str, State] = field(default_factory=dict)
     error: str | None = None
+    #: no reply came before ``round-timeout`` (``error`` says so)
+    timed_out: bool = False
 
 
 @dataclass
@@ -108,7 +114,25 @@ class Engine(Protocol):
 
 
 class ClientFailure(Exception):
-    """A reply that cannot be used; the message says which client and why."""
+    """A reply that cannot be used; the message says which client and why. ``nonfinite_loss``:
+    it was refused because a loss it reported is NaN or infinite."""
+
+    def __init__(self, text: str, nonfinite_loss: bool = False):
+        super().__init__(text)
+        self.nonfinite_loss = nonfinite_loss
+
+
+@dataclass
+class Collected:
+    """The usable replies of one exchange, sorted by client id, and how many were not usable:
+    ``failed`` (the client raised or did not reply in time; ``timed_out`` of them the latter)
+    and ``rejected`` (the reply failed validation)."""
+
+    good: list[tuple[dict[str, float], dict[str, State]]]
+    failed: int = 0
+    timed_out: int = 0
+    rejected: int = 0
+    nonfinite_loss: int = 0
 
 
 class ServerRuntime:
@@ -151,6 +175,22 @@ class ServerRuntime:
     def with_model(state: ServerState, new: State) -> ServerState:
         """``state`` with some model entries replaced."""
         return dataclasses.replace(state, model={**state.model, **new})
+
+    def combine(self, vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+        """Client vectors combined by the run's ``aggregation`` rule (``mean``: weighted by
+        ``weights``; ``trimmed-mean`` and ``median``: per coordinate, unweighted)."""
+        run = self.settings.run
+        return combine(vectors, weights, run.aggregation, run.trim_fraction)
+
+    def average(self, states: Sequence[State], weights: Sequence[float],
+                spec: FlatSpec | None = None) -> State:
+        """Client states (by default the exchanged model entries) combined by the run's
+        ``aggregation`` rule; ``mean`` is FedAvg's sample-weighted average (ALGORITHMS.md 1.6)."""
+        spec = spec or self.flat
+        if self.settings.run.aggregation == "mean":
+            return fedavg(states, weights, spec)
+        return spec.unflatten(self.combine([spec.flatten(s, np.float64) for s in states],
+                                           weights))
 
     def training_clients(self) -> list[int]:
         return [cid for cid, info in self.clients.items() if not info.unseen]
@@ -195,6 +235,11 @@ class Federation:
         self.state: ServerState | None = None
         self.rounds: list[dict] = []
         self.client_results: list[dict] = []
+        #: the server state before the latest aggregation (for a rollback), None after one
+        self.before_aggregation: ServerState | None = None
+        #: clients that reported saving method state (a later reply without it is warned about)
+        self.saved_state: set[int] = set()
+        self._trainable_shared: FlatSpec | None = None
 
     @property
     def label(self) -> str:
@@ -219,6 +264,7 @@ class Federation:
         self.state = self.method.init_server(server, initial_model)
         last_eval: dict[str, float] = {}
         for server_round in range(1, server.rounds + 1):
+            check_stop()
             started = time.perf_counter()
             row: dict = {"round": server_round}
             down = up = 0
@@ -253,21 +299,33 @@ class Federation:
         exchange = self.engine.exchange(TRAIN, messages)
         reply_arrays = {MODEL: server.flat, **method.reply_arrays(server)} \
             if method.uploads_model else {}
+        collected = self.collect(exchange.replies, reply_arrays, (NUM_EXAMPLES,))
         updates = [Update(client=int(m[PARTITION_ID]), num_examples=m[NUM_EXAMPLES], metrics=m,
                           model=arrays.get(MODEL),
                           arrays={k: v for k, v in arrays.items() if k != MODEL})
-                   for m, arrays in self.collect(exchange.replies, reply_arrays, (NUM_EXAMPLES,))]
-        failures = len(exchange.replies) - len(updates)
-        row: dict = {"clients-trained": len(updates), "failures": failures}
+                   for m, arrays in collected.good]
+        updates, too_large = self.bound_updates(updates)
+        self.check_kept_state(updates)
+        row: dict = {"clients-trained": len(updates), "failures": collected.failed,
+                     "timeouts": collected.timed_out,
+                     "rejected": collected.rejected + too_large}
         traffic = exchange.bytes_down, exchange.bytes_up
         if not updates:
             self.warn(f"round {server_round}: no usable training reply; the global model is kept "
                       "unchanged.")
             return row, *traffic
-        previous = self.state.model
+        previous = self.state
         self.state, diagnostics = method.aggregate(server, self.state, server_round, updates)
+        problem = non_finite(self.state)
+        if problem:
+            self.warn(f"round {server_round}: the aggregate is not finite ({problem}); the server "
+                      "state of the previous round is kept.")
+            self.state = previous
+            row["rolled-back"] = 1
+            return row, *traffic
+        self.before_aggregation = previous
         if method.uploads_model:
-            row["update-cosine"] = self.update_cosine(previous, self.state.model, updates)
+            row["update-cosine"] = self.update_cosine(previous.model, self.state.model, updates)
         for key in method.client_diagnostics:
             values = [u.metrics[key] for u in updates if key in u.metrics]
             if values:
@@ -279,15 +337,66 @@ class Federation:
                                                weights=[u.num_examples for u in updates]))
         return row, *traffic
 
+    def bound_updates(self, updates: list[Update]) -> tuple[list[Update], int]:
+        """The updates whose norm (uploaded minus global model, over the trainable exchanged
+        entries) is at most ``update-norm-bound`` times the round's median; the others are
+        warned about by client id and dropped. Returns the kept updates and how many were not."""
+        bound = self.server.settings.run.update_norm_bound
+        uploaded = [u for u in updates if u.model is not None]
+        if bound <= 0 or len(uploaded) < 3:  # a median of fewer than three says nothing
+            return updates, 0
+        norms = update_norms([u.model for u in uploaded], self.state.model, self.trainable_spec())
+        median = float(np.median(norms))
+        if median <= 0:
+            return updates, 0
+        refused = set()
+        for update, norm in zip(uploaded, norms, strict=True):
+            if norm > bound * median:
+                refused.add(update.client)
+                self.warn(f"client {update.client}'s update norm {norm:.4g} is "
+                          f"{norm / median:.3g}x the round's median {median:.4g} "
+                          f"(update-norm-bound = {bound:g}); the reply is skipped.")
+        return [u for u in updates if u.client not in refused], len(refused)
+
+    def check_kept_state(self, updates: Sequence[Update]) -> None:
+        """Warn when a client that saved method state in an earlier round comes back without it
+        (a restarted node without a ``state-dir``): its personalization starts over."""
+        for update in updates:
+            if update.client in self.saved_state and not update.metrics.get(HAD_STATE, 1):
+                self.warn(f"client {update.client} saved its {self.method.name} state in an "
+                          "earlier round but came back without it (a restarted node without a "
+                          "state-dir?); it continues from an empty state.")
+            if update.metrics.get(KEPT_STATE):
+                self.saved_state.add(update.client)
+
     def evaluate_round(self, server_round: int) -> tuple[dict, int, int]:
-        """One evaluation round: its metrics, and the bytes sent down and up."""
+        """One evaluation round: its metrics, and the bytes sent down and up. When most clients
+        report a non-finite loss right after an aggregation, that aggregation is rolled back
+        and the round evaluated again."""
+        metrics, down, up, collected = self._evaluate(server_round)
+        asked = metrics["eval-clients"]
+        if (self.before_aggregation is not None and asked
+                and collected.nonfinite_loss > asked / 2):
+            self.warn(f"round {server_round}: {collected.nonfinite_loss} of {asked} clients "
+                      "report a non-finite loss for the new model; the round's aggregation is "
+                      "rolled back and the previous model evaluated.")
+            self.state, self.before_aggregation = self.before_aggregation, None
+            metrics, again_down, again_up, _ = self._evaluate(server_round)
+            metrics["rolled-back"] = 1
+            down, up = down + again_down, up + again_up
+        return metrics, down, up
+
+    def _evaluate(self, server_round: int) -> tuple[dict, int, int, Collected]:
         server, method = self.server, self.method
         messages = [self.message(cid, method.eval_payload(server, self.state, cid, server_round),
                                  server_round)
                     for cid in server.largest_first(method.eval_clients(server))]
         exchange = self.engine.exchange(EVALUATE, messages)
-        rows = [m for m, _ in self.collect(exchange.replies, {}, EVAL_REQUIRED)]
-        metrics: dict = {"eval-failures": len(exchange.replies) - len(rows)}
+        collected = self.collect(exchange.replies, {}, EVAL_REQUIRED)
+        rows = [m for m, _ in collected.good]
+        metrics: dict = {"eval-failures": collected.failed + collected.rejected,
+                         "eval-rejected": collected.rejected, "evaluated": len(rows),
+                         "eval-clients": len(messages)}
         info = {int(m[PARTITION_ID]): server.clients[int(m[PARTITION_ID])] for m in rows}
         seen = [m for m in rows if not info[int(m[PARTITION_ID])].unseen]
         unseen = [m for m in rows if info[int(m[PARTITION_ID])].unseen]
@@ -308,13 +417,20 @@ class Federation:
             {"id": cid, "unseen": info[cid].unseen, "num-train": info[cid].num_train,
              "num-test": int(m[NUM_TEST]), "personal-acc": m[PERSONAL_CORRECT] / m[NUM_TEST]}
             for m in rows for cid in [int(m[PARTITION_ID])]]
-        return metrics, exchange.bytes_down, exchange.bytes_up
+        return metrics, exchange.bytes_down, exchange.bytes_up, collected
+
+    def trainable_spec(self) -> FlatSpec:
+        """The trainable exchanged entries: what an update's norm and cosine are taken over."""
+        if self._trainable_shared is None:
+            model = self.state.model
+            self._trainable_shared = FlatSpec.of({k: model[k] for k in self.server.trainable
+                                                  if k in self.server.shared})
+        return self._trainable_shared
 
     def update_cosine(self, previous: State, new: State, updates: Sequence[Update]) -> float:
         """Mean cosine between each client's update and the aggregated update (trainable shared
         entries): how much aggregation agrees with the clients' directions."""
-        spec = FlatSpec.of({k: previous[k] for k in self.server.trainable
-                            if k in self.server.shared})
+        spec = self.trainable_spec()
         base = spec.flatten(previous, np.float64)
         return mean_cosine([spec.flatten(u.model, np.float64) - base for u in updates
                             if u.model is not None], spec.flatten(new, np.float64) - base)
@@ -336,7 +452,8 @@ class Federation:
     # --- validation ----------------------------------------------------------------------------
     def validate(self, reply: Reply, arrays: Mapping[str, FlatSpec], required: tuple[str, ...],
                  ) -> tuple[dict[str, float], dict[str, State]]:
-        """The reply's metrics and array records, checked; :class:`ClientFailure` otherwise."""
+        """The reply's metrics and array records, checked against what the client declared at
+        discovery; :class:`ClientFailure` otherwise."""
         who = reply.who
         if reply.error is not None:
             raise ClientFailure(f"{who} {reply.error}")
@@ -346,10 +463,17 @@ class Federation:
                 raise ClientFailure(f"{who} replied without the metric '{key}'")
         for key, value in metrics.items():
             if not isinstance(value, int | float) or not math.isfinite(value):
-                raise ClientFailure(f"{who} reported a non-finite or non-scalar '{key}': {value!r}")
+                raise ClientFailure(f"{who} reported a non-finite or non-scalar '{key}': {value!r}",
+                                    nonfinite_loss=key in LOSSES)
         if reply.sender != int(metrics[PARTITION_ID]):
             raise ClientFailure(f"{who} reported partition-id {metrics[PARTITION_ID]}, which "
                                 "is not the id it was discovered with")
+        info = self.server.clients.get(reply.sender)
+        declared = {NUM_EXAMPLES: info.num_train, NUM_TEST: info.num_test} if info else {}
+        for key, value in declared.items():
+            if key in metrics and metrics[key] != value:
+                raise ClientFailure(f"{who} reported {key} = {metrics[key]:g}, but declared "
+                                    f"{value} at discovery")
         for key in required:
             if key.startswith("num-") and metrics[key] <= 0:
                 raise ClientFailure(f"{who} reported {key} = {metrics[key]}, expected > 0")
@@ -370,13 +494,29 @@ class Federation:
         return metrics, checked  # type: ignore[return-value]
 
     def collect(self, replies: Iterable[Reply], arrays: Mapping[str, FlatSpec],
-                required: tuple[str, ...]) -> list[tuple[dict[str, float], dict[str, State]]]:
-        """Validated (metrics, array records) pairs sorted by client id; each failure warned."""
-        good = []
+                required: tuple[str, ...]) -> Collected:
+        """The validated (metrics, array records) pairs sorted by client id, and the counts of
+        failed and rejected replies; each unusable reply is warned about by client id."""
+        collected = Collected(good=[])
         for reply in replies:
             try:
-                good.append(self.validate(reply, arrays, required))
+                collected.good.append(self.validate(reply, arrays, required))
             except ClientFailure as failure:
                 self.warn(f"{failure}; the reply is skipped.")
-        good.sort(key=lambda pair: int(pair[0][PARTITION_ID]))
-        return good
+                if reply.error is not None:
+                    collected.failed += 1
+                    collected.timed_out += reply.timed_out
+                else:
+                    collected.rejected += 1
+                    collected.nonfinite_loss += failure.nonfinite_loss
+        collected.good.sort(key=lambda pair: int(pair[0][PARTITION_ID]))
+        return collected
+
+
+def non_finite(state: ServerState) -> str | None:
+    """Where ``state`` holds a NaN or infinite value (None when it holds none)."""
+    for key, value in state.to_arrays().items():
+        value = np.asarray(value)
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            return f"'{key}' holds NaN or infinite values"
+    return None

@@ -33,10 +33,10 @@ def _same(a: object, b: object) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _compare_rows(where: str, a: dict, b: dict, out: list[str]) -> int:
+def _compare_rows(where: str, a: dict, b: dict, out: list[str], allow_new: bool = False) -> int:
     checked = 0
     for key in sorted(set(a) | set(b)):
-        if _timing(key):
+        if _timing(key) or (allow_new and key not in a):
             continue
         checked += 1
         if key not in a or key not in b:
@@ -48,7 +48,7 @@ def _compare_rows(where: str, a: dict, b: dict, out: list[str]) -> int:
 
 def compare(before: dict, after: dict, allow_new: bool = False) -> tuple[list[str], int]:
     """The differences between two results dictionaries, and how many values were compared.
-    With ``allow_new``, methods and config keys only in ``after`` (added since) are not
+    With ``allow_new``, methods, config keys and metrics only in ``after`` (added since) are not
     differences."""
     out: list[str] = []
     checked = 0
@@ -67,14 +67,17 @@ def compare(before: dict, after: dict, allow_new: bool = False) -> tuple[list[st
         if len(a["rounds"]) != len(b["rounds"]):
             out.append(f"[{name}] {len(a['rounds'])} rounds != {len(b['rounds'])}")
         for row_a, row_b in zip(a["rounds"], b["rounds"], strict=False):
-            checked += _compare_rows(f"[{name}] round {row_a.get('round')}", row_a, row_b, out)
-        checked += _compare_rows(f"[{name}] final", a.get("final", {}), b.get("final", {}), out)
+            checked += _compare_rows(f"[{name}] round {row_a.get('round')}", row_a, row_b, out,
+                                     allow_new)
+        checked += _compare_rows(f"[{name}] final", a.get("final", {}), b.get("final", {}), out,
+                                 allow_new)
         clients_a = {c["id"]: c for c in a.get("clients", [])}
         clients_b = {c["id"]: c for c in b.get("clients", [])}
         if set(clients_a) != set(clients_b):
             out.append(f"[{name}] evaluated clients differ")
         for cid in sorted(set(clients_a) & set(clients_b)):
-            checked += _compare_rows(f"[{name}] client {cid}", clients_a[cid], clients_b[cid], out)
+            checked += _compare_rows(f"[{name}] client {cid}", clients_a[cid], clients_b[cid], out,
+                                     allow_new)
         for key in ("method", "overrides"):
             if a.get(key) != b.get(key):
                 out.append(f"[{name}] '{key}' {a.get(key)!r} != {b.get(key)!r}")
@@ -95,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     parser.add_argument("--allow-new", action="store_true",
-                        help="Methods and config keys only in AFTER (added since BEFORE) are not "
-                             "counted as differences; the new methods are listed.")
+                        help="Methods, config keys and metrics only in AFTER (added since "
+                             "BEFORE) are not counted as differences; new methods are listed.")
     args = parser.parse_args(argv)
     total_diffs = 0
     for path_a, path_b in _pairs(args.before, args.after):

@@ -18,6 +18,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 from flwr.serverapp import Grid
 
 from pflalign.config import Settings
+from pflalign.interrupt import check_stop
 from pflalign.protocol import (
     CONFIG,
     EVALUATE,
@@ -52,15 +53,29 @@ def payload_bytes(content: RecordDict) -> int:
                for array in record.values())
 
 
+def short_reason(reason: str) -> str:
+    """The gist of a Flower error reply: the client's own exception message when the reply
+    wraps one (a Ray task error carries the whole remote traceback), else its first line."""
+    marker = "Message: "
+    if marker in reason:
+        reason = reason.rsplit(marker, 1)[1]
+        return reason.removesuffix("'>").strip().splitlines()[0]
+    first = reason.strip().splitlines()[0] if reason.strip() else "(no reason given)"
+    return first if len(first) <= 300 else first[:300] + " ..."
+
+
 class FlowerEngine:
     """Reaches a run's clients as Flower SuperNodes through ``grid``."""
 
+    #: seconds between two "waiting for clients ..." lines
+    notice_every = 30.0
+
     def __init__(self, grid: Grid, settings: Settings, reporter: Reporter | None = None,
-                 timeout: float = 3600.0, discovery_timeout: float = 120.0):
+                 timeout: float | None = None, discovery_timeout: float = 120.0):
         self.grid = grid
         self.settings = settings
         self.reporter = reporter or Reporter()
-        self.timeout = timeout
+        self.timeout = settings.run.round_timeout if timeout is None else timeout
         self.discovery_timeout = discovery_timeout
         self.run_config = ConfigRecord(settings.to_dict())
         self.node_of: dict[int, int] = {}
@@ -93,7 +108,13 @@ class FlowerEngine:
                     for node in node_ids]
         clients: dict[int, ClientInfo] = {}
         nodes: dict[int, int] = {}
-        for msg in self.grid.send_and_receive(messages, timeout=self.timeout):
+        # discovery includes each node's start-up (data loading): the longer of the two limits
+        limit = max(self.timeout, self.discovery_timeout)
+        replies, silent = self.send(dict(zip(node_ids, messages, strict=True)), "nodes", limit)
+        for node in silent:
+            self.reporter.warn(f"Node {node} is not used: it did not answer discovery within "
+                               f"{limit:g} s.")
+        for msg in replies.values():
             if msg.has_error():
                 self.reporter.warn(f"Node {msg.metadata.src_node_id} is not used: "
                                    f"{msg.error.reason}")
@@ -115,6 +136,44 @@ class FlowerEngine:
         self.client_of = {node: cid for cid, node in nodes.items()}
         return clients
 
+    def send(self, messages: Mapping[int, Message], what: str = "clients",
+             timeout: float | None = None) -> tuple[dict[int, Message], list[int]]:
+        """Push one message per key (a client or node id), then pull replies until every key
+        has one or ``timeout`` (default ``round-timeout``) passes, naming the keys still waited
+        for every :attr:`notice_every` seconds. Returns the replies by key and the keys without one.
+
+        Replies are matched to keys by the message they answer, never by their sender node: a
+        Flower error reply for a lost node comes from the SuperLink, not from that node."""
+        pending: dict[str, int] = {}
+        unsent = []
+        for key, message in messages.items():
+            ids = list(self.grid.push_messages([message]))
+            if ids:
+                pending[ids[0]] = key
+            else:
+                unsent.append(key)
+        replies: dict[int, Message] = {}
+        timeout = self.timeout if timeout is None else timeout
+        started = time.monotonic()
+        next_notice = started + self.notice_every
+        while pending:
+            check_stop()
+            for reply in self.grid.pull_messages(list(pending)):
+                key = pending.pop(reply.metadata.reply_to_message_id, None)
+                if key is not None:
+                    replies[key] = reply
+            now = time.monotonic()
+            if not pending or now - started >= timeout:
+                break
+            if now >= next_notice:
+                waiting = sorted(pending.values())
+                shown = ", ".join(map(str, waiting[:20])) + (" ..." if len(waiting) > 20 else "")
+                self.reporter.info(f"waiting for {len(waiting)} {what} ({shown}): "
+                                   f"{now - started:.0f} s of {timeout:g} s")
+                next_notice += self.notice_every
+            time.sleep(0.05)
+        return replies, sorted([*unsent, *pending.values()])
+
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
         records: dict[tuple, ArrayRecord] = {}  # one serialization per distinct state
 
@@ -124,26 +183,31 @@ class FlowerEngine:
                 records[key] = to_record(state)
             return records[key]
 
-        outgoing = [Message(
+        outgoing = {m.client: Message(
             content=RecordDict({CONFIG: ConfigRecord(m.config), RUN_CONFIG: self.run_config,
                                 **{name: record(state)
                                    for name, state in m.payload.arrays.items()}}),
             dst_node_id=self.node_of[m.client], message_type=MESSAGE_TYPES[action])
-            for m in messages]
-        down = sum(payload_bytes(m.content) for m in outgoing)
-        replies = list(self.grid.send_and_receive(outgoing, timeout=self.timeout))
-        up = sum(payload_bytes(m.content) for m in replies if not m.has_error())
-        return Exchange([self.reply(m) for m in replies], down, up)
+            for m in messages}
+        down = sum(payload_bytes(m.content) for m in outgoing.values())
+        replies, silent = self.send(outgoing)
+        up = sum(payload_bytes(m.content) for m in replies.values() if not m.has_error())
+        answers = [self.reply(cid, m) for cid, m in replies.items()]
+        answers += [Reply(cid, f"client {cid}", timed_out=True,
+                          error=f"did not reply within round-timeout = {self.timeout:g} s")
+                    for cid in silent]
+        return Exchange(answers, down, up)
 
-    def reply(self, msg: Message) -> Reply:
-        node = msg.metadata.src_node_id
-        sender = self.client_of.get(node)
-        who = f"client {sender}" if sender is not None else f"node {node}"
+    def reply(self, cid: int, msg: Message) -> Reply:
+        who = f"client {cid}"
         if msg.has_error():
-            return Reply(sender, who, error=f"failed: {msg.error.reason}")
+            return Reply(cid, who, error=f"failed: {short_reason(msg.error.reason)}")
+        if msg.metadata.src_node_id != self.node_of[cid]:
+            return Reply(None, who, error=f"was answered by node {msg.metadata.src_node_id}, "
+                                          f"not by its own node {self.node_of[cid]}")
         metrics = msg.content.metric_records.get(METRICS)
         if metrics is None:
-            return Reply(sender, who, error=f"replied without a '{METRICS}' MetricRecord")
-        return Reply(sender, who, metrics=dict(metrics),
+            return Reply(cid, who, error=f"replied without a '{METRICS}' MetricRecord")
+        return Reply(cid, who, metrics=dict(metrics),
                      arrays={name: to_state(rec) for name, rec in
                              msg.content.array_records.items()})

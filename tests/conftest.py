@@ -15,6 +15,12 @@ from pflalign.runtime import set_flower_environment  # noqa: E402
 
 set_flower_environment()
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "deployment: the slow integration test of a real Flower "
+                            "deployment (minutes; deselect with -m 'not deployment')")
+
+
 HAS_FASHION_MNIST = (DEBIAN_FASHION_MNIST / "train-images-idx3-ubyte.gz").exists()
 needs_fashion_mnist = pytest.mark.skipif(
     not HAS_FASHION_MNIST,

@@ -52,13 +52,17 @@ def test_flat_spec_round_trip_and_problems():
 # --- the round loop's aggregation over the Flower engine, against Flower's own FedAvg ------------
 class _Replies:
     """An engine that answers every exchange with prepared Flower replies (in the given order),
-    converted by the Flower engine as real replies are."""
+    converted by the Flower engine as real replies are. A reply answers the message of the
+    client whose node sent it, unless ``answers`` names another client."""
 
-    def __init__(self, flower: FlowerEngine, replies: list[Message]):
-        self.flower, self.replies = flower, replies
+    def __init__(self, flower: FlowerEngine, replies: list[Message],
+                 answers: dict[int, int] | None = None):
+        self.flower, self.replies, self.answers = flower, replies, answers or {}
 
     def exchange(self, action, messages):
-        return Exchange([self.flower.reply(m) for m in self.replies], 0, 0)
+        client_of = {node: cid for cid, node in self.flower.node_of.items()}
+        return Exchange([self.flower.reply(self.answers.get(i, client_of.get(
+            m.metadata.src_node_id)), m) for i, m in enumerate(self.replies)], 0, 0)
 
 
 def _reply(node: int, content: RecordDict) -> Message:
@@ -82,15 +86,19 @@ def _train_reply(node: int, cid: int, state: dict, n: int, loss: float = 0.5) ->
 
 
 def _federation(initial: dict, replies: list[Message], num_clients: int = 3,
-                **changes) -> Federation:
-    """FedAvg's round loop over the Flower engine, with clients 0..n-1 on nodes 100..100+n-1."""
+                answers: dict[int, int] | None = None, sizes: tuple[int, ...] = (),
+                test_sizes: tuple[int, ...] = (), **changes) -> Federation:
+    """FedAvg's round loop over the Flower engine, with clients 0..n-1 on nodes 100..100+n-1,
+    discovered with ``sizes`` training and ``test_sizes`` test samples (10 and 5 by default)."""
     settings = Settings({"num-clients": num_clients, "methods": "fedavg", **changes})
     server = ServerRuntime(settings, METHODS["fedavg"].build(settings), "fedavg", initial,
                            tuple(initial), template=lambda: None)
-    server.clients = {i: ClientInfo(i, 10, 5, False) for i in range(num_clients)}
+    server.clients = {i: ClientInfo(i, sizes[i] if sizes else 10,
+                                    test_sizes[i] if test_sizes else 5, False)
+                      for i in range(num_clients)}
     flower = FlowerEngine(None, settings, Reporter(quiet=True))
-    flower.client_of = {100 + i: i for i in range(num_clients)}
-    federation = Federation(server, _Replies(flower, replies), Reporter(quiet=True))
+    flower.node_of = {i: 100 + i for i in range(num_clients)}
+    federation = Federation(server, _Replies(flower, replies, answers), Reporter(quiet=True))
     federation.state = server.method.init_server(server, initial)
     return federation
 
@@ -106,7 +114,7 @@ def test_aggregation_equals_hand_computed_mean_and_flowers_fedavg():
     sizes = [10, 30, 60]
     replies = [_train_reply(100 + i, i, s, n)
                for i, (s, n) in enumerate(zip(states, sizes, strict=True))]
-    federation = _federation(states[0], replies[::-1])  # reply order must not matter
+    federation = _federation(states[0], replies[::-1], sizes=tuple(sizes))  # in any order
     metrics, _, _ = federation.train_round(1)
     ours = federation.state.model
     for key in ours:
@@ -134,20 +142,21 @@ def test_malformed_and_non_finite_updates_are_rejected_and_the_rest_aggregated()
         _reply(104, RecordDict({"metrics": MetricRecord(
             {"partition-id": 4, "num-examples": 10, "train-loss": float("inf")}),
             "arrays": to_record(states[2])})),
-        _train_reply(105, 4, states[2], 10),  # an unknown node claiming client 4's id
+        _train_reply(105, 4, states[2], 10),  # another node answering client 4's message
     ]
-    federation = _federation(states[0], replies, num_clients=5)
+    federation = _federation(states[0], replies, num_clients=5, answers={5: 4})
     warnings = []
     federation.reporter.warn = warnings.append
     metrics, _, _ = federation.train_round(1)
-    assert metrics["failures"] == 5 and metrics["clients-trained"] == 1
+    assert metrics["failures"] == 2 and metrics["rejected"] == 3
+    assert metrics["clients-trained"] == 1
     np.testing.assert_array_equal(federation.state.model["fc.bias"], states[0]["fc.bias"])
     text = "\n".join(warnings)
     assert "client 1's update was rejected: array 'fc.bias' contains NaN" in text
     assert "client 2's update was rejected: array 'fc.bias' has shape (6,)" in text
     assert "client 3 failed: out of memory" in text
     assert "client 4 reported a non-finite" in text
-    assert "node 105 reported partition-id 4, which is not the id it was discovered with" in text
+    assert "client 4 was answered by node 105, not by its own node 104" in text
 
 
 def test_when_every_update_fails_the_global_model_is_kept():
@@ -187,8 +196,8 @@ def test_evaluation_metrics_from_client_replies():
     federation = _federation(_states(0, 1)[0], [
         _eval_reply(100, 0, 8, 10, 5), _eval_reply(101, 1, 10, 30, 20),
         _eval_reply(102, 2, 12, 10, 3),  # more correct than samples: rejected
-        _eval_reply(103, 3, 3, 4, 3)], num_clients=4)
-    federation.server.clients[3] = ClientInfo(3, 10, 5, True)  # an unseen client
+        _eval_reply(103, 3, 3, 4, 3)], num_clients=4, test_sizes=(10, 30, 10, 4))
+    federation.server.clients[3] = ClientInfo(3, 10, 4, True)  # an unseen client
     warnings = []
     federation.reporter.warn = warnings.append
     metrics, _, _ = federation.evaluate_round(1)

@@ -346,9 +346,9 @@ def test_fedala_merges_the_top_layer_with_learned_weights_and_takes_the_global_b
 
 
 # --- server rules ------------------------------------------------------------------------------
-def _server(name, num_clients=4, **changes):
+def _server(name, num_clients=4, num_train=lambda c: 10, **changes):
     settings = Settings({**SMALL, "num-clients": num_clients, **changes})
-    method, runtime, model = server(name, settings, num_clients)
+    method, runtime, model = server(name, settings, num_clients, num_train=num_train)
     return method, runtime, method.init_server(runtime, model)
 
 
@@ -395,7 +395,8 @@ def test_pfedme_server_mixes_the_weighted_average_with_beta():
 
 
 def test_scaffold_server_sends_c_and_updates_it_from_the_control_deltas():
-    method, runtime, state = _server("scaffold", num_clients=4)
+    method, runtime, state = _server("scaffold", num_clients=4,
+                                     num_train=lambda c: 30 if c == 0 else 10)
     assert CONTROL in method.train_payload(runtime, state, 0, 1).arrays
     x = {k: v.copy() for k, v in state.model.items()}
     delta = {k: np.full_like(x[k], 2.0) for k in runtime.trainable}
@@ -407,7 +408,7 @@ def test_scaffold_server_sends_c_and_updates_it_from_the_control_deltas():
         _reply(2, y1)]), Reporter(quiet=True))  # no control-delta: rejected, the rest aggregated
     federation.state = state
     metrics, _, _ = federation.train_round(1)
-    assert metrics["failures"] == 1 and metrics["clients-trained"] == 2
+    assert metrics["rejected"] == 1 and metrics["clients-trained"] == 2
     np.testing.assert_allclose(federation.state.model["fc.bias"], x["fc.bias"] + 1.5, rtol=1e-6)
     control = method.train_payload(runtime, federation.state, 0, 2).arrays[CONTROL]
     np.testing.assert_allclose(control["fc.bias"], 4.0 / 4)  # c + sum(dc) / N

@@ -24,6 +24,7 @@ import torch
 from pflalign.annealing import AnnealedWarmStart
 from pflalign.config import ConfigError, Settings
 from pflalign.federation import federated_dataset
+from pflalign.interrupt import Interrupted, check_stop
 from pflalign.methods import METHODS, method_overrides
 from pflalign.models import build_model
 from pflalign.results import Reporter, comparison_table, new_results, write_results
@@ -64,31 +65,66 @@ def check_resources(settings: Settings) -> None:
 def run_methods(settings: Settings, make_engine: Callable[[Settings], Engine],
                 reporter: Reporter | None = None) -> dict:
     """Run every method entry of ``settings`` on the same partition, seed and clients, each over
-    ``make_engine(its settings)``; write ``results.json`` after each and return the results."""
+    ``make_engine(its settings)``; write ``results.json`` after each and return the results.
+
+    When the run is asked to stop (:mod:`pflalign.interrupt`), the finished entries are written
+    with ``"interrupted": true``, the labels of the entries that did not finish under
+    ``"unfinished"``, and the finished rounds of the one that was running under ``"partial"``;
+    then :class:`~pflalign.interrupt.Interrupted` propagates, carrying where they were written.
+    """
     reporter = reporter or Reporter()
     started = time.perf_counter()
+    check_stop()
     federation_data = federated_dataset(settings)
     results = new_results(settings.to_dict(), federation_data.summary())
-    for choice in settings.method_choices:
-        spec = METHODS[choice.name]
-        overrides = method_overrides(spec, settings, dict(choice.overrides))
-        # the entry's own settings: its overrides, and 'methods' naming just this entry
-        method_settings = (settings.replace({**overrides, "methods": choice.label})
-                           if overrides else settings)
-        if (method_settings.run.model != settings.run.model
-                and "model" not in dict(choice.overrides)):
-            reporter.info(f"[{choice.label}] runs on model {method_settings.run.model} (the "
-                          "method needs batch norm).")
-        model, trainable = initial_model(method_settings)
-        server = ServerRuntime(method_settings, spec.build(method_settings), choice.label, model,
-                               trainable, template_model(method_settings))
-        federation = Federation(server, make_engine(method_settings), reporter)
-        if method_settings.gga.enabled:
-            federation.hooks.append(AnnealedWarmStart(method_settings.gga, federation))
-        results["methods"][choice.label] = {**federation.run(model), "method": spec.name,
-                                            "overrides": overrides}
-        results["seconds"] = time.perf_counter() - started
-        path = write_results(settings.run.out_dir, results)
+    choices = list(settings.method_choices)
+    running: tuple[str, str, dict, Federation | None] | None = None
+    path = None
+    try:
+        for choice in choices:
+            check_stop()
+            spec = METHODS[choice.name]
+            overrides = method_overrides(spec, settings, dict(choice.overrides))
+            running = (choice.label, spec.name, overrides, None)
+            # the entry's own settings: its overrides, and 'methods' naming just this entry
+            method_settings = (settings.replace({**overrides, "methods": choice.label})
+                               if overrides else settings)
+            if (method_settings.run.model != settings.run.model
+                    and "model" not in dict(choice.overrides)):
+                reporter.info(f"[{choice.label}] runs on model {method_settings.run.model} (the "
+                              "method needs batch norm).")
+            model, trainable = initial_model(method_settings)
+            server = ServerRuntime(method_settings, spec.build(method_settings), choice.label,
+                                   model, trainable, template_model(method_settings))
+            federation = Federation(server, make_engine(method_settings), reporter)
+            running = (choice.label, spec.name, overrides, federation)
+            if method_settings.gga.enabled:
+                federation.hooks.append(AnnealedWarmStart(method_settings.gga, federation))
+            results["methods"][choice.label] = {**federation.run(model), "method": spec.name,
+                                                "overrides": overrides}
+            running = None
+            results["seconds"] = time.perf_counter() - started
+            path = write_results(settings.run.out_dir, results)
+    except Interrupted as stop:
+        _write_interrupted(settings, results, choices, running, started, stop)
+        raise
     reporter.result("\n" + comparison_table(results["methods"]))
     reporter.result(f"\nResults written to {path.resolve()}")
     return results
+
+
+def _write_interrupted(settings: Settings, results: dict, choices: list,
+                       running: tuple[str, str, dict, Federation | None] | None,
+                       started: float, stop: Interrupted) -> None:
+    """Write the finished entries of an interrupted run, and record where in ``stop``."""
+    finished = list(results["methods"])
+    results["interrupted"] = True
+    results["unfinished"] = [c.label for c in choices if c.label not in results["methods"]]
+    if running is not None and running[3] is not None and running[3].rounds:
+        label, name, overrides, federation = running
+        results["partial"] = {"label": label, "method": name, "overrides": overrides,
+                              "rounds": list(federation.rounds)}
+        stop.partial_rounds = len(federation.rounds)
+    results["seconds"] = time.perf_counter() - started
+    stop.results_path = write_results(settings.run.out_dir, results).resolve()
+    stop.finished, stop.unfinished = finished, results["unfinished"]

@@ -11,22 +11,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
 import torch
 
+from pflalign import faults
 from pflalign.annealing import GGA_ACTION, client_answer
 from pflalign.client import ClientRuntime, Received
 from pflalign.config import Settings
 from pflalign.federation import federated_dataset
 from pflalign.method import Method
 from pflalign.methods import METHODS
+from pflalign.node import NodeData
 from pflalign.options import Value
 from pflalign.protocol import (
     ACTION,
     CLIENT_SECONDS,
     EVALUATE,
+    HAD_STATE,
+    KEPT_STATE,
     METHOD,
     MODEL,
     NUM_EXAMPLES,
@@ -51,8 +56,15 @@ def method_of(settings: Settings, name: str) -> Method:
     return METHODS[name].build(settings)
 
 
-def discovery(settings: Settings, client_id: int) -> Metrics:
-    """A client's answer to discovery: its stable id and split sizes."""
+def discovery(settings: Settings, client_id: int, node: NodeData | None = None) -> Metrics:
+    """A client's answer to discovery: its stable id and split sizes (from ``node``, the node's
+    own partition file, when given; else from the pooled partition). An id outside the run's
+    clients is an error naming the fix."""
+    if node is not None:
+        if node.client_id != client_id:
+            raise ValueError(f"partition-id {client_id} does not match the node's partition file "
+                             f"(client {node.client_id}).")
+        return node.discovery()
     partition = federated_dataset(settings).partition
     if not 0 <= client_id < partition.num_clients:
         raise ValueError(f"partition-id {client_id} is outside this run's {partition.num_clients} "
@@ -69,18 +81,23 @@ def to_torch(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict[s
 
 def handle(action: str, settings: Settings, client_id: int,
            config: Mapping[str, Value], arrays: Mapping[str, Mapping[str, torch.Tensor]],
-           saved: Arrays | None) -> tuple[Metrics, ReplyArrays, Arrays | None]:
+           saved: Arrays | None, node: NodeData | None = None,
+           ) -> tuple[Metrics, ReplyArrays, Arrays | None]:
     """Run one action of the method named in ``config`` for ``client_id``.
 
     ``arrays`` are the received records as torch state dicts, ``saved`` the client's state as
-    :meth:`~pflalign.state.ArrayState.to_arrays` left it (None when it has none). Returns the
-    reply's metrics and array records and the new saved state (None: unchanged)."""
+    :meth:`~pflalign.state.ArrayState.to_arrays` left it (None when it has none), ``node`` the
+    client's data as its node holds it (None: from the pooled dataset). Returns the reply's
+    metrics and array records and the new saved state (None: unchanged)."""
     started = time.perf_counter()
     method = method_of(settings, str(config[METHOD]))
     configure_threads(settings.run.client_resources_num_cpus)
     device = pick_device(settings.run.client_resources_num_gpus)
-    client = ClientRuntime(settings, client_id, device)
     received = Received(int(config[ROUND]), dict(arrays), dict(config))
+    faults.before_action(settings, client_id, action, received.server_round, action == TRAIN)
+    client = ClientRuntime(settings, client_id, device, node)
+    if action == TRAIN and faults.attack_of(settings, client_id) == "labelflip":
+        client.data = faults.flipped_labels(client.data, client.num_classes)
     if action == QUERY:
         if config.get(ACTION) != GGA_ACTION:
             raise ValueError(f"Unknown query action {config.get(ACTION)!r}.")
@@ -88,13 +105,19 @@ def handle(action: str, settings: Settings, client_id: int,
         return {PARTITION_ID: client_id, **metrics}, reply, None
     state = method.ClientState.from_arrays(saved or {})
     if action == EVALUATE:
-        return {PARTITION_ID: client_id, **method.evaluate(client, received, state)}, {}, None
+        metrics = {PARTITION_ID: client_id, **method.evaluate(client, received, state)}
+        return faults.attacked_evaluation(settings, client_id, metrics), {}, None
     if action != TRAIN:
         raise ValueError(f"Unknown action {action!r}.")
     upload, new_state = method.train(client, received, state)
-    metrics = {PARTITION_ID: client_id, NUM_EXAMPLES: client.data.num_train, **upload.metrics,
+    kept = new_state.to_arrays()
+    upload = faults.attacked_upload(settings, client_id, received.server_round, received.model,
+                                    replace(upload, metrics={
+                                        NUM_EXAMPLES: client.data.num_train, **upload.metrics}))
+    metrics = {PARTITION_ID: client_id, **upload.metrics,
+               HAD_STATE: int(bool(saved)), KEPT_STATE: int(bool(kept)),
                CLIENT_SECONDS: time.perf_counter() - started}
     reply = dict(upload.arrays)
     if upload.model is not None:
         reply = {MODEL: upload.model, **reply}
-    return metrics, reply, new_state.to_arrays()
+    return metrics, reply, kept

@@ -21,6 +21,7 @@ import torch
 from pflalign.config import Settings
 from pflalign.engines import check_resources, run_methods
 from pflalign.engines.host import discovery, handle, to_torch
+from pflalign.faults import ClientDropout
 from pflalign.federation import federated_dataset
 from pflalign.protocol import NUM_TEST, NUM_TRAIN, UNSEEN
 from pflalign.results import Reporter
@@ -76,6 +77,11 @@ class SequentialEngine:
             try:
                 metrics, arrays, state = handle(action, self.settings, cid, message.config,
                                                 to_torch(sent), self.states.get(cid))
+            except ClientDropout:  # silent: the round's deadline passes without its reply
+                replies.append(Reply(cid, f"client {cid}", timed_out=True, error=(
+                    "did not reply within round-timeout = "
+                    f"{self.settings.run.round_timeout:g} s")))
+                continue
             except Exception as err:  # a failing client is an error reply, as under Flower
                 where = traceback.extract_tb(err.__traceback__)[-1]
                 replies.append(Reply(cid, f"client {cid}", error=(

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pflalign.aggregation import FlatSpec, State, fedavg
+from pflalign.aggregation import FlatSpec, State
 from pflalign.client import ClientRuntime, Received, Upload
 from pflalign.method import Method, Payload, Update
 from pflalign.models import parameter_modules
@@ -273,7 +273,8 @@ class FedCP(Method):
     def aggregate(self, server: ServerRuntime, state: FedCPServerState, server_round: int,
                   updates: Sequence[Update]) -> tuple[FedCPServerState, dict[str, float]]:
         weights = [u.num_examples for u in updates]
-        model = fedavg([u.model for u in updates], weights, server.flat)
-        cpn = fedavg([u.arrays[CPN] for u in updates], weights)
+        model = server.average([u.model for u in updates], weights)
+        cpn = server.average([u.arrays[CPN] for u in updates], weights,
+                             FlatSpec.of(updates[0].arrays[CPN]))
         return dataclasses.replace(server.with_model(state, model), cpn=cpn), {}
 

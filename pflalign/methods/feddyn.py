@@ -107,6 +107,7 @@ class FedDyn(FedAvg):
     Params = FedDynParams
     ClientState = FedDynClientState
     ServerState = FedDynServerState
+    robust_aggregation = False  # its server step is corrected by the running h
 
     def train(self, client: ClientRuntime, received: Received, state: FedDynClientState,
               ) -> tuple[Upload, FedDynClientState]:

@@ -25,7 +25,6 @@ import numpy as np
 import torch.nn.functional as F
 from torch import nn
 
-from pflalign.aggregation import fedavg, weighted_average
 from pflalign.baselines import pfedme_inner_step_, pfedme_outer_step_, pfedme_server_update
 from pflalign.client import ClientRuntime, Received, Upload
 from pflalign.method import Method, Update
@@ -115,8 +114,8 @@ class PFedMe(Method):
         """beta-mixing of the trainable entries; buffers (batch-norm statistics) are averaged."""
         spec = server.trainable_spec
         weights = [u.num_examples for u in updates]
-        average = weighted_average([spec.flatten(u.model, np.float64) for u in updates], weights)
+        average = server.combine([spec.flatten(u.model, np.float64) for u in updates], weights)
         current = spec.flatten(state.model, np.float64)
         mixed = spec.unflatten(pfedme_server_update(current, average, self.params.beta))
-        return server.with_model(state, {**fedavg([u.model for u in updates], weights,
-                                                  server.flat), **mixed}), {}
+        return server.with_model(state, {**server.average([u.model for u in updates], weights),
+                                         **mixed}), {}

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pflalign.aggregation import State, fedavg, l2_norm, personal_offset, personalized_init
+from pflalign.aggregation import State, l2_norm, personal_offset, personalized_init
 from pflalign.client import ClientRuntime, Received, Upload
 from pflalign.method import Method, Payload, Update
 from pflalign.optim import GAMMA_MODES, GENIE, PFLAlign
@@ -281,6 +281,6 @@ class PFLAlignMethod(Method):
             norms.append(l2_norm(offset))
             if self.server_mode and self.params.personalize:
                 offsets[update.client] = offset
-        new = fedavg([u.model for u in updates], [u.num_examples for u in updates], server.flat)
+        new = server.average([u.model for u in updates], [u.num_examples for u in updates])
         return (dataclasses.replace(server.with_model(state, new), offsets=offsets),
                 {"delta-norm": float(np.mean(norms))})

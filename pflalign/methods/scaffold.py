@@ -69,6 +69,7 @@ class Scaffold(FedAvg):
     ClientState = ScaffoldClientState
     ServerState = ScaffoldServerState
     local_optimizer = False
+    robust_aggregation = False  # its server step is a control-variate-corrected mean update
 
     def __init__(self, params: ScaffoldParams):
         super().__init__(params)

@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Accuracy under attack: each attack of ``attack`` against fedavg and pflalign, with the mean and
+with a robust aggregation, on one config; prints a Markdown table.
+
+    python scripts/attack_table.py --out results/attacks                   # configs/default.toml
+    python scripts/attack_table.py --out DIR --set rounds=5 --malicious 2 --robust trimmed-mean
+
+One ``simulate.py`` run per attack (and one clean run) goes to ``DIR/<attack>/``; a run whose
+results.json exists is not repeated, so an interrupted table resumes. Accuracy is reported over
+the honest clients only (the malicious clients' own test sets are left out, so that fake-eval
+and hang cannot move it by skipping themselves), from the per-client results of the last
+evaluation: their test-size-weighted personal accuracy. (The global model's accuracy is recorded
+only over all evaluated clients, so it is not shown.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pflalign.config import Settings  # noqa: E402
+from pflalign.faults import malicious_clients  # noqa: E402
+
+#: attack -> attack-scale used for it (the factor is unused by signflip, labelflip and hang)
+ATTACKS = {"signflip": 1.0, "scale": 100.0, "noise": 10.0, "labelflip": 1.0,
+           "inflate-count": 1e6, "fake-eval": 1e6, "hang": 1.0}
+
+
+def run(out: Path, config: str, extra: list[str], attack: str | None, malicious: int,
+        methods: str) -> dict:
+    path = out / (attack or "clean") / "results.json"
+    if not path.exists() or json.loads(path.read_text()).get("interrupted"):
+        args = [sys.executable, str(ROOT / "simulate.py"), "--config", config, *extra,
+                "--methods", methods, "--out", str(path.parent), "--quiet", "--overwrite"]
+        if attack:
+            args += ["--set", f"malicious-clients={malicious}", "--set", f"attack={attack}",
+                     "--set", f"attack-scale={ATTACKS[attack]:g}"]
+        print(" ".join(args[1:]), flush=True)
+        subprocess.run(args, check=True, cwd=ROOT)
+    return json.loads(path.read_text())
+
+
+def honest_accuracy(result: dict, bad: frozenset[int]) -> float:
+    clients = [c for c in result["clients"] if not c["unseen"] and c["id"] not in bad]
+    correct = sum(round(c["personal-acc"] * c["num-test"]) for c in clients)
+    return correct / sum(c["num-test"] for c in clients)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "default.toml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--malicious", type=int, default=4)
+    parser.add_argument("--robust", default="median", choices=("median", "trimmed-mean"))
+    parser.add_argument("--methods", default="fedavg,pflalign")
+    args = parser.parse_args(argv)
+    extra = [a for o in args.overrides for a in ("--set", o)]
+    names = args.methods.split(",")
+    entries = ",".join([*names, *(f"{m}(aggregation={args.robust})" for m in names)])
+    rows = {}
+    for attack in (None, *ATTACKS):
+        results = run(args.out, args.config, extra, attack, args.malicious, entries)
+        settings = Settings({k: v for k, v in results["config"].items()})
+        bad = malicious_clients(settings) if attack else frozenset(malicious_clients(
+            settings.replace({"malicious-clients": args.malicious, "attack": "signflip"})))
+        rows[attack or "clean"] = {label: honest_accuracy(r, bad)
+                                   for label, r in results["methods"].items()}
+    labels = list(next(iter(rows.values())))
+    print(f"\npersonal-acc (%) of the honest clients; {args.malicious} malicious clients; "
+          f"robust = {args.robust}\n")
+    print("| attack | " + " | ".join(labels) + " |")
+    print("|---|" + "---:|" * len(labels))
+    for attack, accs in rows.items():
+        print(f"| {attack} | " + " | ".join(f"{100 * accs[label]:.2f}" for label in labels) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""simulate.py refuses, in one line and before any data is read or Ray starts, to overwrite
+earlier results or to write where it cannot; a damaged dataset file is one line too."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, needs_fashion_mnist
+
+from pflalign.data import DEBIAN_FASHION_MNIST
+from pflalign.options import ConfigError
+from pflalign.results import prepare_output
+
+TINY = ["--set", "num-clients=3", "--set", "max-samples=600", "--set", "rounds=1",
+        "--set", "engine=sequential", "--set", "local-steps=2", "--methods", "fedavg", "--quiet"]
+
+
+def _simulate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "simulate.py"), *args],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def _one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Ray" not in result.stdout + result.stderr.replace("--ray-address", "")
+    return lines[0]
+
+
+def test_prepare_output_creates_the_folder_and_guards_earlier_results(tmp_path):
+    out = tmp_path / "a" / "b"
+    assert prepare_output(out) == out / "results.json"
+    assert out.is_dir() and list(out.iterdir()) == []  # the probe file is gone
+    (out / "results.json").write_text("{}")
+    with pytest.raises(ConfigError, match="already exists; pass --overwrite"):
+        prepare_output(out)
+    assert prepare_output(out, overwrite=True) == out / "results.json"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="Cannot write results to"):
+        prepare_output(blocker / "sub")
+
+
+def test_existing_results_are_not_overwritten_without_the_flag(tmp_path):
+    (tmp_path / "results.json").write_text('{"earlier": true}')
+    started = time.perf_counter()
+    line = _one_line_error(_simulate(*TINY, "--out", str(tmp_path)))
+    assert str(tmp_path / "results.json") in line and "--overwrite" in line
+    assert time.perf_counter() - started < 60
+    assert json.loads((tmp_path / "results.json").read_text()) == {"earlier": True}
+
+
+@needs_fashion_mnist
+def test_the_overwrite_flag_replaces_earlier_results(tmp_path):
+    (tmp_path / "results.json").write_text('{"earlier": true}')
+    result = _simulate(*TINY, "--out", str(tmp_path), "--overwrite")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert list(json.loads((tmp_path / "results.json").read_text())["methods"]) == ["fedavg"]
+
+
+def test_an_unwritable_output_directory_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    line = _one_line_error(_simulate(*TINY, "--out", str(blocker / "out")))
+    assert "Cannot write results to" in line and str(blocker / "out") in line
+
+
+@needs_fashion_mnist
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_a_damaged_dataset_file_is_one_line_naming_it(tmp_path, damage):
+    data = tmp_path / "fashion-mnist"
+    data.mkdir()
+    for source in DEBIAN_FASHION_MNIST.glob("*.gz"):
+        (data / source.name).symlink_to(source)
+    name = "train-images-idx3-ubyte.gz"
+    raw = (DEBIAN_FASHION_MNIST / name).read_bytes()
+    (data / name).unlink()
+    if damage == "truncated":  # a cut-off download
+        (data / name).write_bytes(raw[:len(raw) // 3])
+    else:  # the right length, but bytes changed in the middle of the compressed stream
+        middle = len(raw) // 2
+        (data / name).write_bytes(raw[:middle] + bytes(4096) + raw[middle + 4096:])
+    line = _one_line_error(_simulate(*TINY, "--set", f"data-root={data}",
+                                     "--out", str(tmp_path / "out")))
+    assert str(data / name) in line and "truncated or corrupt" in line
+    assert "apt-get install --reinstall dataset-fashion-mnist" in line

@@ -1,0 +1,213 @@
+"""Integration (slow, about 2-3 minutes on 2 cores): a real Flower deployment on 127.0.0.1.
+
+``scripts/deploy_local.sh`` starts a SuperLink with TLS and SuperNode authentication and three
+SuperNodes, each with its own partition file and state directory; a 3-round pFLAlign run goes
+through ``flwr run``; in the middle of it SuperNode 1 is stopped (by its recorded PID) and started
+again with the same state directory and key. The node must resume exactly the state it saved
+(the state file's SHA-256 at the kill is the one it logs when it loads it), take part in the rest
+of the run, and the run must complete with results.json equal, bit for bit, to an in-process run
+of the same config in which client 1 only misses the rounds it was down for. Every process is
+stopped by its recorded PID, even when the test fails.
+
+Deselect with ``pytest -m "not deployment"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, needs_fashion_mnist
+
+SCRIPT = ROOT / "scripts" / "deploy_local.sh"
+ROUNDS = 3
+CONFIG = ["--set", "num-clients=3", "--set", "max-samples=3000", "--set", "seed=1"]
+
+pytestmark = [
+    needs_fashion_mnist,
+    pytest.mark.deployment,
+    pytest.mark.skipif(not all(shutil.which(t) for t in ("openssl", "ssh-keygen", "setsid")),
+                       reason="needs openssl, ssh-keygen and setsid"),
+]
+
+
+def _free_ports(count: int) -> int:
+    """A base port such that base .. base + count - 1 are all free on 127.0.0.1."""
+    rng = random.Random(os.getpid())
+    for _ in range(200):
+        base = rng.randrange(40000, 60000)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free ports")
+
+
+def _wait_until(condition, timeout: float, what: str, run: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if run is not None and run.poll() is not None:
+            raise AssertionError(f"the run ended (exit {run.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.5)
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Live processes whose command line contains ``text`` (read from /proc; nothing is killed)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="ignore")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found
+
+
+def _reference_run(run_config: Path, out: Path, missed: set[int]) -> dict:
+    """The run of ``run_config`` on the sequential engine, in this process, with client 1's
+    training failing in the rounds ``missed`` (as a node that is down does)."""
+    import tomllib
+
+    import pflalign.engines.sequential as sequential
+    from pflalign.config import Settings
+    from pflalign.engines import run_methods
+    from pflalign.results import Reporter
+
+    settings = Settings({**tomllib.loads(run_config.read_text()), "out-dir": str(out),
+                         "engine": "sequential"})
+    real_handle = sequential.handle
+
+    def handle(action, settings_, cid, config, *rest, **kwargs):
+        if cid == 1 and action == "train" and int(config["server-round"]) in missed:
+            raise RuntimeError("node 1 is down")
+        return real_handle(action, settings_, cid, config, *rest, **kwargs)
+
+    sequential.handle = handle
+    try:
+        run_methods(settings, sequential.SequentialEngine, Reporter(quiet=True))
+    finally:
+        sequential.handle = real_handle
+    return json.loads((out / "results.json").read_text())
+
+
+def _compare(before: dict, after: dict) -> tuple[list[str], int]:
+    """scripts/compare_results.py's comparison (every metric bit for bit, wall clock aside)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_results",
+                                                  ROOT / "scripts" / "compare_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.compare(before, after)
+
+
+def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
+    work = tmp_path / "deploy"
+    out = tmp_path / "out"
+    port = _free_ports(4)  # the SuperLink's, then one per SuperNode
+    node_port = port + 1
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+
+    def script(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        result = subprocess.run(["bash", str(SCRIPT), *args, "--workdir", str(work)],
+                                capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+        assert result.returncode == 0, (f"deploy_local.sh {' '.join(args)} failed:\n"
+                                        f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        return result
+
+    node_log = work / "logs" / "node-1.log"
+    state_dir = work / "node-1" / "state"
+    run = run_log = None
+    started = time.monotonic()
+    try:
+        script("start", "--auth", "--nodes", "3", "--port", str(port), "--node-port",
+               str(node_port), *CONFIG)
+        pids = {p.stem: int(p.read_text()) for p in (work / "pids").glob("*.pid")}
+        assert set(pids) == {"superlink", "node-0", "node-1", "node-2"}
+        assert (work / "flwr-home" / "config.toml").read_text().count("root-certificates") == 1
+        assert sorted(p.name for p in (work / "partitions").glob("client-*.npz")) == [
+            "client-0.npz", "client-1.npz", "client-2.npz"]
+
+        run_log = open(tmp_path / "run.log", "w")  # noqa: SIM115 (closed in finally)
+        run = subprocess.Popen(
+            ["bash", str(SCRIPT), "run", "--workdir", str(work), "--rounds", str(ROUNDS),
+             "--methods", "pflalign", "--set", f"eval-every={ROUNDS}", "--set",
+             "fraction-train=1.0", "--out", str(out)],
+            stdout=run_log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+
+        def trained_and_replied() -> bool:
+            # node 1 saved its state after round 1 and has sent that train reply: it is idle
+            text = node_log.read_text(errors="ignore") if node_log.exists() else ""
+            sent = text.find("Sent successfully", text.find("Sending: train message"))
+            return "Sending: train message" in text and sent >= 0 and any(
+                state_dir.glob("state-*.npz"))
+
+        _wait_until(trained_and_replied, 300, "node 1's first training", run)
+        script("kill-node", "1")
+        with pytest.raises(ProcessLookupError):
+            os.kill(pids["node-1"], 0)
+        state_files = list(state_dir.glob("state-*.npz"))
+        assert len(state_files) == 1
+        saved = hashlib.sha256(state_files[0].read_bytes()).hexdigest()
+        restart_at = node_log.stat().st_size
+        script("start-node", "1")
+        assert int((work / "pids" / "node-1.pid").read_text()) != pids["node-1"]
+
+        run.wait(timeout=480)
+        log = (tmp_path / "run.log").read_text()
+        assert run.returncode == 0, log[-5000:]
+        results = json.loads((out / "results.json").read_text())
+        method = results["methods"]["pflalign"]
+        assert [r["round"] for r in method["rounds"]] == list(range(1, ROUNDS + 1))
+        assert method["final"]["evaluated"] == 3, method["final"]
+        assert sorted(c["id"] for c in method["clients"]) == [0, 1, 2]
+
+        # the restarted node loaded exactly the state it had saved before it was stopped
+        after = node_log.read_text(errors="ignore")[restart_at:]
+        assert (f"client 1 resumed the state of 'pflalign' from {state_files[0]} (saved after "
+                f"round 1, sha256 {saved})") in after, after[-3000:]
+
+        # ... and continued exactly: the run equals, bit for bit, an in-process run of the same
+        # config in which client 1 merely misses the rounds it missed while it was down
+        missed = {r["round"] for r in method["rounds"] if r.get("failures")}
+        assert missed <= {2, 3}, method["rounds"]  # it was stopped after its round-1 reply
+        (run_config,) = (work / "runs").glob("*/run-config.toml")
+        reference = _reference_run(run_config, tmp_path / "reference", missed)
+        differences, compared = _compare(reference, results)
+        assert compared > 50 and not differences, differences
+        print(f"deployment test: {time.monotonic() - started:.0f}s; rounds:",
+              [(r["round"], r.get("failures"), round(r["round-seconds"], 1))
+               for r in method["rounds"]])
+    finally:
+        if run is not None and run.poll() is None:
+            os.killpg(run.pid, signal.SIGTERM)  # the `run` command we started, and its flwr run
+            run.wait(timeout=30)
+        if run_log is not None:
+            run_log.close()
+        if (work / "pids").exists():
+            subprocess.run(["bash", str(SCRIPT), "stop", "--workdir", str(work)],
+                           capture_output=True, timeout=120, cwd=ROOT, env=env)
+    deadline = time.monotonic() + 20
+    while (left := _processes_mentioning(str(work))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left
+    assert not list((work / "pids").glob("*.pid"))

@@ -1,0 +1,257 @@
+"""A server that one client cannot break: reply checks, the update-norm bound, robust aggregation,
+rollback, timeouts and seeded fault injection, in real simulations on real data."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import ROOT, needs_fashion_mnist
+
+from pflalign.aggregation import combine, coordinate_median, trimmed_mean, weighted_average
+from pflalign.config import ConfigError, Settings
+from pflalign.engines import initial_model, template_model
+from pflalign.engines.sequential import SequentialEngine
+from pflalign.faults import injected_fault, malicious_clients
+from pflalign.methods import METHODS
+from pflalign.results import Reporter
+from pflalign.server import Federation, ServerRuntime, non_finite
+from pflalign.state import ServerState
+
+# --- the rules, by hand ----------------------------------------------------------------------
+
+
+def test_coordinate_median_by_hand():
+    vectors = [np.array([1.0, 10.0]), np.array([2.0, 20.0]), np.array([3.0, 30.0]),
+               np.array([100.0, -5.0])]
+    assert coordinate_median(vectors).tolist() == [2.5, 15.0]
+    assert coordinate_median(vectors[:3]).tolist() == [2.0, 20.0]
+
+
+def test_trimmed_mean_by_hand():
+    vectors = [np.array([1.0, -50.0]), np.array([2.0, 4.0]), np.array([3.0, 5.0]),
+               np.array([4.0, 6.0]), np.array([1e9, 7.0])]
+    # floor(0.2 * 5) = 1 value dropped at each end of each coordinate
+    assert trimmed_mean(vectors, 0.2).tolist() == [3.0, 5.0]
+    # floor(0.1 * 5) = 0: the plain mean
+    assert trimmed_mean(vectors, 0.1).tolist() == pytest.approx([(10 + 1e9) / 5, -28 / 5])
+    with pytest.raises(ValueError, match="0.5"):
+        trimmed_mean(vectors, 0.5)
+
+
+def test_combine_mean_is_the_weighted_average_and_robust_rules_ignore_weights():
+    rng = np.random.default_rng(0)
+    vectors = [rng.normal(size=7) for _ in range(4)]
+    weights = [1.0, 5.0, 2.0, 9.0]
+    assert np.array_equal(combine(vectors, weights, "mean"), weighted_average(vectors, weights))
+    assert np.array_equal(combine(vectors, weights, "median"), np.median(vectors, axis=0))
+    # no trimming and equal weights: the trimmed mean is the mean
+    np.testing.assert_allclose(combine(vectors, weights, "trimmed-mean", 0.0),
+                               weighted_average(vectors, [1, 1, 1, 1]), rtol=1e-14)
+
+
+def test_non_finite_names_the_entry():
+    assert non_finite(ServerState(model={"w": np.ones(3, np.float32)})) is None
+    assert "'model/w'" in non_finite(ServerState(model={"w": np.array([1.0, np.inf], np.float32)}))
+
+
+def test_robust_aggregation_is_refused_where_it_is_not_an_average():
+    with pytest.raises(ConfigError, match="scaffold"):
+        Settings({"methods": "fedavg,scaffold", "aggregation": "median"})
+    Settings({"methods": "fedavg,scaffold(aggregation=mean)", "aggregation": "median"})
+
+
+def test_fault_keys_are_checked_together():
+    with pytest.raises(ConfigError, match="do not go together"):
+        Settings({"attack": "signflip"})
+    with pytest.raises(ConfigError, match="exceeds num-clients"):
+        Settings({"num-clients": 3, "malicious-clients": 4, "attack": "signflip"})
+    with pytest.raises(ConfigError, match="below 1"):
+        Settings({"client-failure-rate": 0.6, "client-dropout-rate": 0.4})
+
+
+def test_faults_are_seeded_and_at_the_requested_rate():
+    settings = Settings({"num-clients": 50, "malicious-clients": 5, "attack": "scale",
+                         "client-failure-rate": 0.3})
+    chosen = malicious_clients(settings)
+    assert len(chosen) == 5 and chosen == malicious_clients(Settings(settings.to_dict()))
+    assert chosen != malicious_clients(settings.replace({"seed": 1}))
+    draws = [injected_fault(settings, c, r) for c in range(50) for r in range(1, 41)]
+    assert set(draws) == {None, "failure"}
+    assert draws.count("failure") / len(draws) == pytest.approx(0.3, abs=0.03)
+
+
+# --- attacks in a real (sequential-engine) simulation -----------------------------------------
+
+BASE = {"num-clients": 6, "max-samples": 3000, "fraction-train": 1.0, "rounds": 2,
+        "eval-every": 2, "local-steps": 5, "seed": 2, "engine": "sequential",
+        "round-timeout": 5.0}
+
+
+class _RecordModels:
+    """A round hook recording the global model before each round's training."""
+
+    def __init__(self):
+        self.models: list[dict] = []
+
+    def before_training(self, federation, server_round):
+        self.models.append({k: v.copy() for k, v in federation.state.model.items()})
+        return {}, 0, 0
+
+
+def _run(method: str = "fedavg", **changes) -> tuple[dict, list[dict]]:
+    """One method's run on the sequential engine: its results and the global model after each
+    round."""
+    settings = Settings({**BASE, "methods": method, **changes})
+    model, trainable = initial_model(settings)
+    server = ServerRuntime(settings, METHODS[method].build(settings), method, model, trainable,
+                           template_model(settings))
+    federation = Federation(server, SequentialEngine(settings), Reporter(quiet=True))
+    recorder = _RecordModels()
+    federation.hooks.append(recorder)
+    result = federation.run(model)
+    return result, [*recorder.models[1:], federation.state.model]
+
+
+@pytest.fixture(scope="module")
+def without_attacker():
+    """The reference: the attacker never answers, so each round aggregates the honest replies
+    only."""
+    return {m: _run(m, **{"malicious-clients": 1, "attack": "hang"})
+            for m in ("fedavg", "pflalign")}
+
+
+def _same_models(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+        for x, y in zip(a, b, strict=True))
+
+
+@needs_fashion_mnist
+@pytest.mark.parametrize("attack,scale", [("inflate-count", 1e12), ("scale", 1e30)])
+@pytest.mark.parametrize("method", ["fedavg", "pflalign"])
+def test_a_rejected_attacker_leaves_the_global_model_of_the_honest_replies(
+        without_attacker, attack, scale, method):
+    result, models = _run(method, **{"malicious-clients": 1, "attack": attack,
+                                     "attack-scale": scale})
+    reference, reference_models = without_attacker[method]
+    assert [r["rejected"] for r in result["rounds"]] == [1, 1]
+    assert [r["clients-trained"] for r in result["rounds"]] == [5, 5]
+    assert [r["timeouts"] for r in reference["rounds"]] == [1, 1]
+    assert _same_models(models, reference_models)
+
+
+@needs_fashion_mnist
+def test_faked_evaluation_is_rejected_and_the_table_says_so():
+    clean, _ = _run()
+    faked, _ = _run(**{"malicious-clients": 1, "attack": "fake-eval", "attack-scale": 1e6})
+    attacker = next(iter(malicious_clients(Settings({**BASE, "malicious-clients": 1,
+                                                     "attack": "fake-eval"}))))
+    final = faked["final"]
+    assert (final["evaluated"], final["eval-clients"], final["eval-rejected"]) == (5, 6, 1)
+    honest = [c for c in clean["clients"] if c["id"] != attacker]
+    correct = sum(round(c["personal-acc"] * c["num-test"]) for c in honest)
+    assert final["personal-acc"] == correct / sum(c["num-test"] for c in honest)
+    assert [c["id"] for c in faked["clients"]] == [c["id"] for c in honest]
+
+
+@needs_fashion_mnist
+def test_a_poisoned_aggregate_is_rolled_back_when_evaluation_turns_non_finite():
+    """With the norm bound off, a x1e30 update gets into the mean: the aggregate is finite but
+    every client's loss is not, so the round is rolled back and the previous model evaluated."""
+    result, models = _run(**{"malicious-clients": 1, "attack": "scale", "attack-scale": 1e30,
+                             "update-norm-bound": 0.0, "eval-every": 1})
+    rows = result["rounds"]
+    assert [r.get("rolled-back") for r in rows] == [1, 1]
+    assert all(np.isfinite(r["personal-acc"]) for r in rows)
+    initial, _ = initial_model(Settings({**BASE}))
+    # both rounds were rolled back to the initial model, which both evaluations scored
+    assert all(np.array_equal(models[-1][k], initial[k]) for k in initial)
+    assert rows[0]["personal-acc"] == rows[1]["personal-acc"]
+
+
+# --- the Flower engine: failures, a hanging client, exact accounting --------------------------
+
+
+@needs_fashion_mnist
+def test_flower_engine_counts_injected_failures_and_a_hanging_client_exactly(tmp_path):
+    changes = {"num-clients": 6, "max-samples": 3000, "fraction-train": 1.0, "rounds": 2,
+               "eval-every": 2, "local-steps": 5, "seed": 2, "client-failure-rate": 0.3,
+               "malicious-clients": 1, "attack": "hang", "round-timeout": 10.0,
+               # four workers on two cores: the hanging client holds one, not half, of them
+               "client-resources-num-cpus": 0.5}
+    args = [f"--set={k}={v}" for k, v in changes.items()]
+    run = subprocess.run([sys.executable, str(ROOT / "simulate.py"), *args, "--methods",
+                          "fedavg", "--out", str(tmp_path), "--quiet"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())["methods"]["fedavg"]
+    settings = Settings({**changes, "methods": "fedavg"})
+    hanging = malicious_clients(settings)
+    for row in result["rounds"]:
+        failed = {c for c in range(6) if c not in hanging
+                  and injected_fault(settings, c, row["round"]) == "failure"}
+        assert row["timeouts"] == 1
+        assert row["failures"] == len(failed) + 1
+        assert row["clients-trained"] == 6 - len(failed) - 1
+        assert row["rejected"] == 0
+    assert "did not reply within round-timeout = 10 s" in run.stderr
+    assert "injected failure (client-failure-rate, round 1)" in run.stderr
+    assert result["final"]["evaluated"] == 5
+    assert "evaluated 5 of 6" in run.stdout
+
+
+class _ForgetfulEngine(SequentialEngine):
+    """A sequential engine whose clients lose their saved state after round 1 (a node restarted
+    without a state-dir)."""
+
+    def exchange(self, action, messages):
+        if action == "train" and messages and messages[0].config["server-round"] == 2:
+            self.states.clear()
+        return super().exchange(action, messages)
+
+
+@needs_fashion_mnist
+def test_a_client_that_comes_back_without_its_state_is_warned_about(capsys):
+    settings = Settings({**BASE, "methods": "pflalign"})
+    model, trainable = initial_model(settings)
+    server = ServerRuntime(settings, METHODS["pflalign"].build(settings), "pflalign", model,
+                           trainable, template_model(settings))
+    Federation(server, _ForgetfulEngine(settings), Reporter(quiet=True)).run(model)
+    warnings = [line for line in capsys.readouterr().err.splitlines()
+                if "came back without it" in line]
+    assert len(warnings) == 6
+    assert warnings[0].startswith("WARNING: [pflalign] client 0 saved its pflalign state")
+
+
+class _SilentGrid:
+    """A Grid whose nodes take every message and never answer."""
+
+    def __init__(self):
+        self.pushed = 0
+
+    def push_messages(self, messages):
+        self.pushed += 1
+        return [f"m{self.pushed}"]
+
+    def pull_messages(self, ids):
+        return []
+
+
+def test_the_flower_engine_names_the_clients_it_waits_for_and_gives_up_at_the_timeout():
+    from strategies.flower import FlowerEngine
+
+    lines = []
+    reporter = Reporter(quiet=True)
+    reporter.info = lines.append
+    engine = FlowerEngine(_SilentGrid(), Settings({"round-timeout": 0.5}), reporter)
+    engine.notice_every = 0.2
+    started = time.monotonic()
+    replies, silent = engine.send({3: "message to 3", 0: "message to 0"})
+    assert 0.5 <= time.monotonic() - started < 2
+    assert replies == {} and silent == [0, 3]
+    assert lines and lines[0].startswith("waiting for 2 clients (0, 3): ")
