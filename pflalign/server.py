@@ -477,6 +477,9 @@ class Federation:
         for key in required:
             if key.startswith("num-") and metrics[key] <= 0:
                 raise ClientFailure(f"{who} reported {key} = {metrics[key]}, expected > 0")
+        for key in LOSSES:
+            if key in metrics and metrics[key] < 0:
+                raise ClientFailure(f"{who} reported {key} = {metrics[key]}, expected >= 0")
         for key in CORRECT_COUNTS:
             if key in metrics and not 0 <= metrics[key] <= metrics.get(NUM_TEST, 0):
                 raise ClientFailure(f"{who} reported {key} = {metrics[key]} for "

@@ -3,10 +3,13 @@
 with a robust aggregation, on one config; prints a Markdown table.
 
     python scripts/attack_table.py --out results/attacks                   # configs/default.toml
-    python scripts/attack_table.py --out DIR --set rounds=5 --malicious 2 --robust trimmed-mean
+    python scripts/attack_table.py --out DIR --seeds 0,1,2 --set rounds=5 --robust trimmed-mean
 
-One ``simulate.py`` run per attack (and one clean run) goes to ``DIR/<attack>/``; a run whose
-results.json exists is not repeated, so an interrupted table resumes. Accuracy is reported over
+One ``simulate.py`` run per seed and attack (and one clean run per seed) goes to
+``DIR/seed-<s>/<attack>/``; a finished run (its results.json exists and is not marked
+interrupted) is not repeated, so an interrupted table resumes. Each seed draws its own partition,
+initial model, sampling and malicious clients; the table gives the mean and the standard
+deviation over the seeds. Accuracy is reported over
 the honest clients only (the malicious clients' own test sets are left out, so that fake-eval
 and hang cannot move it by skipping themselves), from the per-client results of the last
 evaluation: their test-size-weighted personal accuracy. (The global model's accuracy is recorded
@@ -21,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -33,11 +38,12 @@ ATTACKS = {"signflip": 1.0, "scale": 100.0, "noise": 10.0, "labelflip": 1.0,
 
 
 def run(out: Path, config: str, extra: list[str], attack: str | None, malicious: int,
-        methods: str) -> dict:
-    path = out / (attack or "clean") / "results.json"
+        methods: str, seed: int) -> dict:
+    path = out / f"seed-{seed}" / (attack or "clean") / "results.json"
     if not path.exists() or json.loads(path.read_text()).get("interrupted"):
         args = [sys.executable, str(ROOT / "simulate.py"), "--config", config, *extra,
-                "--methods", methods, "--out", str(path.parent), "--quiet", "--overwrite"]
+                "--set", f"seed={seed}", "--methods", methods, "--out", str(path.parent),
+                "--quiet", "--overwrite"]
         if attack:
             args += ["--set", f"malicious-clients={malicious}", "--set", f"attack={attack}",
                      "--set", f"attack-scale={ATTACKS[attack]:g}"]
@@ -57,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.toml"))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--seeds", default="0", help="Comma-separated seeds (default 0).")
     parser.add_argument("--malicious", type=int, default=4)
     parser.add_argument("--robust", default="median", choices=("median", "trimmed-mean"))
     parser.add_argument("--methods", default="fedavg,pflalign")
@@ -64,21 +71,26 @@ def main(argv: list[str] | None = None) -> int:
     extra = [a for o in args.overrides for a in ("--set", o)]
     names = args.methods.split(",")
     entries = ",".join([*names, *(f"{m}(aggregation={args.robust})" for m in names)])
-    rows = {}
-    for attack in (None, *ATTACKS):
-        results = run(args.out, args.config, extra, attack, args.malicious, entries)
-        settings = Settings({k: v for k, v in results["config"].items()})
-        bad = malicious_clients(settings) if attack else frozenset(malicious_clients(
-            settings.replace({"malicious-clients": args.malicious, "attack": "signflip"})))
-        rows[attack or "clean"] = {label: honest_accuracy(r, bad)
-                                   for label, r in results["methods"].items()}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows: dict[str, dict[str, list[float]]] = {}
+    for seed in seeds:
+        for attack in (None, *ATTACKS):
+            results = run(args.out, args.config, extra, attack, args.malicious, entries, seed)
+            settings = Settings(dict(results["config"]))
+            bad = malicious_clients(settings if attack else settings.replace(
+                {"malicious-clients": args.malicious, "attack": "signflip"}))
+            row = rows.setdefault(attack or "clean", {})
+            for label, result in results["methods"].items():
+                row.setdefault(label, []).append(honest_accuracy(result, bad))
     labels = list(next(iter(rows.values())))
-    print(f"\npersonal-acc (%) of the honest clients; {args.malicious} malicious clients; "
-          f"robust = {args.robust}\n")
+    print(f"\npersonal-acc (%) of the honest clients, mean +- std over seeds {args.seeds}; "
+          f"{args.malicious} malicious clients; robust = {args.robust}\n")
     print("| attack | " + " | ".join(labels) + " |")
     print("|---|" + "---:|" * len(labels))
     for attack, accs in rows.items():
-        print(f"| {attack} | " + " | ".join(f"{100 * accs[label]:.2f}" for label in labels) + " |")
+        cells = [f"{100 * np.mean(accs[label]):.2f} ± {100 * np.std(accs[label], ddof=1):.2f}"
+                 if len(accs[label]) > 1 else f"{100 * accs[label][0]:.2f}" for label in labels]
+        print(f"| {attack} | " + " | ".join(cells) + " |")
     return 0
 
 
