@@ -99,7 +99,8 @@ def node_data_of(context: Context, settings: Settings) -> NodeData | None:
 def state_store(context: Context, settings: Settings, label: str) -> StateStore | None:
     """The node's state file for this run and method entry (None without ``state-dir``)."""
     state_dir = context.node_config.get("state-dir")
-    return StateStore(str(state_dir), context.run_id, label, settings) if state_dir else None
+    return (StateStore(str(state_dir), context.run_id, label, settings, client_id_of(context))
+            if state_dir else None)
 
 
 def _reply(msg: Message, context: Context, action: str) -> Message:
@@ -123,7 +124,8 @@ def _reply(msg: Message, context: Context, action: str) -> Message:
         metrics, reply_arrays, state = handle(action, settings, client_id_of(context), config,
                                               arrays, saved, node=node_data_of(context, settings))
     except ClientDropout as silent:  # injected: reply only after the server stopped waiting
-        time.sleep(settings.run.round_timeout + 1.0)
+        deadline = msg.metadata.created_at + settings.run.round_timeout + 1.0
+        time.sleep(max(0.0, min(deadline - time.time(), settings.run.round_timeout + 1.0)))
         raise RuntimeError(f"{silent} (its reply comes after round-timeout)") from None
     if state is not None:
         context.state[label] = ArrayRecord({k: Array(v) for k, v in state.items()})

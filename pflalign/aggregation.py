@@ -61,12 +61,12 @@ class FlatSpec:
         if missing or extra:
             return (f"its arrays do not match the model: missing {missing[:3]}, "
                     f"unexpected {extra[:3]}")
-        for key, shape in zip(self.keys, self.shapes, strict=True):
+        for key, shape, dtype in zip(self.keys, self.shapes, self.dtypes, strict=True):
             value = np.asarray(state[key])
             if tuple(value.shape) != shape:
                 return f"array '{key}' has shape {tuple(value.shape)}, expected {shape}"
-            if value.dtype.kind not in "biuf":
-                return f"array '{key}' has non-numeric dtype {value.dtype}"
+            if value.dtype != dtype:  # a float64 1e300 would overflow to inf in float32
+                return f"array '{key}' has dtype {value.dtype}, expected {dtype}"
             if value.dtype.kind == "f" and not np.isfinite(value).all():
                 return f"array '{key}' contains NaN or infinite values"
         return None

@@ -131,6 +131,9 @@ class AnnealedWarmStart:
                 record = reply.arrays.get(SKETCH)
                 if record is None or SKETCH not in record:
                     raise ClientFailure(f"{reply.who} replied without its gradient sketches")
+                if np.asarray(record[SKETCH]).dtype != np.float32:
+                    raise ClientFailure(f"{reply.who} sent sketches of dtype "
+                                        f"{np.asarray(record[SKETCH]).dtype}, expected float32")
                 sketch = torch.from_numpy(np.array(record[SKETCH], copy=True))
                 if tuple(sketch.shape) != self.sketch_shape or not torch.isfinite(sketch).all():
                     raise ClientFailure(f"{reply.who} sent sketches of shape "

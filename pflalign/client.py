@@ -22,7 +22,14 @@ from pflalign.federation import FederatedDataset, federated_dataset
 from pflalign.models import build_model, is_deterministic_in_training, parameter_modules
 from pflalign.node import NodeData, pooled_node_data
 from pflalign.options import Value
-from pflalign.protocol import GLOBAL_CORRECT, MODEL, NUM_TEST, PERSONAL_CORRECT, PERSONAL_LOSS
+from pflalign.protocol import (
+    GLOBAL_CORRECT,
+    GLOBAL_LOSS,
+    MODEL,
+    NUM_TEST,
+    PERSONAL_CORRECT,
+    PERSONAL_LOSS,
+)
 from pflalign.state import TorchState
 from pflalign.train import (
     STREAM_OPTIMIZER,
@@ -205,4 +212,5 @@ class ClientRuntime:
             PERSONAL_LOSS: personal.loss_sum / max(personal.count, 1)}
         if global_ is not None:
             metrics[GLOBAL_CORRECT] = global_.correct
+            metrics[GLOBAL_LOSS] = global_.loss_sum / max(global_.count, 1)
         return metrics

@@ -29,6 +29,7 @@ import json
 import os
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -173,7 +174,7 @@ def read_metadata(path: str | Path) -> dict:
     try:
         with np.load(path, allow_pickle=False) as archive:
             meta = json.loads(str(archive["meta"]))
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as err:
         raise ConfigError(f"'{path}' is not a readable pflalign partition file ({err}); write "
                           "it with `python -m pflalign.export_partitions`.") from err
     if meta.get("format") != PARTITION_FORMAT or meta.get("version") != FORMAT_VERSION:
@@ -282,20 +283,23 @@ def run_key(settings: Mapping[str, object]) -> str:
 class StateStore:
     """One client's method state for one run and method entry, in ``state_dir``.
 
-    The file is named by a hash of (the Flower run id, the entry's label, :func:`run_key`), so a
-    new run, or a run with another config, never picks up stale state, and a restarted node of
-    the same run finds exactly what it saved. Saving removes this store's other state files
-    (earlier entries and runs), as the ClientApp drops earlier entries from ``context.state``.
+    The file is named by the client and a hash of (the Flower run id, the entry's label,
+    :func:`run_key`), so a new run, or a run with another config, never picks up stale state,
+    nodes sharing a directory never read each other's, and a restarted node of the same run finds
+    exactly what it saved. Saving removes this client's other state files (earlier entries and
+    runs), as the ClientApp drops earlier entries from ``context.state``.
     """
 
     PREFIX = "state-"
 
     def __init__(self, state_dir: str | Path, run_id: int, label: str,
-                 settings: Mapping[str, object]):
+                 settings: Mapping[str, object], client_id: int):
         self.dir = Path(state_dir).expanduser()
         self.run_id, self.label, self.run_key = int(run_id), label, run_key(settings)
-        key = _digest([self.run_id, label, self.run_key])[:20]
-        self.path = self.dir / f"{self.PREFIX}{key}.npz"
+        self.client_id = int(client_id)
+        key = _digest([self.run_id, label, self.run_key, self.client_id])[:20]
+        self.own = f"{self.PREFIX}client{self.client_id}-"
+        self.path = self.dir / f"{self.own}{key}.npz"
 
     def load(self) -> tuple[Arrays, dict] | None:
         """The saved state and its metadata, or None when there is none."""
@@ -306,11 +310,12 @@ class StateStore:
                 meta = json.loads(str(archive["meta"]))
                 names = meta["names"]
                 arrays = {name: archive[f"a{i}"] for i, name in enumerate(names)}
-        except (OSError, ValueError, KeyError) as err:
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as err:
             raise RuntimeError(f"The state file '{self.path}' cannot be read ({err}); remove "
                                "it to start this client's state afresh.") from err
         if (meta.get("format") != STATE_FORMAT or meta.get("run-id") != self.run_id
-                or meta.get("label") != self.label or meta.get("run-key") != self.run_key):
+                or meta.get("label") != self.label or meta.get("run-key") != self.run_key
+                or meta.get("client") != self.client_id):
             return None
         return arrays, meta
 
@@ -318,12 +323,13 @@ class StateStore:
         """Write the state atomically, then remove this directory's other state files."""
         names = list(arrays)
         meta = {"format": STATE_FORMAT, "version": FORMAT_VERSION, "run-id": self.run_id,
-                "label": self.label, "run-key": self.run_key, "round": int(server_round),
+                "client": self.client_id, "label": self.label, "run-key": self.run_key,
+                "round": int(server_round),
                 "saved-at": time.time(), "names": names}
         payload = {f"a{i}": np.asarray(arrays[name]) for i, name in enumerate(names)}
         _atomic_write(self.path, lambda handle: np.savez(
             handle, meta=np.array(json.dumps(meta, sort_keys=True)), **payload))
-        for other in self.dir.glob(f"{self.PREFIX}*.npz"):
+        for other in self.dir.glob(f"{self.own}*.npz"):
             if other != self.path:
                 with contextlib.suppress(OSError):
                     other.unlink()

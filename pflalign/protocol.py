@@ -32,9 +32,10 @@ HAD_STATE = "had-state"  #: a training reply: 1 if the client had saved state fo
 KEPT_STATE = "kept-state"  #: a training reply: 1 if the client saved state for the next round
 PERSONAL_CORRECT, PERSONAL_LOSS = "personal-correct", "personal-loss"
 GLOBAL_CORRECT = "global-correct"  #: the global model's correct count (methods that have one)
+GLOBAL_LOSS = "global-loss"  #: the global model's mean loss (methods that have one)
 NEXT_CORRECT = "next-correct"  #: pFLAlign's next starting point theta_g + Delta_i
 #: losses a reply may carry (a non-finite one may mean the model it was sent is broken)
-LOSSES = (TRAIN_LOSS, PERSONAL_LOSS)
+LOSSES = (TRAIN_LOSS, PERSONAL_LOSS, GLOBAL_LOSS)
 #: correct counts a reply may carry, each at most its num-test
 CORRECT_COUNTS = (PERSONAL_CORRECT, GLOBAL_CORRECT, NEXT_CORRECT)
 #: what every evaluation reply must carry

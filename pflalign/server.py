@@ -240,6 +240,7 @@ class Federation:
         #: clients that reported saving method state (a later reply without it is warned about)
         self.saved_state: set[int] = set()
         self._trainable_shared: FlatSpec | None = None
+        self._buffers: FlatSpec | None = None
 
     @property
     def label(self) -> str:
@@ -310,6 +311,14 @@ class Federation:
                      "timeouts": collected.timed_out,
                      "rejected": collected.rejected + too_large}
         traffic = exchange.bytes_down, exchange.bytes_up
+        answered = len(exchange.replies) - collected.failed
+        if self.before_aggregation is not None and 2 * collected.nonfinite_loss > answered > 0:
+            self.warn(f"round {server_round}: {collected.nonfinite_loss} of {answered} clients "
+                      "report a non-finite loss when training from the global model; the last "
+                      "aggregation is rolled back and this round's updates are not used.")
+            self.state, self.before_aggregation = self.before_aggregation, None
+            row.update({"clients-trained": 0, "rolled-back": 1})
+            return row, *traffic
         if not updates:
             self.warn(f"round {server_round}: no usable training reply; the global model is kept "
                       "unchanged.")
@@ -321,7 +330,7 @@ class Federation:
             self.warn(f"round {server_round}: the aggregate is not finite ({problem}); the server "
                       "state of the previous round is kept.")
             self.state = previous
-            row["rolled-back"] = 1
+            row.update({"clients-trained": 0, "rolled-back": 1})
             return row, *traffic
         self.before_aggregation = previous
         if method.uploads_model:
@@ -338,24 +347,41 @@ class Federation:
         return row, *traffic
 
     def bound_updates(self, updates: list[Update]) -> tuple[list[Update], int]:
-        """The updates whose norm (uploaded minus global model, over the trainable exchanged
-        entries) is at most ``update-norm-bound`` times the round's median; the others are
-        warned about by client id and dropped. Returns the kept updates and how many were not."""
+        """The updates whose every part is at most ``update-norm-bound`` times the round's
+        median; the others are warned about by client id and dropped. The parts: the update of
+        the trainable exchanged entries (uploaded minus global), that of the other floating-point
+        entries (batch-norm statistics), and the norm of every further record (SCAFFOLD's
+        control-variate change, FedCP's policy network). Returns the kept updates and how many
+        were not."""
         bound = self.server.settings.run.update_norm_bound
-        uploaded = [u for u in updates if u.model is not None]
-        if bound <= 0 or len(uploaded) < 3:  # a median of fewer than three says nothing
+        if bound <= 0 or len(updates) < 3:  # a median of fewer than three says nothing
             return updates, 0
-        norms = update_norms([u.model for u in uploaded], self.state.model, self.trainable_spec())
-        median = float(np.median(norms))
-        if median <= 0:
-            return updates, 0
-        refused = set()
-        for update, norm in zip(uploaded, norms, strict=True):
-            if norm > bound * median:
-                refused.add(update.client)
-                self.warn(f"client {update.client}'s update norm {norm:.4g} is "
-                          f"{norm / median:.3g}x the round's median {median:.4g} "
-                          f"(update-norm-bound = {bound:g}); the reply is skipped.")
+        parts: dict[str, list[float]] = {}
+        if all(u.model is not None for u in updates):
+            global_model = self.state.model
+            for part, spec in (("update", self.trainable_spec()), ("buffer update",
+                                                                   self.buffer_spec())):
+                if spec.size:
+                    parts[part] = list(update_norms([u.model for u in updates], global_model,
+                                                    spec))
+        for name in sorted(set.intersection(*(set(u.arrays) for u in updates))):
+            spec = float_spec(updates[0].arrays[name])
+            if spec.size:
+                parts[f"'{name}' record"] = [float(np.linalg.norm(spec.flatten(
+                    u.arrays[name], np.float64))) for u in updates]
+        refused: dict[int, str] = {}
+        for part, norms in parts.items():
+            median = float(np.median(norms))
+            if median <= 0:  # most clients left this part unchanged: nothing to compare with
+                continue
+            for update, norm in zip(updates, norms, strict=True):
+                if update.client not in refused and norm > bound * median:
+                    refused[update.client] = (
+                        f"client {update.client}'s {part} norm {norm:.4g} is "
+                        f"{norm / median:.3g}x the round's median {median:.4g} "
+                        f"(update-norm-bound = {bound:g}); the reply is skipped.")
+        for text in refused.values():
+            self.warn(text)
         return [u for u in updates if u.client not in refused], len(refused)
 
     def check_kept_state(self, updates: Sequence[Update]) -> None:
@@ -374,10 +400,9 @@ class Federation:
         report a non-finite loss right after an aggregation, that aggregation is rolled back
         and the round evaluated again."""
         metrics, down, up, collected = self._evaluate(server_round)
-        asked = metrics["eval-clients"]
-        if (self.before_aggregation is not None and asked
-                and collected.nonfinite_loss > asked / 2):
-            self.warn(f"round {server_round}: {collected.nonfinite_loss} of {asked} clients "
+        answered = metrics["eval-clients"] - collected.failed
+        if self.before_aggregation is not None and 2 * collected.nonfinite_loss > answered > 0:
+            self.warn(f"round {server_round}: {collected.nonfinite_loss} of {answered} clients "
                       "report a non-finite loss for the new model; the round's aggregation is "
                       "rolled back and the previous model evaluated.")
             self.state, self.before_aggregation = self.before_aggregation, None
@@ -418,6 +443,15 @@ class Federation:
              "num-test": int(m[NUM_TEST]), "personal-acc": m[PERSONAL_CORRECT] / m[NUM_TEST]}
             for m in rows for cid in [int(m[PARTITION_ID])]]
         return metrics, exchange.bytes_down, exchange.bytes_up, collected
+
+    def buffer_spec(self) -> FlatSpec:
+        """The exchanged floating-point entries that are not trained (batch-norm statistics)."""
+        if self._buffers is None:
+            model, trainable = self.state.model, set(self.server.trainable)
+            self._buffers = FlatSpec.of({k: model[k] for k in self.server.shared
+                                         if k not in trainable
+                                         and np.asarray(model[k]).dtype.kind == "f"})
+        return self._buffers
 
     def trainable_spec(self) -> FlatSpec:
         """The trainable exchanged entries: what an update's norm and cosine are taken over."""
@@ -514,6 +548,11 @@ class Federation:
                     collected.nonfinite_loss += failure.nonfinite_loss
         collected.good.sort(key=lambda pair: int(pair[0][PARTITION_ID]))
         return collected
+
+
+def float_spec(state: Mapping[str, np.ndarray]) -> FlatSpec:
+    """The floating-point entries of ``state``."""
+    return FlatSpec.of({k: v for k, v in state.items() if np.asarray(v).dtype.kind == "f"})
 
 
 def non_finite(state: ServerState) -> str | None:

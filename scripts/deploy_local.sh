@@ -355,6 +355,10 @@ cmd_run() {
     out=${CLI[out]:-$rundir/out}
     mkdir -p "$out"
     out=$(cd "$out" && pwd)
+    if [[ -e $out/results.json ]]; then  # an earlier run's file must not pass for this one's
+        mv "$out/results.json" "$out/results.json.previous"
+        log "moved an earlier $out/results.json to results.json.previous"
+    fi
     if [[ -n ${CLI[rounds]:-} ]]; then extra+=("rounds=${CLI[rounds]}"); fi
     if [[ -n ${CLI[methods]:-} ]]; then extra+=("methods=${CLI[methods]}"); fi
     extra+=("${CLI_SETS[@]}" "out-dir=$out")

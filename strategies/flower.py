@@ -18,6 +18,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 from flwr.serverapp import Grid
 
 from pflalign.config import Settings
+from pflalign.federation import federated_dataset
 from pflalign.interrupt import check_stop
 from pflalign.protocol import (
     CONFIG,
@@ -114,19 +115,38 @@ class FlowerEngine:
         for node in silent:
             self.reporter.warn(f"Node {node} is not used: it did not answer discovery within "
                                f"{limit:g} s.")
-        for msg in replies.values():
+        # the sizes every reply is checked against come from the server's own copy of the
+        # partition, never from what a node declares
+        partition = federated_dataset(self.settings).partition
+        for node, msg in replies.items():
             if msg.has_error():
-                self.reporter.warn(f"Node {msg.metadata.src_node_id} is not used: "
-                                   f"{msg.error.reason}")
+                self.reporter.warn(f"Node {node} is not used: {short_reason(msg.error.reason)}")
                 continue
-            m = msg.content.metric_records[METRICS]
-            cid = int(m[PARTITION_ID])
+            try:
+                m = msg.content.metric_records[METRICS]
+                cid = int(m[PARTITION_ID])
+                declared = (int(m[NUM_TRAIN]), int(m[NUM_TEST]), bool(m[UNSEEN]))
+            except (KeyError, TypeError, ValueError) as err:
+                self.reporter.warn(f"Node {node} is not used: its discovery reply is malformed "
+                                   f"({type(err).__name__}: {err}).")
+                continue
+            if not 0 <= cid < expected:
+                self.reporter.warn(f"Node {node} is not used: its partition-id {cid} is outside "
+                                   f"this run's clients 0..{expected - 1}.")
+                continue
             if cid in clients:
                 raise RuntimeError(f"Two nodes report partition-id {cid}; every SuperNode needs "
                                    "its own partition-id.")
-            clients[cid] = ClientInfo(id=cid, num_train=int(m[NUM_TRAIN]),
-                                      num_test=int(m[NUM_TEST]), unseen=bool(m[UNSEEN]))
-            nodes[cid] = msg.metadata.src_node_id
+            info = ClientInfo(id=cid, num_train=len(partition.train[cid]),
+                              num_test=len(partition.test[cid]), unseen=partition.is_unseen(cid))
+            if declared != (info.num_train, info.num_test, info.unseen):
+                self.reporter.warn(
+                    f"client {cid} (node {node}) declared {declared[0]} train / {declared[1]} "
+                    f"test samples (unseen: {declared[2]}), but this run's partition gives "
+                    f"{info.num_train} / {info.num_test} (unseen: {info.unseen}); its replies "
+                    "are checked against the partition.")
+            clients[cid] = info
+            nodes[cid] = node
         missing = sorted(set(range(expected)) - set(clients))
         if missing:
             raise RuntimeError(f"No node answered for client ids {missing[:10]}; each of the "
@@ -144,12 +164,16 @@ class FlowerEngine:
 
         Replies are matched to keys by the message they answer, never by their sender node: a
         Flower error reply for a lost node comes from the SuperLink, not from that node."""
+        # one push for all (as Flower's send_and_receive does: messages share content objects,
+        # which the store must hold until every node has pulled them); each message carries
+        # its id once pushed, and a message the SuperLink refused has no id among those returned
+        accepted = {str(i) for i in self.grid.push_messages(list(messages.values()))
+                    if i is not None}
         pending: dict[str, int] = {}
         unsent = []
         for key, message in messages.items():
-            ids = list(self.grid.push_messages([message]))
-            if ids:
-                pending[ids[0]] = key
+            if message.metadata.message_id in accepted:
+                pending[message.metadata.message_id] = key
             else:
                 unsent.append(key)
         replies: dict[int, Message] = {}
@@ -205,9 +229,13 @@ class FlowerEngine:
         if msg.metadata.src_node_id != self.node_of[cid]:
             return Reply(None, who, error=f"was answered by node {msg.metadata.src_node_id}, "
                                           f"not by its own node {self.node_of[cid]}")
-        metrics = msg.content.metric_records.get(METRICS)
-        if metrics is None:
-            return Reply(cid, who, error=f"replied without a '{METRICS}' MetricRecord")
-        return Reply(cid, who, metrics=dict(metrics),
-                     arrays={name: to_state(rec) for name, rec in
-                             msg.content.array_records.items()})
+        try:
+            metrics = msg.content.metric_records.get(METRICS)
+            if metrics is None:
+                return Reply(cid, who, error=f"replied without a '{METRICS}' MetricRecord")
+            return Reply(cid, who, metrics=dict(metrics),
+                         arrays={name: to_state(rec) for name, rec in
+                                 msg.content.array_records.items()})
+        except Exception as err:  # undecodable arrays: this reply is unusable, not the run
+            return Reply(cid, who, error=f"sent a reply that cannot be decoded "
+                                         f"({type(err).__name__}: {err})")

@@ -144,7 +144,7 @@ def test_state_store_round_trips_exactly_and_is_scoped_to_run_and_entry(tmp_path
     arrays = {"model/conv.weight": np.random.default_rng(0).standard_normal((3, 2, 2)),
               "fit_count": np.array(7), "seen": np.array([1, 4], dtype=np.int64),
               "#odd/name": np.array(1.5, dtype=np.float32)}
-    store = StateStore(tmp_path, run_id=11, label="pflalign", settings=settings)
+    store = StateStore(tmp_path, run_id=11, label="pflalign", settings=settings, client_id=2)
     assert store.load() is None
     store.save(arrays, server_round=3)
     loaded, meta = store.load()
@@ -154,15 +154,20 @@ def test_state_store_round_trips_exactly_and_is_scoped_to_run_and_entry(tmp_path
         assert np.array_equal(loaded[name], array)
     assert not list(tmp_path.glob(".*"))  # the temporary file was moved into place
     # another run, another entry, or another config never sees it
-    assert StateStore(tmp_path, 12, "pflalign", settings).load() is None
-    assert StateStore(tmp_path, 11, "fedavg", settings).load() is None
-    assert StateStore(tmp_path, 11, "pflalign", settings.replace({"lr": 0.1})).load() is None
+    assert StateStore(tmp_path, 12, "pflalign", settings, 2).load() is None
+    assert StateStore(tmp_path, 11, "fedavg", settings, 2).load() is None
+    assert StateStore(tmp_path, 11, "pflalign", settings.replace({"lr": 0.1}), 2).load() is None
+    # ... nor another client sharing the directory
+    assert StateStore(tmp_path, 11, "pflalign", settings, 3).load() is None
+    StateStore(tmp_path, 11, "pflalign", settings, 3).save({"x": np.ones(2)}, 1)
+    assert store.load() is not None
     # ... but the output directory is not part of the key
     assert StateStore(tmp_path, 11, "pflalign",
-                      settings.replace({"out-dir": "/elsewhere"})).load() is not None
-    # a new entry's state replaces the earlier entry's file
-    StateStore(tmp_path, 11, "fedavg", settings).save({"x": np.zeros(2)}, 1)
-    assert len(list(tmp_path.glob("state-*.npz"))) == 1
+                      settings.replace({"out-dir": "/elsewhere"}), 2).load() is not None
+    # a new entry's state replaces the same client's earlier entry's file, no other client's
+    StateStore(tmp_path, 11, "fedavg", settings, 2).save({"x": np.zeros(2)}, 1)
+    assert len(list(tmp_path.glob("state-client2-*.npz"))) == 1
+    assert len(list(tmp_path.glob("state-*.npz"))) == 2
 
 
 # --- the ClientApp: a restarted node (a fresh context) resumes from its state-dir --------------

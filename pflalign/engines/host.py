@@ -111,11 +111,13 @@ def handle(action: str, settings: Settings, client_id: int,
         raise ValueError(f"Unknown action {action!r}.")
     upload, new_state = method.train(client, received, state)
     kept = new_state.to_arrays()
+    if not all(np.isfinite(v).all() for v in kept.values() if np.asarray(v).dtype.kind == "f"):
+        kept = None  # never save a broken state: the client keeps the one it had
     upload = faults.attacked_upload(settings, client_id, received.server_round, received.model,
                                     replace(upload, metrics={
                                         NUM_EXAMPLES: client.data.num_train, **upload.metrics}))
     metrics = {PARTITION_ID: client_id, **upload.metrics,
-               HAD_STATE: int(bool(saved)), KEPT_STATE: int(bool(kept)),
+               HAD_STATE: int(bool(saved)), KEPT_STATE: int(bool(saved if kept is None else kept)),
                CLIENT_SECONDS: time.perf_counter() - started}
     reply = dict(upload.arrays)
     if upload.model is not None:
