@@ -91,6 +91,18 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{100 * np.mean(accs[label]):.2f} ± {100 * np.std(accs[label], ddof=1):.2f}"
                  if len(accs[label]) > 1 else f"{100 * accs[label][0]:.2f}" for label in labels]
         print(f"| {attack} | " + " | ".join(cells) + " |")
+    if len(seeds) > 1:
+        print(f"\nchange from the clean run of the same seed (points; mean +- std over seeds "
+              f"{args.seeds}; 'won' = seeds where the attacked run was not worse)\n")
+        print("| attack | " + " | ".join(labels) + " |")
+        print("|---|" + "---:|" * len(labels))
+        for attack, accs in list(rows.items())[1:]:
+            cells = []
+            for label in labels:
+                change = 100 * (np.array(accs[label]) - np.array(rows["clean"][label]))
+                cells.append(f"{change.mean():+.2f} ± {change.std(ddof=1):.2f} "
+                             f"({int((change >= 0).sum())}/{len(change)})")
+            print(f"| {attack} | " + " | ".join(cells) + " |")
     return 0
 
 
