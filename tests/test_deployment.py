@@ -155,11 +155,14 @@ def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
             stdout=run_log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
 
         def trained_and_replied() -> bool:
-            # node 1 saved its state after round 1 and has sent that train reply: it is idle
+            # node 1 saved its state after round 1 and has sent that train reply, and the server
+            # has every round-1 reply (a node stopped before the ServerApp pulled its reply is
+            # reported unavailable in its place): it is idle
             text = node_log.read_text(errors="ignore") if node_log.exists() else ""
             sent = text.find("Sent successfully", text.find("Sending: train message"))
-            return "Sending: train message" in text and sent >= 0 and any(
-                state_dir.glob("state-*.npz"))
+            server = (tmp_path / "run.log").read_text(errors="ignore")
+            return ("Sending: train message" in text and sent >= 0 and any(
+                state_dir.glob("state-*.npz")) and f"round   1/{ROUNDS}" in server)
 
         _wait_until(trained_and_replied, 300, "node 1's first training", run)
         script("kill-node", "1")
