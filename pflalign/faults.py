@@ -37,7 +37,7 @@ import torch
 
 from pflalign.client import Upload
 from pflalign.data import ClientData
-from pflalign.protocol import CORRECT_COUNTS, NUM_EXAMPLES, NUM_TEST
+from pflalign.protocol import CORRECT_COUNTS, NUM_EXAMPLES, NUM_TEST, TRAIN
 
 if TYPE_CHECKING:
     from pflalign.config import Settings
@@ -88,12 +88,12 @@ def attack_of(settings: Settings, client_id: int) -> str | None:
     return settings.run.attack if client_id in malicious_clients(settings) else None
 
 
-def before_action(settings: Settings, client_id: int, action: str, server_round: int,
-                  is_train: bool) -> None:
-    """Raise the injected fault of this call, if any (hang: every call of a hanging client)."""
+def before_action(settings: Settings, client_id: int, action: str, server_round: int) -> None:
+    """Raise the injected fault of this call, if any (hang: every call of a hanging client;
+    failures and dropouts: training calls only)."""
     if attack_of(settings, client_id) == "hang":
         raise ClientDropout(f"client {client_id} hangs (attack = hang)")
-    if not is_train:
+    if action != TRAIN:
         return
     fault = injected_fault(settings, client_id, server_round)
     if fault == "failure":

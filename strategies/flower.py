@@ -80,7 +80,6 @@ class FlowerEngine:
         self.discovery_timeout = discovery_timeout
         self.run_config = ConfigRecord(settings.to_dict())
         self.node_of: dict[int, int] = {}
-        self.client_of: dict[int, int] = {}
 
     def discover(self) -> dict[int, ClientInfo]:
         """Wait for the nodes, then ask each for its partition-id and split sizes (QUERY).
@@ -153,7 +152,6 @@ class FlowerEngine:
                                f"{expected} SuperNodes needs a distinct partition-id "
                                f"0..{expected - 1}.")
         self.node_of = nodes
-        self.client_of = {node: cid for cid, node in nodes.items()}
         return clients
 
     def send(self, messages: Mapping[int, Message], what: str = "clients",

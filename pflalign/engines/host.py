@@ -94,7 +94,7 @@ def handle(action: str, settings: Settings, client_id: int,
     configure_threads(settings.run.client_resources_num_cpus)
     device = pick_device(settings.run.client_resources_num_gpus)
     received = Received(int(config[ROUND]), dict(arrays), dict(config))
-    faults.before_action(settings, client_id, action, received.server_round, action == TRAIN)
+    faults.before_action(settings, client_id, action, received.server_round)
     client = ClientRuntime(settings, client_id, device, node)
     if action == TRAIN and faults.attack_of(settings, client_id) == "labelflip":
         client.data = faults.flipped_labels(client.data, client.num_classes)
