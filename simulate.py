@@ -1,13 +1,19 @@
 #!/usr/bin/env python
-"""Run federated methods on one partition and seed, print a comparison, write results.json.
+"""Run federated methods on one partition and seed, or a study over seeds, scenarios, sweeps and
+tuning; print a comparison; write results.json, results.csv, report.md and plots/.
 
     python simulate.py                                  # configs/default.toml
     python simulate.py --config FILE --set rounds=5 --methods fedavg,local --out DIR
+    python simulate.py --seeds 0,1,2 --reference pflalign     # mean, 95% CIs, paired differences
+    python simulate.py --suite --seeds 0-2              # every scenario in configs/scenarios
+    python simulate.py --scenario dir-0.1 --tune 6      # equal-budget tuning on validation data
+    python simulate.py --sweep lr=0.01,0.05             # one row per setting, no selection
+    python simulate.py --resume DIR                     # continue a stopped or killed run
     python simulate.py --print-config                   # every key with its resolved value
     python simulate.py --ray-address 127.0.0.1:6379     # clients on a running Ray cluster
 
-Ctrl-C (or SIGTERM) stops a run: the finished method entries are written to results.json, marked
-"interrupted", and the exit status is 130 (143 for SIGTERM); a second Ctrl-C exits at once.
+Ctrl-C (or SIGTERM) stops a run: what finished is written, marked "interrupted", the exit status
+is 130 (143 for SIGTERM), and `--resume DIR` continues it; a second Ctrl-C exits at once.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from pathlib import Path
 from pflalign.config import OPTIONS, ConfigError, Settings, format_settings, resolve
 from pflalign.interrupt import Interrupted, exit_status, handle_signals, signal_name, stop_signal
 from pflalign.methods import METHODS
-from pflalign.results import Reporter, prepare_output
+from pflalign.report import leaderboard_text
+from pflalign.results import Reporter, make_reporter, prepare_output
+from pflalign.study import Plan, Study, parse_seeds, parse_sweep, scenario_names, scenario_values
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
 
@@ -58,70 +66,140 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Run the clients on an existing Ray cluster (e.g. 127.0.0.1:6379, "
                              "as `ray start --head` prints) instead of starting a local Ray; "
                              "this machine must be one of its nodes. engine = flower only.")
+    parser.add_argument("--seeds", metavar="LIST",
+                        help="Run every method on each seed ('0,1,2' or '0-4'); tables show the "
+                             "mean and a 95%% confidence interval, and each method's paired "
+                             "difference from --reference (default: the config's seed).")
+    parser.add_argument("--reference", metavar="LABEL",
+                        help="The method the others are paired against (default: fedavg when it "
+                             "runs, else the first method).")
+    parser.add_argument("--suite", action="store_true",
+                        help="Run every scenario of configs/scenarios ("
+                             + ", ".join(scenario_names()) + ") instead of --config; the "
+                             "report has a leaderboard over them.")
+    parser.add_argument("--scenario", metavar="LIST",
+                        help="Run these scenarios (comma-separated names from configs/scenarios) "
+                             "instead of --config.")
+    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                        help="Run every value of a config key (repeatable: a grid), one row per "
+                             "setting; nothing is selected.")
+    parser.add_argument("--tune", type=int, default=0, metavar="N",
+                        help="Give every method N trials from its declared search space, scored "
+                             "on a validation split of each client's training data over "
+                             "--tune-seeds; then run the best on --seeds.")
+    parser.add_argument("--tune-seeds", metavar="LIST", default="100",
+                        help="Seeds the tuning trials run on; must be disjoint from --seeds "
+                             "(default: 100).")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="Continue the run whose output directory is DIR (its plan.json): "
+                             "finished entries are kept, the running one continues from its last "
+                             "checkpoint; the other options are ignored.")
     parser.add_argument("--print-config", action="store_true",
                         help="Print the resolved config (every key, defaults included) and exit.")
     parser.add_argument("--quiet", action="store_true", help="Print only the final table.")
     parser.add_argument("--verbose", action="store_true", help="Show Flower's own log lines.")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.tune < 0:
+        parser.error("--tune takes a number of trials >= 0.")
+    return args
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """The study the command line asks for."""
+    extra: dict[str, object] = {}
+    if args.methods:
+        extra["methods"] = args.methods
+    if args.suite or args.scenario:
+        names = scenario_names() if args.suite else [
+            n.strip() for n in args.scenario.split(",") if n.strip()]
+        if not names:
+            raise ConfigError("No scenario to run: configs/scenarios is empty or --scenario "
+                              "names none.")
+        scenarios = {name: scenario_values(name, args.overrides, extra) for name in names}
+        default_out = "results/suite" if args.suite or len(names) > 1 else (
+            scenarios[names[0]]["out-dir"])
+    else:
+        values = resolve(args.config, args.overrides, extra).to_dict()
+        scenarios = {"": values}
+        default_out = values["out-dir"]
+    out = args.out or str(default_out)
+    for values in scenarios.values():
+        values["out-dir"] = out
+    first = next(iter(scenarios.values()))
+    seeds = parse_seeds(args.seeds) if args.seeds else (int(first["seed"]),)
+    return Plan(scenarios=scenarios, seeds=seeds, sweep=parse_sweep(args.sweep),
+                reference=args.reference, tune=args.tune,
+                tune_seeds=parse_seeds(args.tune_seeds, "--tune-seeds") if args.tune else (),
+                out_dir=out, command=" ".join(["python simulate.py", *sys.argv[1:]]))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    extra = {}
-    if args.methods:
-        extra["methods"] = args.methods
-    if args.out:
-        extra["out-dir"] = args.out
     try:
-        settings = resolve(args.config, args.overrides, extra)
+        plan = Plan.load(args.resume) if args.resume else make_plan(args)
+        first = plan.settings(next(iter(plan.scenarios)))
         if args.print_config:
-            print(format_settings(settings), end="")
+            print(format_settings(first), end="")
             return 0
-        if args.ray_address and settings.run.engine != "flower":
-            raise ConfigError(f"--ray-address runs the clients on a Ray cluster, which needs "
-                              f"engine = 'flower' (this run has engine = "
-                              f"{settings.run.engine!r}).")
-        if not args.ray_address:
-            from pflalign.engines import check_resources
+        for name in plan.scenarios:
+            settings = plan.settings(name)
+            if args.ray_address and settings.run.engine != "flower":
+                raise ConfigError(f"--ray-address runs the clients on a Ray cluster, which needs "
+                                  f"engine = 'flower' (this run has engine = "
+                                  f"{settings.run.engine!r}).")
+            if not args.ray_address:
+                from pflalign.engines import check_resources
 
-            check_resources(settings)  # a config error comes before any complaint about --out
-        prepare_output(settings.run.out_dir, overwrite=args.overwrite)
-        reporter = Reporter(quiet=args.quiet)
+                check_resources(settings)  # a config error comes before any complaint about --out
+        if not args.resume:
+            prepare_output(plan.out_dir, overwrite=args.overwrite)
+        reporter = make_reporter(quiet=args.quiet)
         with handle_signals():
             try:
-                run(settings, reporter, args)
+                doc = Study(plan, group_runner(args), reporter, resume=bool(args.resume)).run()
             except Interrupted as stop:
-                print(interrupted_message(stop), file=sys.stderr, flush=True)
+                reporter.close()
+                print(interrupted_message(stop, plan.out_dir), file=sys.stderr, flush=True)
                 return exit_status(stop_signal())
+            finally:
+                reporter.close()
+        if doc.get("kind") == "study":
+            reporter.result("\n" + leaderboard_text(doc))
+        reporter.result(f"Report: {Path(plan.out_dir, 'report.md').resolve()}")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
 
 
-def run(settings: Settings, reporter: Reporter, args: argparse.Namespace) -> dict:
-    if settings.run.engine == "sequential":
-        from pflalign.engines.sequential import simulate as simulate_sequential
+def group_runner(args: argparse.Namespace):
+    """Runs one group of method entries (one scenario, setting and seed) on its engine."""
+    def run_group(settings: Settings, reporter: Reporter, resume: bool) -> dict:
+        if settings.run.engine == "sequential":
+            from pflalign.engines.sequential import simulate as simulate_sequential
 
-        return simulate_sequential(settings, reporter)
-    from strategies.simulation import simulate
+            return simulate_sequential(settings, reporter, resume=resume)
+        from strategies.simulation import simulate
 
-    return simulate(settings, reporter, verbose=args.verbose, ray_address=args.ray_address)
+        return simulate(settings, reporter, verbose=args.verbose, ray_address=args.ray_address,
+                        resume=resume)
+    return run_group
 
 
-def interrupted_message(stop: Interrupted) -> str:
-    """The one line printed when a run stops early: what finished and where it was written."""
+def interrupted_message(stop: Interrupted, out_dir: str) -> str:
+    """The one line printed when a run stops early: what finished, where, and how to resume."""
     head = f"Interrupted ({signal_name(stop_signal())})"
+    resume = f"`python simulate.py --resume {out_dir}` continues it."
     if stop.results_path is None:
-        return f"{head} before any method entry ran; nothing was written."
+        return f"{head} before any method entry of this group ran. {resume}"
     total = len(stop.finished) + len(stop.unfinished)
     done = f" ({', '.join(stop.finished)})" if stop.finished else ""
     partial = (f", with the {stop.partial_rounds} finished round(s) of {stop.unfinished[0]} "
                "under 'partial'" if stop.partial_rounds else "")
-    return (f"{head}: {len(stop.finished)} of {total} method entries finished{done}; results so "
-            f"far are in {stop.results_path}, marked \"interrupted\": true{partial}. There is no "
-            "resume: re-running (with --overwrite, or another --out) starts from round 1 again; "
-            f"--methods '{','.join(stop.unfinished)}' runs just the unfinished entries.")
+    return (f"{head}: {len(stop.finished)} of {total} method entries of this group finished"
+            f"{done}; results so far are in {stop.results_path}, marked \"interrupted\": true"
+            f"{partial}. {resume} Finished entries are kept and the running one continues from "
+            "its last checkpoint (checkpoint-every).")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ Each message carries the run's settings (``run-config``, parsed once per process
 from ``context.node_config`` (never Flower's random node id). The method's client rule runs in
 :func:`pflalign.engines.host.handle`; its state lives in the node's ``context.state`` as one
 ArrayRecord named by the method entry's label (a client serving a new method drops what earlier
-methods left behind: less to carry per message).
+methods left behind: less to carry per message). For checkpoints, a ``query.state`` message asks
+for that state, and a train or evaluate message carrying a ``restore-state`` record (the state
+from a checkpoint, after a resume) makes the node run on it and keep it.
 
 A deployed SuperNode may also name, in its node config (:mod:`pflalign.node`):
 
@@ -41,7 +43,17 @@ from pflalign.node import (
     file_sha256,
     node_data_from_file,
 )
-from pflalign.protocol import CONFIG, EVALUATE, LABEL, METRICS, QUERY, ROUND, RUN_CONFIG, TRAIN
+from pflalign.protocol import (
+    CONFIG,
+    EVALUATE,
+    LABEL,
+    METRICS,
+    QUERY,
+    ROUND,
+    RUN_CONFIG,
+    STATE,
+    TRAIN,
+)
 
 app = ClientApp()
 
@@ -121,8 +133,9 @@ def _reply(msg: Message, context: Context, action: str) -> Message:
             "sha256 %s)", client_id_of(context), label, store.path, meta["round"],
             file_sha256(store.path))
     try:
+        node = None if action == STATE else node_data_of(context, settings)
         metrics, reply_arrays, state = handle(action, settings, client_id_of(context), config,
-                                              arrays, saved, node=node_data_of(context, settings))
+                                              arrays, saved, node=node)
     except ClientDropout as silent:  # injected: reply only after the server stopped waiting
         deadline = msg.metadata.created_at + settings.run.round_timeout + 1.0
         time.sleep(max(0.0, min(deadline - time.time(), settings.run.round_timeout + 1.0)))
@@ -146,6 +159,13 @@ def query(msg: Message, context: Context) -> Message:
     settings = settings_of(msg)
     metrics = discovery(settings, client_id_of(context), node_data_of(context, settings))
     return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
+
+
+@app.query(STATE)
+def state_query(msg: Message, context: Context) -> Message:
+    """This node's saved method state for the message's method entry, for a checkpoint (it
+    changes nothing)."""
+    return _reply(msg, context, STATE)
 
 
 @app.train()

@@ -107,6 +107,16 @@ class AnnealedWarmStart:
         wanted = params.sketch_dim
         self.sketch_shape = (params.candidates + 1, wanted if 0 < wanted < dims else dims)
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the hook: nothing, since every candidate and batch is drawn
+        from (seed, round) and the accepted moves are in the server state."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint's :meth:`state_dict` (which is empty)."""
+        if state:
+            raise ValueError(f"The warm start keeps no state between rounds, got {sorted(state)}.")
+
     def active(self, server_round: int) -> bool:
         return self.params.start <= server_round <= self.params.end
 

@@ -131,6 +131,18 @@ class RunConfig(Params):
         0.25,
         "Fraction of each client's samples held out as its test split (stratified by label).",
         minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True, group='data')
+    evaluate_on: str = param(
+        'test',
+        "The split every evaluation reports on: test (each client's test split) or validation "
+        "(a split of validation-fraction carved, stratified and seeded, from each client's "
+        "training data, which then trains on the rest; the test split is never built). "
+        "Tuning (simulate.py --tune) runs its trials with validation.",
+        choices=('test', 'validation'), group='data')
+    validation_fraction: float = param(
+        0.2,
+        "evaluate-on = validation: the fraction of each client's training split held out for "
+        'validation (at least one sample per client).',
+        minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True, group='data')
     fraction_train: float = param(
         0.4,
         'Fraction of training clients sampled each round (at least one), drawn reproducibly '
@@ -203,6 +215,11 @@ class RunConfig(Params):
         'cnn',
         "Model: cnn (PFLlib's 4-layer CNN), cnn-bn (the same with batch norm), mlp, resnet18.",
         choices=tuple(MODELS), group='train')
+    checkpoint_every: int = param(
+        5,
+        'Write a checkpoint (server state, every client\'s state, the finished rounds) every N '
+        'rounds, so that `simulate.py --resume DIR` continues a killed run exactly; 0 = never.',
+        minimum=0, group='run')
 
 
 def _method_options() -> list[Option]:
@@ -281,7 +298,8 @@ RUN_WIDE_KEYS = ("methods", "seed", "out-dir", "dataset", "data-root", "download
                  "partition", "num-clients", "num-unseen-clients", "dirichlet-alpha",
                  "rotation-angles", "rotation-unseen-groups",
                  "classes-per-client", "quantity-power", "min-samples-per-client",
-                 "test-fraction", "engine", "client-resources-num-cpus",
+                 "test-fraction", "evaluate-on", "validation-fraction", "engine",
+                 "client-resources-num-cpus",
                  "client-resources-num-gpus", "round-timeout", "client-failure-rate",
                  "client-dropout-rate", "malicious-clients", "attack", "attack-scale")
 

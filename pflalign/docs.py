@@ -67,6 +67,10 @@ def _method_section(spec: MethodSpec, variants: list[MethodSpec]) -> list[str]:
              f"{'yes' if spec.local_optimizer else 'no (its own local rule)'}"
              + (". Needs batch norm (runs on `cnn-bn` when `model = cnn`)."
                 if spec.needs_batch_norm else ".")]
+    space = spec.search_space
+    lines.append("- Tuned by `--tune` over: " + ("; ".join(
+        f"`{k}` in {{{', '.join(toml_literal(v) for v in values)}}}"
+        for k, values in space.items()) if space else "nothing (no search space)") + ".")
     options = cls.Params.options()
     if options:
         lines += ["", "Hyperparameters:", "", *options_table(options)]

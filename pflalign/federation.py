@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
 import torch
 
 from pflalign.data import ClientData, Dataset, load_dataset
-from pflalign.partition import Partition, make_partition, parse_angles
+from pflalign.partition import Partition, make_partition, parse_angles, split_train_test
 
 # The config keys that determine the data each client sees.
 DATA_KEYS = ("dataset", "data-root", "download", "max-samples", "partition", "num-clients",
              "num-unseen-clients", "seed", "dirichlet-alpha", "classes-per-client",
              "quantity-power", "min-samples-per-client", "test-fraction", "rotation-angles",
-             "rotation-unseen-groups")
+             "rotation-unseen-groups", "evaluate-on", "validation-fraction")
+
+#: the random stream of the validation split (partition draws use 0, the test split 1, the
+#: max-samples subset 2)
+VALIDATION_STREAM = 3
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,22 @@ def _build(key: tuple) -> FederatedDataset:
         quantity_power=cfg["quantity-power"], min_samples=cfg["min-samples-per-client"],
         test_fraction=cfg["test-fraction"], angles=parse_angles(cfg["rotation-angles"]),
         unseen_groups=cfg["rotation-unseen-groups"])
+    if cfg["evaluate-on"] == "validation":
+        partition = validation_partition(partition, dataset.labels[pool],
+                                         cfg["validation-fraction"], cfg["seed"])
     return FederatedDataset(dataset=dataset, pool=pool, partition=partition)
+
+
+def validation_partition(partition: Partition, labels: np.ndarray, fraction: float,
+                         seed: int) -> Partition:
+    """The partition with each client's test split replaced by a validation split carved from
+    its training split (stratified, seeded by (seed, :data:`VALIDATION_STREAM`)); the client
+    trains on the rest. The test indices are dropped, so nothing evaluated or trained on in this
+    mode can touch test data."""
+    rng = np.random.default_rng([seed, VALIDATION_STREAM])
+    splits = [split_train_test(train, labels, fraction, rng) for train in partition.train]
+    return replace(partition, train=tuple(s[0] for s in splits),
+                   test=tuple(s[1] for s in splits))
 
 
 def federated_dataset(settings: Mapping[str, object]) -> FederatedDataset:

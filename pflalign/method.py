@@ -18,7 +18,7 @@ never sees an engine. A variant (an ablation) is a registered method with some c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
@@ -79,8 +79,21 @@ class Method(Generic[P, C, S]):
     #: the server update is an average of client models, so ``aggregation`` (mean, trimmed-mean,
     #: median) applies to it (false for server updates such as SCAFFOLD's and FedDyn's)
     robust_aggregation: ClassVar[bool] = True
+    #: shared local-training keys (:class:`~pflalign.train.LocalTraining`) whose search spaces
+    #: ``--tune`` adds to the method's own Params' (empty for a method with its own step size)
+    tuned_training: ClassVar[tuple[str, ...]] = ("lr",)
     #: client metrics averaged over the round's clients into the round's row
     client_diagnostics: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def search_space(cls, fixed: Mapping[str, Value]) -> dict[str, tuple[Value, ...]]:
+        """Config key -> the values ``--tune`` may try: the shared local-training keys in
+        :attr:`tuned_training`, then the Params' own searches. ``fixed`` holds the keys a variant
+        fixes (a method whose step size depends on them overrides this)."""
+        from pflalign.train import LocalTraining
+
+        shared = LocalTraining.search_space()
+        return {**{k: shared[k] for k in cls.tuned_training}, **cls.Params.search_space()}
 
     def __init__(self, params: P):
         self.params = params

@@ -20,10 +20,14 @@ from pflalign.options import Option, Value
 def param(default: Value, help: str, *, key: str | None = None,
           minimum: float | None = None, maximum: float | None = None,
           exclusive_minimum: bool = False, exclusive_maximum: bool = False,
-          choices: tuple[str, ...] | None = None, group: str | None = None) -> Any:
+          choices: tuple[str, ...] | None = None, group: str | None = None,
+          search: tuple[Value, ...] | None = None) -> Any:
     """A hyperparameter field: its default (which fixes its type), help text and checks;
-    ``key`` and ``group`` replace the derived config key and its class's group."""
-    return dataclasses.field(default=default, metadata={
+    ``key`` and ``group`` replace the derived config key and its class's group. ``search`` is
+    the small grid of values ``simulate.py --tune`` may try for it (None: never tuned)."""
+    if search is not None and not search:
+        raise ValueError("A search space needs at least one value.")
+    return dataclasses.field(default=default, metadata={"search": search,
         "help": help, "key": key, "group": group, "minimum": minimum, "maximum": maximum,
         "exclusive_minimum": exclusive_minimum, "exclusive_maximum": exclusive_maximum,
         "choices": choices})
@@ -54,6 +58,13 @@ class Params:
     def from_settings(cls, settings: Mapping[str, Value]) -> Self:
         """The fields' values from a validated config (every key present)."""
         return cls(**{name: settings[key] for name, key in cls.keys().items()})
+
+    @classmethod
+    def search_space(cls) -> dict[str, tuple[Value, ...]]:
+        """Config key -> the values ``--tune`` may try, for the fields that declare a search."""
+        return {cls.key_of(f): tuple(f.metadata["search"])
+                for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                if f.metadata.get("search") is not None}
 
     @classmethod
     def options(cls) -> list[Option]:

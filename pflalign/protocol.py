@@ -12,6 +12,11 @@ MODEL = "arrays"  #: the model (or its shared part) sent to or uploaded by a cli
 CONFIG = "config"  #: per-message config: method, label, round, and a rule's own entries
 RUN_CONFIG = "run-config"  #: the run's settings, so that a client needs nothing else
 METRICS = "metrics"  #: a reply's metrics
+#: a client's method state as a checkpoint holds it, sent to a client once after a resume: the
+#: client uses (and keeps) it in place of the state it has
+RESTORE = "restore-state"
+#: a reply to :data:`STATE`: the client's saved method state for the message's method entry
+CLIENT_STATE = "client-state"
 
 # --- the per-message config --------------------------------------------------------------------
 METHOD = "method"  #: the registered method's name
@@ -21,6 +26,8 @@ ACTION = "action"  #: a query's purpose beside discovery (``gga``)
 
 # --- actions -----------------------------------------------------------------------------------
 TRAIN, EVALUATE, QUERY = "train", "evaluate", "query"
+#: ask a client for its saved method state (for a checkpoint); it changes nothing on the client
+STATE = "state"
 
 # --- reply metrics -----------------------------------------------------------------------------
 PARTITION_ID = "partition-id"  #: the client's stable id (never Flower's random node id)

@@ -146,3 +146,107 @@ class Reporter:
 
     def warn(self, text: str) -> None:
         print(f"WARNING: {text}", file=sys.stderr, flush=True)
+
+    def round(self, label: str, row: Mapping[str, object], rounds: int) -> None:
+        """A method entry finished a round."""
+        self.info(round_line(label, row, rounds))
+
+    def stage(self, text: str, done: int, total: int) -> None:
+        """A study moves on to its next group of cells (``done`` of ``total`` cells finished)."""
+        self.info(text)
+
+    def close(self) -> None:
+        """The run is over (a live display stops)."""
+
+
+class LiveReporter(Reporter):
+    """On a terminal: a suite-level bar over a study's cells and one live line for the running
+    method entry (round, latest metrics, ETA), drawn with rich; warnings and results print above
+    them. Use :func:`make_reporter` to get it only where stdout is a terminal."""
+
+    def __init__(self) -> None:
+        super().__init__(quiet=False)
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.console = Console(highlight=False)
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), console=self.console, transient=False)
+        self.suite = None
+        self.line = self.progress.add_task("starting", total=None)
+        self.started: dict[str, float] = {}
+        self.progress.start()
+
+    def info(self, text: str) -> None:
+        self.console.print(text, markup=False)
+
+    def result(self, text: str) -> None:
+        self.console.print(text, markup=False)
+
+    def warn(self, text: str) -> None:
+        self.console.print(f"WARNING: {text}", markup=False, style="yellow")
+
+    def round(self, label: str, row: Mapping[str, object], rounds: int) -> None:
+        now = time.perf_counter()
+        number = int(row["round"])  # type: ignore[call-overload]
+        start = self.started.setdefault(label, now - float(row["round-seconds"]))  # type: ignore[arg-type]
+        if number == 1:
+            start = self.started[label] = now - float(row["round-seconds"])  # type: ignore[arg-type]
+        eta = (now - start) / number * (rounds - number)
+        parts = [f"[{label}] round {number}/{rounds}"]
+        if "train-loss" in row:
+            parts.append(f"loss {row['train-loss']:.4f}")
+        if "personal-acc" in row:
+            parts.append(f"personal {_pct(row['personal-acc']).strip()}%")
+        parts.append(f"ETA {eta:.0f}s")
+        self.progress.update(self.line, description="  ".join(parts), total=rounds,
+                             completed=number)
+
+    def stage(self, text: str, done: int, total: int) -> None:
+        if self.suite is None:
+            self.suite = self.progress.add_task("cells", total=total)
+        self.progress.update(self.suite, completed=done, description="study cells")
+        self.console.print(text, markup=False)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def make_reporter(quiet: bool = False) -> Reporter:
+    """A :class:`LiveReporter` when stdout is a terminal (and not quiet), else plain lines."""
+    if not quiet and sys.stdout.isatty() and os.environ.get("TERM") != "dumb":
+        return LiveReporter()
+    return Reporter(quiet=quiet)
+
+
+CSV_COLUMNS = ("scenario", "setting", "seed", "method", "round", "metric", "value")
+
+
+def write_csv(path: str | Path, doc: Mapping) -> Path:
+    """A tidy CSV of a results document: one row per scenario × setting × seed × method × round
+    × metric (numeric metrics only), with the final metrics under round ``final``. Written
+    atomically."""
+    import csv
+
+    from pflalign.report import study_runs
+
+    path = Path(path)
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_COLUMNS)
+        for run in study_runs(doc):
+            setting = ";".join(f"{k}={v}" for k, v in run.get("setting", {}).items())
+            head = (run.get("scenario", ""), setting, run.get("seed"))
+            for label, result in run.get("methods", {}).items():
+                rows = [(row.get("round"), row) for row in result.get("rounds", [])]
+                rows.append(("final", result.get("final", {})))
+                for number, row in rows:
+                    for metric, value in row.items():
+                        if metric == "round" or isinstance(value, bool) or not isinstance(
+                                value, int | float):
+                            continue
+                        writer.writerow((*head, label, number, metric,
+                                         repr(value) if isinstance(value, float) else value))
+    os.replace(tmp, path)
+    return path

@@ -10,6 +10,11 @@ method's rules do that.
 Clients are identified by the stable ``partition-id`` they report (never an engine's node ids).
 Replies are processed in client-id order, so aggregation is deterministic whatever order an engine
 returns them in. A reply that cannot be used is skipped with one warning naming the client.
+
+Given a :class:`~pflalign.checkpoint.Checkpoint`, the federation writes one every
+``checkpoint-every`` rounds (asking the clients that keep state for it) and, when one exists at
+the start, continues after its round: the server state and rows come from the file, and each
+client's state is sent back to it with the next message it gets (a ``restore-state`` record).
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from pflalign.aggregation import FlatSpec, State, combine, fedavg, mean_cosine, update_norms
+from pflalign.checkpoint import Checkpoint, Snapshot, capture_rng, restore_rng
 from pflalign.interrupt import check_stop
 from pflalign.method import Method, Payload, Update
 from pflalign.metrics import accuracy_summary
-from pflalign.options import Value
+from pflalign.options import ConfigError, Value
 from pflalign.protocol import (
     CLIENT_SECONDS,
+    CLIENT_STATE,
     CORRECT_COUNTS,
     EVAL_REQUIRED,
     EVALUATE,
@@ -46,13 +53,15 @@ from pflalign.protocol import (
     PARTITION_ID,
     PERSONAL_CORRECT,
     PERSONAL_LOSS,
+    RESTORE,
     ROUND,
+    STATE,
     TRAIN,
     TRAIN_LOSS,
 )
-from pflalign.results import Reporter, round_line
+from pflalign.results import Reporter
 from pflalign.sampling import sample_clients
-from pflalign.state import ServerState
+from pflalign.state import Arrays, ServerState
 
 if TYPE_CHECKING:  # the parser imports the method registry, which imports this module
     from pflalign.config import Settings
@@ -110,7 +119,9 @@ class Engine(Protocol):
         """The run's clients by id."""
 
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
-        """Deliver ``messages`` (``action`` is train, evaluate or query) and collect replies."""
+        """Deliver ``messages`` (``action`` is train, evaluate, query or state) and collect
+        replies. A :data:`~pflalign.protocol.RESTORE` record is delivered with every shape as it
+        is and not counted in the bytes."""
 
 
 class ClientFailure(Exception):
@@ -215,7 +226,11 @@ class ServerRuntime:
 
 class RoundHook(Protocol):
     """A cross-cutting step before a round's training (GGA's warm start): it may replace the
-    server state; its row entries and bytes are recorded in the round's row."""
+    server state; its row entries and bytes are recorded in the round's row.
+
+    A hook that keeps state between rounds gives it to checkpoints through ``state_dict()`` (a
+    JSON-able dict) and ``load_state_dict(state)``; a federation with a hook without them writes
+    no checkpoint."""
 
     def before_training(self, federation: Federation, server_round: int,
                         ) -> tuple[dict[str, float], int, int]:
@@ -239,6 +254,9 @@ class Federation:
         self.before_aggregation: ServerState | None = None
         #: clients that reported saving method state (a later reply without it is warned about)
         self.saved_state: set[int] = set()
+        #: after a resume, the checkpointed state of each client not heard from since: it goes
+        #: with the next train or evaluate message to that client
+        self.pending_restore: dict[int, Arrays] = {}
         self._trainable_shared: FlatSpec | None = None
         self._buffers: FlatSpec | None = None
 
@@ -254,8 +272,11 @@ class Federation:
         self.reporter.warn(f"[{self.label}] {text}")
 
     # --- the run -------------------------------------------------------------------------------
-    def run(self, initial_model: State) -> dict:
-        """Run all rounds; return ``{"rounds": [...], "final": {...}, "clients": [...]}``."""
+    def run(self, initial_model: State, checkpoint: Checkpoint | None = None) -> dict:
+        """Run all rounds; return ``{"rounds": [...], "final": {...}, "clients": [...]}``.
+
+        With ``checkpoint``, write it after every round it is due, and when its file exists at
+        the start (a run killed after that round), continue from the round after it."""
         server, run = self.server, self.server.settings.run
         self.reporter.info(
             f"[{self.label}] {run.rounds} rounds, {run.num_clients} clients "
@@ -264,7 +285,14 @@ class Federation:
         server.clients = self.engine.discover()
         self.state = self.method.init_server(server, initial_model)
         last_eval: dict[str, float] = {}
-        for server_round in range(1, server.rounds + 1):
+        first = 1
+        snapshot = checkpoint.read() if checkpoint is not None else None
+        if snapshot is not None:
+            last_eval = self.restore(snapshot)
+            first = snapshot.round + 1
+            self.reporter.info(f"[{self.label}] resumed from round {snapshot.round} (checkpoint "
+                               f"{checkpoint.path})")
+        for server_round in range(first, server.rounds + 1):
             check_stop()
             started = time.perf_counter()
             row: dict = {"round": server_round}
@@ -287,9 +315,100 @@ class Federation:
             row.update({"round-seconds": time.perf_counter() - started,
                         "bytes-up": up, "bytes-down": down})
             self.rounds.append(row)
-            self.reporter.info(round_line(self.label, row, server.rounds))
+            self.reporter.round(self.label, row, server.rounds)
+            if checkpoint is not None and checkpoint.due(server_round):
+                self.write_checkpoint(checkpoint, server_round, last_eval)
         return {"rounds": self.rounds, "final": self.final_metrics(last_eval),
                 "clients": self.client_results}
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def write_checkpoint(self, checkpoint: Checkpoint, server_round: int,
+                         last_eval: Mapping[str, float]) -> None:
+        """Write the run's state after ``server_round`` to ``checkpoint``; when a client's state
+        cannot be had (or a round hook keeps state it cannot give), warn and keep the previous
+        checkpoint, which is still a consistent earlier point of the run."""
+        hooks = []
+        for hook in self.hooks:
+            if not hasattr(hook, "state_dict"):
+                self.warn(f"no checkpoint after round {server_round}: the round hook "
+                          f"{type(hook).__name__} cannot save its state.")
+                return
+            hooks.append(hook.state_dict())
+        clients = self.client_states(server_round)
+        if clients is None:
+            return
+        rng_arrays, rng_meta = capture_rng()
+        checkpoint.write(Snapshot(
+            round=server_round, server=self.state.to_arrays(),
+            before_aggregation=(None if self.before_aggregation is None
+                                else self.before_aggregation.to_arrays()),
+            clients=clients, rounds=self.rounds, client_results=self.client_results,
+            saved_state=sorted(self.saved_state), last_eval=dict(last_eval), hooks=hooks,
+            rng_arrays=rng_arrays, rng_meta=rng_meta))
+
+    def client_states(self, server_round: int) -> dict[int, Arrays] | None:
+        """The method state of every client that keeps one (:attr:`saved_state`): a state still
+        to be restored as it is, the others asked of the clients (a
+        :data:`~pflalign.protocol.STATE` exchange, which no round's bytes count). None, with a
+        warning, when a client does not give it."""
+        states = {cid: self.pending_restore[cid] for cid in sorted(self.saved_state)
+                  if cid in self.pending_restore}
+        ask = [cid for cid in sorted(self.saved_state) if cid not in states]
+        if not ask:
+            return states
+        exchange = self.engine.exchange(STATE, [self.message(cid, Payload(), server_round)
+                                                for cid in ask])
+        for reply in exchange.replies:
+            try:
+                self.validate(reply, {}, ())
+            except ClientFailure as failure:
+                self.warn(f"no checkpoint after round {server_round}: {failure}.")
+                return None
+            states[reply.sender] = dict(reply.arrays.get(CLIENT_STATE, {}))
+        missing = sorted(set(ask) - set(states))
+        if missing:
+            self.warn(f"no checkpoint after round {server_round}: clients {missing} did not give "
+                      "their state.")
+            return None
+        return {cid: states[cid] for cid in sorted(states)}
+
+    def restore(self, snapshot: Snapshot) -> dict[str, float]:
+        """Continue from ``snapshot``: the server state, rows, client results and hooks as they
+        were after its round, each client's state pending until that client's next message.
+        Returns the latest evaluation's metrics."""
+        if len(snapshot.hooks) != len(self.hooks):
+            raise ConfigError(f"The checkpoint of '{self.label}' holds the state of "
+                              f"{len(snapshot.hooks)} round hooks, this run has "
+                              f"{len(self.hooks)}; remove it to run '{self.label}' from round 1.")
+        for hook, state in zip(self.hooks, snapshot.hooks, strict=True):
+            hook.load_state_dict(state)
+        self.state = self.method.ServerState.from_arrays(snapshot.server)
+        self.before_aggregation = (None if snapshot.before_aggregation is None else
+                                   self.method.ServerState.from_arrays(
+                                       snapshot.before_aggregation))
+        self.rounds = list(snapshot.rounds)
+        self.client_results = list(snapshot.client_results)
+        self.saved_state = set(snapshot.saved_state)
+        self.pending_restore = {cid: state for cid, state in snapshot.clients.items() if state}
+        restore_rng(snapshot.rng_arrays, snapshot.rng_meta)
+        return dict(snapshot.last_eval)
+
+    def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
+        """The engine's exchange, with each pending restored state attached to its client's
+        train or evaluate message (as the record :data:`~pflalign.protocol.RESTORE`); a client
+        that replies (even with a reply that is then rejected) has it, and it is not sent again.
+        A client that failed or timed out gets it again with its next message."""
+        if not self.pending_restore or action not in (TRAIN, EVALUATE):
+            return self.engine.exchange(action, messages)
+        messages = [Outgoing(m.client, Payload({**m.payload.arrays,
+                                                RESTORE: self.pending_restore[m.client]},
+                                               m.payload.config), m.config)
+                    if m.client in self.pending_restore else m for m in messages]
+        exchange = self.engine.exchange(action, messages)
+        for reply in exchange.replies:
+            if reply.error is None and reply.sender is not None:
+                self.pending_restore.pop(reply.sender, None)
+        return exchange
 
     def train_round(self, server_round: int) -> tuple[dict, int, int]:
         """One training round: the round's metrics, and the bytes sent down and up."""
@@ -297,7 +416,7 @@ class Federation:
         messages = [self.message(cid, method.train_payload(server, self.state, cid, server_round),
                                  server_round)
                     for cid in server.largest_first(server.sample(server_round))]
-        exchange = self.engine.exchange(TRAIN, messages)
+        exchange = self.exchange(TRAIN, messages)
         reply_arrays = {MODEL: server.flat, **method.reply_arrays(server)} \
             if method.uploads_model else {}
         collected = self.collect(exchange.replies, reply_arrays, (NUM_EXAMPLES,))
@@ -416,7 +535,7 @@ class Federation:
         messages = [self.message(cid, method.eval_payload(server, self.state, cid, server_round),
                                  server_round)
                     for cid in server.largest_first(method.eval_clients(server))]
-        exchange = self.engine.exchange(EVALUATE, messages)
+        exchange = self.exchange(EVALUATE, messages)
         collected = self.collect(exchange.replies, {}, EVAL_REQUIRED)
         rows = [m for m, _ in collected.good]
         metrics: dict = {"eval-failures": collected.failed + collected.rejected,

@@ -65,7 +65,8 @@ class LocalTraining(Params):
     local_epochs: int = param(1, "Local epochs per round.", minimum=1)
     local_steps: int = param(0, "If > 0, cap the local optimizer steps per round at this "
                              "number.", minimum=0)
-    lr: float = param(0.05, "Local learning rate (SGD).", minimum=0.0, exclusive_minimum=True)
+    lr: float = param(0.05, "Local learning rate (SGD).", minimum=0.0, exclusive_minimum=True,
+                      search=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2))
     momentum: float = param(0.0, "Local SGD momentum (0 is plain SGD, as in FedAvg).",
                             minimum=0.0, maximum=1.0, exclusive_maximum=True)
     weight_decay: float = param(0.0, "Local L2 weight decay.", minimum=0.0)

@@ -17,10 +17,13 @@ from strategies.flower import FlowerEngine
 app = ServerApp()
 
 
-def run_on_grid(grid: Grid, settings: Settings, reporter: Reporter | None = None) -> dict:
-    """Run every method of ``settings`` over the Flower engine on ``grid``."""
+def run_on_grid(grid: Grid, settings: Settings, reporter: Reporter | None = None,
+                resume: bool = False) -> dict:
+    """Run every method of ``settings`` over the Flower engine on ``grid`` (``resume``: continue
+    a killed run in ``out-dir``, :func:`~pflalign.engines.run_methods`)."""
     reporter = reporter or Reporter()
-    return run_methods(settings, lambda s: FlowerEngine(grid, s, reporter), reporter)
+    return run_methods(settings, lambda s: FlowerEngine(grid, s, reporter), reporter,
+                       resume=resume)
 
 
 @app.main()
@@ -33,13 +36,15 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def make_server_app(settings: Settings, reporter: Reporter | None = None,
-                    on_results: Callable[[dict], None] | None = None) -> ServerApp:
-    """A ServerApp that runs ``settings`` and hands the results dictionary to ``on_results``."""
+                    on_results: Callable[[dict], None] | None = None,
+                    resume: bool = False) -> ServerApp:
+    """A ServerApp that runs ``settings`` (``resume``: continuing a killed run in ``out-dir``)
+    and hands the results dictionary to ``on_results``."""
     server_app = ServerApp()
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        results = run_on_grid(grid, settings, reporter)
+        results = run_on_grid(grid, settings, reporter, resume=resume)
         if on_results is not None:
             on_results(results)
 

@@ -28,7 +28,9 @@ from pflalign.protocol import (
     NUM_TRAIN,
     PARTITION_ID,
     QUERY,
+    RESTORE,
     RUN_CONFIG,
+    STATE,
     TRAIN,
     UNSEEN,
 )
@@ -36,8 +38,9 @@ from pflalign.results import Reporter
 from pflalign.server import ClientInfo, Exchange, Outgoing, Reply
 from pflalign.state import State
 
+#: a checkpoint's state query is a query routed to its own ClientApp function (``query.state``)
 MESSAGE_TYPES = {TRAIN: MessageType.TRAIN, EVALUATE: MessageType.EVALUATE,
-                 QUERY: MessageType.QUERY}
+                 QUERY: MessageType.QUERY, STATE: f"{MessageType.QUERY}.{STATE}"}
 
 
 def to_state(record: ArrayRecord) -> State:
@@ -48,10 +51,18 @@ def to_record(state: Mapping[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in state.items()})
 
 
+def exact_record(state: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """``state`` as an ArrayRecord with every shape kept (0-d arrays stay 0-d), as a ClientApp
+    keeps its method state: a client's restored state is sent this way."""
+    return ArrayRecord({key: Array(np.array(value, order="C", copy=True))
+                        for key, value in state.items()})
+
+
 def payload_bytes(content: RecordDict) -> int:
-    """Bytes of array payload in a message (what dominates traffic: the model tensors)."""
-    return sum(len(array.data) for record in content.array_records.values()
-               for array in record.values())
+    """Bytes of array payload in a message (what dominates traffic: the model tensors); a
+    client's restored state after a resume is not counted (no round of the run sends it)."""
+    return sum(len(array.data) for name, record in content.array_records.items()
+               if name != RESTORE for array in record.values())
 
 
 def short_reason(reason: str) -> str:
@@ -207,7 +218,7 @@ class FlowerEngine:
 
         outgoing = {m.client: Message(
             content=RecordDict({CONFIG: ConfigRecord(m.config), RUN_CONFIG: self.run_config,
-                                **{name: record(state)
+                                **{name: exact_record(state) if name == RESTORE else record(state)
                                    for name, state in m.payload.arrays.items()}}),
             dst_node_id=self.node_of[m.client], message_type=MESSAGE_TYPES[action])
             for m in messages}

@@ -132,11 +132,12 @@ def start_ray(init_args: dict) -> None:
 
 
 def simulate(settings: Settings, reporter: Reporter | None = None, verbose: bool = False,
-             ray_address: str | None = None) -> dict:
+             ray_address: str | None = None, resume: bool = False) -> dict:
     """Validate the data, run every method of ``settings`` on Ray, and return the results.
 
     ``ray_address`` (or Ray's own ``RAY_ADDRESS`` variable): run the clients on that existing
-    Ray cluster instead of a local Ray started (and stopped) here."""
+    Ray cluster instead of a local Ray started (and stopped) here. ``resume``: continue a killed
+    run in ``out-dir`` (:func:`~pflalign.engines.run_methods`)."""
     address = ray_address or os.environ.get("RAY_ADDRESS") or None
     if address is not None:
         check_ray_address(address)
@@ -179,7 +180,8 @@ def simulate(settings: Settings, reporter: Reporter | None = None, verbose: bool
                 request_stop(signal.SIGTERM)
             reinstall_handlers()  # ray.init installs its own SIGTERM handler
             check_stop()
-            run_simulation(server_app=make_server_app(settings, reporter, collected.append),
+            run_simulation(server_app=make_server_app(settings, reporter, collected.append,
+                                                      resume=resume),
                            client_app=client_app, num_supernodes=settings.num_nodes,
                            backend_config=config, verbose_logging=verbose)
     finally:

@@ -1,8 +1,20 @@
+"""pflalign.report: the mean ± std table over runs, and a study's report.md with its plots."""
+
+from __future__ import annotations
+
 import json
+import math
+import shutil
+import subprocess
+import sys
 
 import pytest
+from conftest import ROOT, needs_fashion_mnist
 
-from pflalign.report import load, summarize
+from pflalign.report import load, summarize, summarize_study, write_report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PLOT_KINDS = ("accuracy", "clients", "paired", "partition", "diagnostics", "bytes")
 
 
 def _write(path, methods):
@@ -30,3 +42,288 @@ def test_summary_is_mean_and_std_over_runs(tmp_path):
 def test_missing_results_are_reported(tmp_path):
     with pytest.raises(FileNotFoundError, match="No results.json"):
         load([tmp_path / "nothing"])
+
+
+# ---------------------------------------------------------------------------------------------
+# A synthetic study: 2 scenarios x 3 seeds x 3 methods, in the layout simulate.py writes
+# ---------------------------------------------------------------------------------------------
+
+#: Final personal-acc per (scenario, method), one value per seed 0, 1, 2.
+FINALS = {
+    "dir-0.1": {"fedavg": [0.70, 0.74, 0.72], "pflalign": [0.80, 0.83, 0.81],
+                "local": [0.75, 0.70, 0.78]},
+    "shards": {"fedavg": [0.50, 0.52, 0.51], "pflalign": [0.60, 0.50, 0.62],
+               "local": [0.65, 0.66, 0.64]},
+}
+SEEDS = (0, 1, 2)
+CLIENT_OFFSETS = (-0.2, -0.1, 0.0, 0.05, 0.1, 0.15)
+
+
+def _synthetic_run(scenario: str, seed: int) -> dict:
+    clients = [{"id": i, "unseen": False, "num-train": 100 + 10 * i, "num-test": 30,
+                "rotation": 0.0, "train-labels": [(7 * i + 3 * j + seed) % 40 for j in range(10)],
+                "test-labels": [3] * 10} for i in range(len(CLIENT_OFFSETS))]
+    methods = {}
+    for label, finals in FINALS[scenario].items():
+        acc = finals[seed]
+        rounds = []
+        for r in (1, 2, 3, 4):
+            row = {"round": r, "train-loss": 2.0 / r, "round-seconds": 0.5,
+                   "bytes-up": 1_000_000, "bytes-down": 4_000_000}
+            if r % 2 == 0:  # evaluated every second round only
+                row.update({"personal-acc": acc * r / 4, "global-acc": acc * r / 5})
+            if label == "pflalign":
+                row.update({"mean-P": 0.05 + 0.01 * r, "mean-gamma": 0.5 - 0.01 * r,
+                            "delta-norm": 0.5 * r + 0.1 * seed, "update-cosine": 0.4 + 0.1 * r})
+            rounds.append(row)
+        final = {"personal-acc": acc, "personal-acc-bottom10": acc - 0.3,
+                 "bytes-up": 4_000_000 if label != "local" else 0,
+                 "bytes-down": 16_000_000 if label != "local" else 0,
+                 "seconds-per-round": 0.5}
+        if label != "local":
+            final["global-acc"] = acc * 0.8
+        methods[label] = {
+            "method": label, "overrides": {}, "rounds": rounds, "final": final,
+            "clients": [{"id": c["id"], "unseen": False, "num-train": c["num-train"],
+                         "num-test": 30, "personal-acc": min(1.0, max(0.0, acc + off))}
+                        for c, off in zip(clients, CLIENT_OFFSETS, strict=True)]}
+    return {"config": {"seed": seed, "rounds": 4, "methods": "fedavg,pflalign,local"},
+            "versions": {"python": "3"}, "started": "2025-01-01T00:00:00+0000",
+            "partition": {"dataset": "synthetic", "samples": 1000, "num-train-clients": 6,
+                          "num-unseen-clients": 0, "clients": clients},
+            "methods": methods, "seconds": 1.0, "scenario": scenario, "seed": seed,
+            "setting": {}}
+
+
+def _synthetic_study() -> dict:
+    tune = {"trials": 2, "tune-seeds": [100, 101], "validation-fraction": 0.2,
+            "objective": "personal-acc", "methods": {"pflalign": {
+                "space": {"pflalign-lr": [1.0, 3.0]}, "chosen": {"pflalign-lr": 3.0},
+                "default": {"pflalign-lr": 3.0},
+                "trials": [{"params": {"pflalign-lr": 1.0}, "score": 0.612, "scores": [0.6, 0.624]},
+                           {"params": {"pflalign-lr": 3.0}, "score": 0.655,
+                            "scores": [0.65, 0.66]}]}}}
+    return {"schema-version": 2, "kind": "study", "command": "simulate.py --seeds 0,1,2",
+            "protocol": {"seeds": list(SEEDS), "reference": "fedavg", "metric": "personal-acc",
+                         "scenarios": list(FINALS), "sweep": {}, "tune": tune},
+            "runs": [_synthetic_run(scenario, seed) for scenario in FINALS for seed in SEEDS]}
+
+
+def _check_png(path) -> None:
+    """A valid, non-empty PNG with a real picture: signature, > 50 x 50 pixels, > 1 colour."""
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] > 50 and image.shape[1] > 50, (path, image.shape)
+    pixels = image.reshape(image.shape[0] * image.shape[1], -1)
+    assert (pixels != pixels[0]).any(), path  # more than one distinct colour
+
+
+def _report_cli(directory, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pflalign.report", str(directory), *extra],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def _section(text: str, heading: str) -> str:
+    """The text of a Markdown section, up to the next heading of the same or higher level."""
+    level = heading.split()[0]
+    start = text.index(heading + "\n")
+    ends = [text.find(f"\n{'#' * n} ", start + 1) for n in range(1, len(level) + 1)]
+    ends = [e for e in ends if e != -1]
+    return text[start:min(ends) if ends else len(text)]
+
+
+@pytest.fixture(scope="module")
+def synthetic_report(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("study")
+    (directory / "results.json").write_text(json.dumps(_synthetic_study()))
+    result = _report_cli(directory)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return directory, result.stdout
+
+
+def test_study_report_has_every_section_and_the_right_numbers(synthetic_report):
+    directory, stdout = synthetic_report
+    text = (directory / "report.md").read_text()
+    for heading in ("# Study report", "## Protocol", "### Tuning", "#### pflalign",
+                    "## Leaderboard", "## dir-0.1", "## shards", "### Final metrics",
+                    "### Paired differences vs fedavg",
+                    "### Each method vs the best other method", "### Plots"):
+        assert f"\n{heading}\n" in f"\n{text}", heading
+    assert "Student-t" in text and "n - 1 degrees of freedom" in text
+    protocol = _section(text, "## Protocol")
+    assert "Seeds: 0, 1, 2 (n = 3)" in protocol and "Reference method: fedavg" in protocol
+    assert "| 2 | pflalign-lr=3.0 | 65.50 | 65.00, 66.00 | ✓ |" in protocol
+    assert "Chosen: pflalign-lr=3.0" in protocol and "tuning seeds: 100, 101" in protocol
+
+    # fedavg on dir-0.1: mean of 70, 74, 72 = 72.00; s = 2, s / sqrt(3) = 1.1547,
+    # t(0.975, 2) = 4.3027 -> 72.00 ± 4.97 = [67.03, 76.97].
+    mean = 100 * sum(FINALS["dir-0.1"]["fedavg"]) / 3
+    assert f"{mean:.2f}" == "72.00"
+    board = _section(text, "## Leaderboard")
+    fedavg_row = next(line for line in board.splitlines() if line.startswith("| fedavg |"))
+    assert "| 72.00 [67.03, 76.97] | 42.00 | 3 |" in fedavg_row  # worst decile 72 - 30
+    assert fedavg_row.endswith("| 3.00 |")  # last in both scenarios
+    pflalign_row = next(line for line in board.splitlines() if line.startswith("| pflalign |"))
+    assert pflalign_row.endswith("| 1.50 |")  # first on dir-0.1, second on shards
+    assert stdout.startswith("| method |") and "report.md" in stdout
+
+    dir01 = _section(text, "## dir-0.1")
+    paired = _section(dir01, "### Paired differences vs fedavg")
+    # pflalign - fedavg on dir-0.1: +10, +9, +9 pp: mean +9.33, wins 3/3, CI excludes 0.
+    row = next(line for line in paired.splitlines() if line.startswith("| pflalign |"))
+    assert "| +9.33 |" in row and "| 3/3 | yes |" in row and "+10.00, +9.00, +9.00" in row
+    row = next(line for line in paired.splitlines() if line.startswith("| local |"))
+    assert "| 2/3 | no |" in row
+    best = _section(dir01, "### Each method vs the best other method")
+    assert "| pflalign | local | +7.00 |" in best  # 80/83/81 vs 75/70/78
+    assert "**pflalign** leads local by +7.00 pp" in best
+    shards = _section(text, "## shards")
+    assert "**local** leads pflalign by" in shards and "not significant" in shards
+
+
+def test_study_report_plots_are_valid_pngs(synthetic_report):
+    directory, _ = synthetic_report
+    text = (directory / "report.md").read_text()
+    plots = sorted((directory / "plots").glob("*.png"))
+    expected = {f"{kind}-{scenario}.png" for kind in PLOT_KINDS for scenario in FINALS}
+    assert {p.name for p in plots} == expected
+    for path in plots:
+        assert f"](plots/{path.name})" in text  # embedded as a relative link
+        _check_png(path)
+
+
+def test_summarize_study_is_json_and_pairs_seeds_and_clients():
+    summary = summarize_study(_synthetic_study())
+    json.dumps(summary, allow_nan=False)
+    assert summary["reference"] == "fedavg" and summary["methods"] == ["fedavg", "pflalign",
+                                                                       "local"]
+    assert summary["average-rank"] == {"fedavg": 3.0, "pflalign": 1.5, "local": 1.5}
+    group = summary["groups"][0]
+    assert (group["scenario"], group["setting"], group["seeds"]) == ("dir-0.1", {}, [0, 1, 2])
+    assert group["ranking"] == ["pflalign", "local", "fedavg"] and group["best"] == "pflalign"
+    fedavg, pflalign = group["methods"]["fedavg"], group["methods"]["pflalign"]
+    acc = fedavg["metrics"]["personal-acc"]
+    assert acc["values"] == [0.70, 0.74, 0.72] and acc["seeds"] == [0, 1, 2]
+    assert acc["mean"] == pytest.approx(0.72) and acc["n"] == 3
+    assert acc["low"] == pytest.approx(0.72 - 4.302653 * 0.02 / math.sqrt(3), abs=1e-6)
+    assert fedavg["vs-reference"] is None and fedavg["rank"] == 3
+    assert "unseen-acc" not in fedavg["metrics"]  # no values: left out
+    vs = pflalign["vs-reference"]
+    assert vs["diffs"] == pytest.approx([0.10, 0.09, 0.09]) and vs["significant"] is True
+    assert pflalign["vs-best-other"]["other"] == "local"
+    clients = pflalign["clients-vs-reference"]
+    # Client offsets are the same in both methods except where clipped at 0 or 1.
+    assert clients["n-pairs"] == 18 and len(clients["clients"]) == 6
+    assert clients["clients-ahead"] == 6
+    assert pflalign["total-bytes"]["mean"] == pytest.approx(20_000_000)
+    assert group["methods"]["local"]["metrics"].get("global-acc") is None
+
+
+def test_plots_without_data_are_not_written(tmp_path):
+    run = _synthetic_run("dir-0.1", 0)
+    run["methods"] = {"fedavg": run["methods"]["fedavg"]}
+    for row in run["methods"]["fedavg"]["rounds"]:
+        row.pop("personal-acc", None)
+    del run["partition"]
+    doc = {"kind": "study", "protocol": {"seeds": [0], "reference": "fedavg",
+                                         "metric": "personal-acc"}, "runs": [run]}
+    written = write_report(tmp_path, doc)
+    assert written[0] == tmp_path / "report.md"
+    assert sorted(p.name for p in written[1:]) == ["bytes-dir-0.1.png", "clients-dir-0.1.png"]
+    for path in written[1:]:
+        _check_png(path)
+    text = written[0].read_text()
+    assert "### Paired differences" not in text and "accuracy-" not in text
+
+
+def test_single_run_document_and_reference_override(tmp_path):
+    run = _synthetic_run("dir-0.1", 2)
+    for key in ("scenario", "seed", "setting"):
+        del run[key]
+    run.update({"schema-version": 2, "kind": "run"})
+    summary = summarize_study(run, reference="local")
+    assert summary["reference"] == "local" and len(summary["groups"]) == 1
+    group = summary["groups"][0]
+    assert (group["scenario"], group["seeds"]) == ("", [2])
+    entry = group["methods"]["pflalign"]
+    assert entry["metrics"]["personal-acc"]["low"] is None  # one seed: no interval
+    assert entry["vs-reference"]["diffs"] == pytest.approx([0.81 - 0.78])
+    assert entry["vs-reference"]["significant"] is False
+    (tmp_path / "results.json").write_text(json.dumps(run))
+    result = _report_cli(tmp_path, "--reference", "local")
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = (tmp_path / "report.md").read_text()
+    assert "# Run report" in text and "### Paired differences vs local" in text
+    bad = _report_cli(tmp_path, "--reference", "nope")
+    assert bad.returncode == 2 and "Unknown reference method 'nope'" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Real runs: two seeds of simulate.py (sequential engine), assembled into a study
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real_study(tmp_path_factory):
+    runs = []
+    for seed in (0, 1):
+        out = tmp_path_factory.mktemp(f"seed{seed}")
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "simulate.py"), "--set", "engine=sequential",
+             "--set", "rounds=2", "--set", "max-samples=2000", "--set", "num-clients=6",
+             "--set", "eval-every=1", "--set", f"seed={seed}", "--methods", "fedavg,pflalign",
+             "--out", str(out), "--overwrite", "--quiet"],
+            capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        run = json.loads((out / "results.json").read_text())
+        run.update({"scenario": "dir-0.1", "seed": seed, "setting": {}})
+        runs.append(run)
+    doc = {"schema-version": 2, "kind": "study", "command": "test",
+           "protocol": {"seeds": [0, 1], "reference": "fedavg", "metric": "personal-acc",
+                        "scenarios": ["dir-0.1"], "sweep": {}, "tune": None}, "runs": runs}
+    directory = tmp_path_factory.mktemp("real-study")
+    (directory / "results.json").write_text(json.dumps(doc))
+    return directory, doc
+
+
+#: Paths opened for reading while recording (None: not recording). An audit hook cannot be
+#: removed, so one hook is installed once and switched by this list.
+_OPENED: list[tuple[str, str]] | None = None
+_HOOKED = False
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _OPENED is not None and event == "open":
+        _OPENED.append((str(args[0]), str(args[1])))  # (path, mode; None for os.open)
+
+
+@needs_fashion_mnist
+def test_real_study_report_reads_only_results_json(real_study, tmp_path):
+    global _OPENED, _HOOKED
+    from pflalign.report import main
+
+    source, doc = real_study
+    shutil.copy(source / "results.json", tmp_path / "results.json")  # nothing else comes along
+    if not _HOOKED:
+        sys.addaudithook(_audit)
+        _HOOKED = True
+    _OPENED = []
+    try:
+        main([str(tmp_path)])
+    finally:
+        opened, _OPENED = _OPENED, None
+    roots = [str(tmp_path.parent), str(source)]  # this session's folders: every run, the study
+    reads = {path for path, mode in opened if any(path.startswith(r) for r in roots)
+             and not any(flag in mode for flag in "wax+")}
+    assert reads == {str(tmp_path / "results.json")}
+
+    text = (tmp_path / "report.md").read_text()
+    finals = [run["methods"]["pflalign"]["final"]["personal-acc"] for run in doc["runs"]]
+    row = next(line for line in _section(text, "## Leaderboard").splitlines()
+               if line.startswith("| pflalign |"))
+    assert f"| {100 * sum(finals) / 2:.2f} [" in row
+    names = {p.name for p in (tmp_path / "plots").glob("*.png")}
+    assert names == {f"{kind}-dir-0.1.png" for kind in PLOT_KINDS}
+    for name in sorted(names):
+        _check_png(tmp_path / "plots" / name)

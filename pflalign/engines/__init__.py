@@ -10,18 +10,22 @@ An engine is how a :class:`~pflalign.server.Federation` reaches its clients
 
 Both run the same methods through the same round loop and the same client-side handler
 (:mod:`pflalign.engines.host`), so they give the same metrics. :func:`run_methods` runs a
-config's method entries one after another over whichever engine it is given.
+config's method entries one after another over whichever engine it is given, checkpointing each
+(:mod:`pflalign.checkpoint`) and, with ``resume``, continuing a killed run where it stopped.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 
 from pflalign.annealing import AnnealedWarmStart
+from pflalign.checkpoint import Checkpoint, comparable
 from pflalign.config import ConfigError, Settings
 from pflalign.federation import federated_dataset
 from pflalign.interrupt import Interrupted, check_stop
@@ -62,10 +66,45 @@ def check_resources(settings: Settings) -> None:
                           "(e.g. 0.25) to share a GPU between clients.")
 
 
+def previous_results(settings: Settings) -> dict | None:
+    """The ``results.json`` a run of ``settings`` wrote in its ``out-dir`` (None when there is
+    none); a :class:`~pflalign.config.ConfigError` when it cannot be read or was written with
+    another config (``checkpoint-every`` and ``out-dir`` aside)."""
+    path = Path(settings.run.out_dir) / "results.json"
+    if not path.exists():
+        return None
+    try:
+        previous = json.loads(path.read_text())
+        config, methods = previous["config"], previous["methods"]
+        if not isinstance(config, Mapping) or not isinstance(methods, Mapping) or not all(
+                isinstance(entry, Mapping) for entry in methods.values()):
+            raise TypeError("'config', 'methods' and every method entry must be objects")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"Cannot resume from '{path}': it cannot be read as a results file "
+                          f"({err}).") from err
+    theirs, ours = comparable(config), comparable(settings.to_dict())
+    if theirs != ours:
+        key = sorted(k for k in {*theirs, *ours} if theirs.get(k, None) != ours.get(k, None))[0]
+        there = repr(theirs[key]) if key in theirs else "absent"
+        here = repr(ours[key]) if key in ours else "absent"
+        raise ConfigError(f"Cannot resume from '{path}': it was written with another config "
+                          f"('{key}' is {there} there and {here} here); resume with the same "
+                          "config, or start afresh in another directory or with --overwrite.")
+    return previous
+
+
 def run_methods(settings: Settings, make_engine: Callable[[Settings], Engine],
-                reporter: Reporter | None = None) -> dict:
+                reporter: Reporter | None = None, resume: bool = False) -> dict:
     """Run every method entry of ``settings`` on the same partition, seed and clients, each over
     ``make_engine(its settings)``; write ``results.json`` after each and return the results.
+
+    Every ``checkpoint-every`` rounds an entry's state is written to its checkpoint
+    (:mod:`pflalign.checkpoint`), which is removed once the entry's results are written. With
+    ``resume``, the entries already finished in ``out-dir``'s ``results.json`` (which must have
+    been written with the same config, :func:`previous_results`) are kept, not run again; the
+    others run, each from its checkpoint when it has one, and ``results.json`` ends up as an
+    uninterrupted run would have written it. Without ``resume``, checkpoints left by an earlier
+    run are removed and every entry runs from round 1.
 
     When the run is asked to stop (:mod:`pflalign.interrupt`), the finished entries are written
     with ``"interrupted": true``, the labels of the entries that did not finish under
@@ -78,6 +117,15 @@ def run_methods(settings: Settings, make_engine: Callable[[Settings], Engine],
     federation_data = federated_dataset(settings)
     results = new_results(settings.to_dict(), federation_data.summary())
     choices = list(settings.method_choices)
+    previous = previous_results(settings) if resume else None
+    kept = {c.label: previous["methods"][c.label] for c in choices
+            if previous is not None and c.label in previous["methods"]
+            and previous["methods"][c.label].get("method") == c.name}
+    results["methods"] = dict(kept)
+    earlier_seconds = float(previous.get("seconds", 0.0)) if previous is not None else 0.0
+    if resume and previous is None:
+        reporter.info(f"Resuming in {settings.run.out_dir}: no results.json there yet; every "
+                      "method entry runs, from its checkpoint where it has one.")
     running: tuple[str, str, dict, Federation | None] | None = None
     path = None
     try:
@@ -89,6 +137,14 @@ def run_methods(settings: Settings, make_engine: Callable[[Settings], Engine],
             # the entry's own settings: its overrides, and 'methods' naming just this entry
             method_settings = (settings.replace({**overrides, "methods": choice.label})
                                if overrides else settings)
+            checkpoint = Checkpoint.for_entry(settings.run.out_dir, choice.label,
+                                              method_settings)
+            if choice.label in kept:
+                reporter.info(f"[{choice.label}] finished earlier: kept from results.json.")
+                checkpoint.remove()  # left when a run was killed right after writing results
+                continue
+            if not resume:
+                checkpoint.remove()  # an earlier run's: this one starts from round 1
             if (method_settings.run.model != settings.run.model
                     and "model" not in dict(choice.overrides)):
                 reporter.info(f"[{choice.label}] runs on model {method_settings.run.model} (the "
@@ -100,13 +156,19 @@ def run_methods(settings: Settings, make_engine: Callable[[Settings], Engine],
             running = (choice.label, spec.name, overrides, federation)
             if method_settings.gga.enabled:
                 federation.hooks.append(AnnealedWarmStart(method_settings.gga, federation))
-            results["methods"][choice.label] = {**federation.run(model), "method": spec.name,
-                                                "overrides": overrides}
+            entry = {**federation.run(model, checkpoint), "method": spec.name,
+                     "overrides": overrides}
+            done = {**results["methods"], choice.label: entry}
+            results["methods"] = {c.label: done[c.label] for c in choices if c.label in done}
             running = None
-            results["seconds"] = time.perf_counter() - started
+            results["seconds"] = earlier_seconds + time.perf_counter() - started
+            path = write_results(settings.run.out_dir, results)
+            checkpoint.remove()
+        if path is None:  # resumed with every entry finished already
+            results["seconds"] = earlier_seconds + time.perf_counter() - started
             path = write_results(settings.run.out_dir, results)
     except Interrupted as stop:
-        _write_interrupted(settings, results, choices, running, started, stop)
+        _write_interrupted(settings, results, choices, running, started - earlier_seconds, stop)
         raise
     reporter.result("\n" + comparison_table(results["methods"]))
     reporter.result(f"\nResults written to {path.resolve()}")

@@ -5,6 +5,11 @@ array records as NumPy state dicts, and the client's saved state as flat arrays)
 method's rule on a :class:`~pflalign.client.ClientRuntime`, and returns the reply's metrics and
 array records and the client's new saved state. The Flower ClientApp and the sequential engine
 both call it, so a method behaves the same under each.
+
+Two records serve checkpoints (:mod:`pflalign.checkpoint`): a :data:`~pflalign.protocol.STATE`
+action returns the client's saved state as it is, changing nothing; and a message carrying a
+:data:`~pflalign.protocol.RESTORE` record (the client's state from a checkpoint, sent once after a
+resume) runs on that state in place of the saved one, which the client then keeps.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pflalign.options import Value
 from pflalign.protocol import (
     ACTION,
     CLIENT_SECONDS,
+    CLIENT_STATE,
     EVALUATE,
     HAD_STATE,
     KEPT_STATE,
@@ -39,7 +45,9 @@ from pflalign.protocol import (
     NUM_TRAIN,
     PARTITION_ID,
     QUERY,
+    RESTORE,
     ROUND,
+    STATE,
     TRAIN,
     UNSEEN,
 )
@@ -88,7 +96,22 @@ def handle(action: str, settings: Settings, client_id: int,
     ``arrays`` are the received records as torch state dicts, ``saved`` the client's state as
     :meth:`~pflalign.state.ArrayState.to_arrays` left it (None when it has none), ``node`` the
     client's data as its node holds it (None: from the pooled dataset). Returns the reply's
-    metrics and array records and the new saved state (None: unchanged)."""
+    metrics and array records and the new saved state (None: unchanged).
+
+    A :data:`~pflalign.protocol.STATE` action replies with ``saved`` as the record
+    :data:`~pflalign.protocol.CLIENT_STATE` (no fault is injected, nothing changes). A
+    :data:`~pflalign.protocol.RESTORE` record in ``arrays`` replaces ``saved`` and is returned as
+    the new saved state unless the action saves another (a resumed client keeps it)."""
+    if action == STATE:
+        return ({PARTITION_ID: client_id},
+                {CLIENT_STATE: {k: torch.from_numpy(np.array(v, order="C", copy=True))
+                                for k, v in (saved or {}).items()}}, None)
+    restored = None
+    if RESTORE in arrays:
+        restored = {k: np.array(v.detach().cpu().numpy(), copy=True)
+                    for k, v in arrays[RESTORE].items()}
+        arrays = {name: record for name, record in arrays.items() if name != RESTORE}
+        saved = restored
     started = time.perf_counter()
     method = method_of(settings, str(config[METHOD]))
     configure_threads(settings.run.client_resources_num_cpus)
@@ -102,17 +125,17 @@ def handle(action: str, settings: Settings, client_id: int,
         if config.get(ACTION) != GGA_ACTION:
             raise ValueError(f"Unknown query action {config.get(ACTION)!r}.")
         metrics, reply = client_answer(client, received, settings.gga)
-        return {PARTITION_ID: client_id, **metrics}, reply, None
+        return {PARTITION_ID: client_id, **metrics}, reply, restored
     state = method.ClientState.from_arrays(saved or {})
     if action == EVALUATE:
         metrics = {PARTITION_ID: client_id, **method.evaluate(client, received, state)}
-        return faults.attacked_evaluation(settings, client_id, metrics), {}, None
+        return faults.attacked_evaluation(settings, client_id, metrics), {}, restored
     if action != TRAIN:
         raise ValueError(f"Unknown action {action!r}.")
     upload, new_state = method.train(client, received, state)
     kept = new_state.to_arrays()
     if not all(np.isfinite(v).all() for v in kept.values() if np.asarray(v).dtype.kind == "f"):
-        kept = None  # never save a broken state: the client keeps the one it had
+        kept = restored  # never save a broken state: the client keeps the one it had
     upload = faults.attacked_upload(settings, client_id, received.server_round, received.model,
                                     replace(upload, metrics={
                                         NUM_EXAMPLES: client.data.num_train, **upload.metrics}))

@@ -23,7 +23,7 @@ from pflalign.engines import check_resources, run_methods
 from pflalign.engines.host import discovery, handle, to_torch
 from pflalign.faults import ClientDropout
 from pflalign.federation import federated_dataset
-from pflalign.protocol import NUM_TEST, NUM_TRAIN, UNSEEN
+from pflalign.protocol import NUM_TEST, NUM_TRAIN, RESTORE, UNSEEN
 from pflalign.results import Reporter
 from pflalign.server import ClientInfo, Exchange, Outgoing, Reply
 from pflalign.state import Arrays
@@ -69,10 +69,13 @@ class SequentialEngine:
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
         replies, down, up = [], 0, 0
         for message in messages:
-            # what the Flower engine serializes (to_record: C-contiguous, 0-d arrays as 1-d)
-            sent = {name: {k: np.ascontiguousarray(v) for k, v in record.items()}
+            # what the Flower engine serializes (to_record: C-contiguous, 0-d arrays as 1-d;
+            # a client's restored state exactly, and not counted: no round of the run sends it)
+            sent = {name: ({k: np.array(v, order="C", copy=True) for k, v in record.items()}
+                           if name == RESTORE else
+                           {k: np.ascontiguousarray(v) for k, v in record.items()})
                     for name, record in message.payload.arrays.items()}
-            down += payload_bytes(sent.values())
+            down += payload_bytes(record for name, record in sent.items() if name != RESTORE)
             cid = message.client
             try:
                 metrics, arrays, state = handle(action, self.settings, cid, message.config,
@@ -96,9 +99,10 @@ class SequentialEngine:
         return Exchange(replies, down, up)
 
 
-def simulate(settings: Settings, reporter: Reporter | None = None) -> dict:
+def simulate(settings: Settings, reporter: Reporter | None = None, resume: bool = False) -> dict:
     """Validate the data and resources, run every method of ``settings`` on the sequential
-    engine, and return the results."""
+    engine, and return the results (``resume``: continue a killed run in ``out-dir``,
+    :func:`~pflalign.engines.run_methods`)."""
     federated_dataset(settings)  # data and partition errors surface here, before any training
     check_resources(settings)
-    return run_methods(settings, SequentialEngine, reporter)
+    return run_methods(settings, SequentialEngine, reporter, resume=resume)

@@ -78,6 +78,14 @@ class MethodSpec:
     def local_optimizer(self) -> bool:
         return self.method.local_optimizer
 
+    @property
+    def search_space(self) -> dict[str, tuple[Value, ...]]:
+        """Config key -> the values ``--tune`` may try: the shared local-training keys the method
+        tunes (``lr`` for most), then its own Params' searches; keys the spec fixes (a variant's)
+        are not searched."""
+        space = self.method.search_space(self.overrides)
+        return {k: v for k, v in space.items() if k not in self.overrides}
+
     def build(self, settings: Mapping[str, Value]) -> Method:
         """The method with its ``Params`` read from a validated config."""
         return self.method(self.method.Params.from_settings(settings))

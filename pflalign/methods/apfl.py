@@ -36,7 +36,8 @@ class APFLParams(Params):
     prefix = "apfl"
 
     alpha: float = param(0.5, "Initial mixing weight alpha of the personal model in "
-                         "alpha v + (1 - alpha) w.", minimum=0.0, maximum=1.0)
+                         "alpha v + (1 - alpha) w.", minimum=0.0, maximum=1.0,
+                         search=(0.25, 0.5, 0.75))
     adaptive: bool = param(True, "Learn alpha per client by gradient descent (false keeps it "
                            "fixed).")
     alpha_lr: float = param(0.05, "Step size of alpha's gradient step.", minimum=0.0,

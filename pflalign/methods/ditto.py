@@ -30,7 +30,8 @@ class DittoParams(Params):
     prefix = "ditto"
 
     lambda_: float = param(0.1, "Weight lambda of the personal model's proximal pull lambda/2 "
-                           "||v - w_global||^2.", minimum=0.0)
+                           "||v - w_global||^2.", minimum=0.0,
+                           search=(0.01, 0.1, 1.0))
     personal_epochs: int = param(1, "Local epochs of the personal model per round.", minimum=1)
 
 

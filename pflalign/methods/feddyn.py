@@ -83,7 +83,8 @@ class FedDynParams(Params):
 
     alpha: float = param(0.01, "Weight alpha of the dynamic regularizer (its quadratic term "
                          "alpha/2 ||theta - theta_server||^2 and the server's h / alpha "
-                         "correction).", minimum=0.0, exclusive_minimum=True)
+                         "correction).", minimum=0.0, exclusive_minimum=True,
+                         search=(0.001, 0.01, 0.1))
 
 
 @dataclass

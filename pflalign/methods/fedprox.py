@@ -23,7 +23,8 @@ class FedProxParams(Params):
     prefix = "fedprox"
 
     mu: float = param(0.01, "Weight mu of the proximal term mu/2 ||w - w_global||^2 (0 is "
-                      "FedAvg).", minimum=0.0)
+                      "FedAvg).", minimum=0.0,
+                      search=(0.001, 0.01, 0.1, 1.0))
 
 
 class FedProx(FedAvg):

@@ -36,8 +36,9 @@ class PerFedAvgParams(Params):
     alpha: float = param(0.01, "Inner (adaptation) step size alpha, also used for the "
                          "personalization steps at evaluation (README: alpha >= 0.02 drives the "
                          "meta-model itself to chance accuracy).", minimum=0.0,
-                         exclusive_minimum=True)
-    beta: float = param(0.05, "Outer (meta) step size beta.", minimum=0.0, exclusive_minimum=True)
+                         exclusive_minimum=True, search=(0.005, 0.01, 0.02))
+    beta: float = param(0.05, "Outer (meta) step size beta.", minimum=0.0, exclusive_minimum=True,
+                        search=(0.02, 0.05, 0.1))
     eval_steps: int = param(1, "SGD steps of personalization from the global model before "
                             "evaluation.", minimum=1)
 
@@ -49,6 +50,7 @@ class PerFedAvg(Method):
     paper = ("Fallah, Mokhtari, Ozdaglar, Personalized Federated Learning with Theoretical "
              "Guarantees: A Model-Agnostic Meta-Learning Approach, NeurIPS 2020")
     Params = PerFedAvgParams
+    tuned_training = ()  # its step sizes are alpha and beta
     local_optimizer = False
 
     def train(self, client: ClientRuntime, received: Received, state: NoClientState,

@@ -40,7 +40,7 @@ class PFedMeParams(Params):
     prefix = "pfedme"
 
     lambda_: float = param(15.0, "Moreau-envelope weight lambda.", minimum=0.0,
-                           exclusive_minimum=True)
+                           exclusive_minimum=True, search=(5.0, 15.0, 30.0))
     k: int = param(5, "Gradient steps K on the inner problem per mini-batch.", minimum=1)
     personal_lr: float = param(0.05, "Step size of the inner (personal) steps.", minimum=0.0,
                                exclusive_minimum=True)

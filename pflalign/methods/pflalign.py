@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +47,7 @@ from pflalign.aggregation import State, l2_norm, personal_offset, personalized_i
 from pflalign.client import ClientRuntime, Received, Upload
 from pflalign.method import Method, Payload, Update
 from pflalign.optim import GAMMA_MODES, GENIE, PFLAlign
+from pflalign.options import Value
 from pflalign.params import Params, param
 from pflalign.protocol import LOCAL_STEPS, MODEL, NEXT_CORRECT, TRAIN_LOSS
 from pflalign.server import ServerRuntime
@@ -64,9 +65,9 @@ class PFLAlignParams(Params):
 
     lr: float = param(3.0, "Local learning rate. The preconditioner P is far below 1 (it starts "
                       "at (1-beta)^2 = 0.01), so this is of order 1, not an SGD rate.",
-                      minimum=0.0, exclusive_minimum=True)
+                      minimum=0.0, exclusive_minimum=True, search=(1.0, 2.0, 3.0, 5.0, 10.0))
     beta: float = param(0.9, "EMA decay of m, v and P.", minimum=0.0, maximum=1.0,
-                        exclusive_maximum=True)
+                        exclusive_maximum=True, search=(0.8, 0.9, 0.95))
     eps: float = param(1e-12, "Numerical constant in the denominators.", minimum=0.0,
                        exclusive_minimum=True)
     precondition: bool = param(True, "Multiply the gradient by P (false: step on the raw "
@@ -118,6 +119,17 @@ class PFLAlignMethod(Method):
     paper = ("Kim et al., Personalized Federated Learning for Gradient Alignment (pFLAlign), "
              "arXiv 2605.02143")
     Params = PFLAlignParams
+    tuned_training = ()  # its step size is pflalign-lr (lr only without the preconditioner)
+
+    @classmethod
+    def search_space(cls, fixed: Mapping[str, Value]) -> dict[str, tuple[Value, ...]]:
+        space = super().search_space(fixed)
+        if fixed.get("pflalign-precondition") is False:  # steps with the SGD rate 'lr'
+            from pflalign.train import LocalTraining
+
+            space = {"lr": LocalTraining.search_space()["lr"],
+                     **{k: v for k, v in space.items() if k != "pflalign-lr"}}
+        return space
     ClientState = PFLAlignClientState
     ServerState = PFLAlignServerState
     local_optimizer = False

@@ -1,0 +1,231 @@
+"""Studies: seeds, sweeps, scenarios, equal-budget tuning on validation data, and resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import needs_fashion_mnist
+
+from pflalign import federation
+from pflalign.config import ConfigError, MethodChoice, Settings, parse_methods, resolve
+from pflalign.engines.sequential import simulate as simulate_sequential
+from pflalign.federation import federated_dataset, validation_partition
+from pflalign.interrupt import Interrupted, request_stop, reset
+from pflalign.methods import METHODS
+from pflalign.results import Reporter
+from pflalign.study import (
+    Plan,
+    Study,
+    entry,
+    entry_label,
+    parse_seeds,
+    parse_sweep,
+    scenario_names,
+    scenario_values,
+    trials,
+)
+
+TINY = {"engine": "sequential", "num-clients": 4, "max-samples": 800, "rounds": 2,
+        "fraction-train": 0.5, "eval-every": 1, "methods": "fedavg,pflalign",
+        "checkpoint-every": 1}
+
+
+def run_group(settings: Settings, reporter: Reporter, resume: bool) -> dict:
+    return simulate_sequential(settings, reporter, resume=resume)
+
+
+def tiny_plan(tmp_path, **changes) -> Plan:
+    values = Settings(TINY).to_dict()
+    values["out-dir"] = str(tmp_path)
+    fields = {"scenarios": {"": values}, "seeds": (0, 1), "out_dir": str(tmp_path)}
+    fields.update(changes)
+    return Plan(**fields)
+
+
+# --- parsing ------------------------------------------------------------------------------------
+def test_seeds_parse_lists_and_ranges_and_reject_junk():
+    assert parse_seeds("0,1,2") == (0, 1, 2)
+    assert parse_seeds("3-5,1,4") == (3, 4, 5, 1)
+    for bad in ("", "a", "-1", "5-3", "1.5"):
+        with pytest.raises(ConfigError):
+            parse_seeds(bad)
+
+
+def test_sweep_values_are_validated_against_the_schema():
+    assert parse_sweep(["lr=0.01,0.05", "fraction-train=0.5"]) == {
+        "lr": (0.01, 0.05), "fraction-train": (0.5,)}
+    with pytest.raises(ConfigError, match="out of range"):
+        parse_sweep(["lr=0.01,-1"])
+    with pytest.raises(ConfigError, match="--seeds"):
+        parse_sweep(["seed=1,2"])
+    with pytest.raises(ConfigError, match="Unknown config key"):
+        parse_sweep(["learning-rate=0.1"])
+
+
+def test_every_scenario_loads_and_the_suite_covers_the_regimes():
+    names = scenario_names()
+    assert {"dir-0.1", "dir-0.5", "pathological-2", "cross-device", "quantity",
+            "rotated-unseen"} <= set(names)
+    partitions = {n: scenario_values(n, [], {})["partition"] for n in names}
+    assert partitions["pathological-2"] == "pathological"
+    assert partitions["rotated-unseen"] == "rotated"
+    cross = scenario_values("cross-device", ["rounds=3"], {})
+    assert cross["num-clients"] >= 100 and cross["fraction-train"] <= 0.1
+    assert cross["rounds"] == 3
+    with pytest.raises(ConfigError, match="Unknown scenario"):
+        scenario_values("no-such-scenario", [], {})
+
+
+def test_tuning_and_evaluation_seeds_must_be_disjoint(tmp_path):
+    with pytest.raises(ConfigError, match="overlap"):
+        tiny_plan(tmp_path, tune=2, tune_seeds=(1, 7))
+    with pytest.raises(ConfigError, match="--reference"):
+        tiny_plan(tmp_path, reference="ditto")
+    assert tiny_plan(tmp_path).reference == "fedavg"
+
+
+# --- trials -------------------------------------------------------------------------------------
+def test_trials_start_at_the_defaults_then_draw_without_replacement():
+    settings = Settings({"methods": "fedprox"})
+    choice = settings.method_choices[0]
+    space, points = trials(choice, settings, 5, seed=100)
+    assert space == {"lr": (0.005, 0.01, 0.02, 0.05, 0.1, 0.2),
+                     "fedprox-mu": (0.001, 0.01, 0.1, 1.0)}
+    assert points[0] == {"lr": 0.05, "fedprox-mu": 0.01}  # the defaults come first
+    assert len(points) == 5 and len({tuple(p.values()) for p in points}) == 5
+    assert trials(choice, settings, 5, seed=100)[1] == points  # seeded
+    assert trials(choice, settings, 5, seed=101)[1] != points
+    # a grid smaller than the budget is run whole
+    _, whole = trials(Settings({"methods": "fedavg"}).method_choices[0], settings, 50, seed=0)
+    assert sorted(p["lr"] for p in whole) == [0.005, 0.01, 0.02, 0.05, 0.1, 0.2]
+
+
+def test_an_entrys_own_settings_are_not_searched_and_survive_in_its_trials():
+    settings = Settings({"methods": "fedprox(fedprox-mu=0.5)"})
+    choice = settings.method_choices[0]
+    space, points = trials(choice, settings, 3, seed=0)
+    assert list(space) == ["lr"]
+    text = entry(choice, points[1])
+    assert text.startswith("fedprox(fedprox-mu=0.5,lr=")
+    assert parse_methods(text)[0].label == entry_label(choice, points[1])
+
+
+def test_a_variant_without_the_preconditioner_searches_the_sgd_rate():
+    assert "lr" in METHODS["pflalign-sgd"].search_space
+    assert "pflalign-lr" not in METHODS["pflalign-sgd"].search_space
+    assert set(METHODS["pflalign"].search_space) == {"pflalign-lr", "pflalign-beta"}
+
+
+# --- validation data ----------------------------------------------------------------------------
+@needs_fashion_mnist
+def test_the_validation_split_comes_from_training_data_only():
+    base = resolve(None, ["max-samples=3000", "num-clients=6"])
+    test_mode = federated_dataset(base).partition
+    val_mode = federated_dataset(base.replace({"evaluate-on": "validation"})).partition
+    for c in range(6):
+        train, val = val_mode.train[c], val_mode.test[c]
+        assert len(val) >= 1 and not np.intersect1d(train, val).size
+        assert np.array_equal(np.sort(np.concatenate([train, val])), test_mode.train[c])
+        assert not np.intersect1d(val, test_mode.test[c]).size
+    labels = federated_dataset(base).dataset.labels[federated_dataset(base).pool]
+    again = validation_partition(test_mode, labels, 0.2, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(again.test, val_mode.test, strict=True))
+
+
+@needs_fashion_mnist
+def test_tuning_never_reads_test_data(tmp_path, monkeypatch):
+    """Tuning twice, the second time with every test image of the partition replaced by noise:
+    every trial's validation scores and every choice are identical. A selection that read a
+    test metric, or a trial that trained or evaluated on a test sample, would differ."""
+    plan_args = {"seeds": (0,), "tune": 2, "tune_seeds": (5,)}
+    clean = Study(tiny_plan(tmp_path / "clean", **plan_args), run_group,
+                  Reporter(quiet=True)).run()
+
+    real_build = federation._build.__wrapped__
+
+    def poisoned(key: tuple) -> federation.FederatedDataset:
+        built = real_build(key)
+        cfg = dict(zip(federation.DATA_KEYS, key, strict=True))
+        test_key = tuple("test" if k == "evaluate-on" else v for k, v in cfg.items())
+        test_split = real_build(test_key)
+        images = built.dataset.images.copy()
+        rng = np.random.default_rng(0)
+        for idx in test_split.partition.test:
+            rows = test_split.pool[idx]
+            images[rows] = rng.integers(0, 256, images[rows].shape, dtype=np.uint8)
+        return dataclasses.replace(built, dataset=dataclasses.replace(built.dataset,
+                                                                      images=images))
+
+    federation._build.cache_clear()
+    monkeypatch.setattr(federation, "_build", poisoned)
+    try:
+        dirty = Study(tiny_plan(tmp_path / "dirty", **plan_args), run_group,
+                      Reporter(quiet=True)).run()
+    finally:
+        monkeypatch.undo()
+        federation._build.cache_clear()
+    tuned, poisoned_tuned = clean["protocol"]["tune"], dirty["protocol"]["tune"]
+    assert tuned["methods"] == poisoned_tuned["methods"]
+    for label in ("fedavg", "pflalign"):
+        row = tuned["methods"][label]
+        assert len(row["trials"]) == 2 and all(math.isfinite(t["score"]) for t in row["trials"])
+        assert row["chosen"] == max(row["trials"], key=lambda t: t["score"])["params"]
+    # ...while the evaluation on test data does see the noise
+    acc = [doc["runs"][0]["methods"]["fedavg"]["final"]["personal-acc"] for doc in (clean, dirty)]
+    assert acc[0] != acc[1]
+
+
+# --- a study end to end, and its resume ---------------------------------------------------------
+@needs_fashion_mnist
+def test_a_study_over_seeds_and_a_sweep_and_its_resume_after_a_stop(tmp_path, monkeypatch):
+    plan = tiny_plan(tmp_path / "whole", sweep={"lr": (0.02, 0.05)})
+    whole = Study(plan, run_group, Reporter(quiet=True)).run()
+    assert [(r["setting"]["lr"], r["seed"]) for r in whole["runs"]] == [
+        (0.02, 0), (0.02, 1), (0.05, 0), (0.05, 1)]
+    # the runs are the plain runs of each seed and setting
+    plain = simulate_sequential(Settings({**TINY, "lr": 0.05, "seed": 1,
+                                          "out-dir": str(tmp_path / "plain")}),
+                                Reporter(quiet=True))
+    assert (whole["runs"][3]["methods"]["pflalign"]["final"]["personal-acc"]
+            == plain["methods"]["pflalign"]["final"]["personal-acc"])
+    for name in ("results.json", "results.csv", "report.md", "plan.json"):
+        assert (tmp_path / "whole" / name).is_file()
+    # stop after the second group has run a round, then resume: the same numbers
+    stopped = tiny_plan(tmp_path / "stopped", sweep={"lr": (0.02, 0.05)})
+    reporter = Reporter(quiet=True)
+    calls = []
+
+    def stopping_group(settings, rep, resume):
+        calls.append(settings["out-dir"])
+        if len(calls) == 2:
+            rep_round = rep.round
+
+            def round_then_stop(label, row, rounds):
+                rep_round(label, row, rounds)
+                request_stop()
+            monkeypatch.setattr(rep, "round", round_then_stop)
+        return run_group(settings, rep, resume)
+
+    with pytest.raises(Interrupted):
+        Study(stopped, stopping_group, reporter).run()
+    reset()
+    monkeypatch.undo()
+    resumed = Study(Plan.load(tmp_path / "stopped"), run_group, Reporter(quiet=True),
+                    resume=True).run()
+
+    def metrics(doc):
+        return [{label: {k: v for k, v in m["final"].items() if "seconds" not in k}
+                 for label, m in run["methods"].items()} for run in doc["runs"]]
+    assert metrics(resumed) == metrics(whole)
+    on_disk = json.loads((tmp_path / "stopped" / "results.json").read_text())
+    assert metrics(on_disk) == metrics(whole)
+
+
+def test_entry_labels_round_trip_through_the_parser():
+    choice = MethodChoice("fedavg", "fedavg")
+    assert entry(choice, {}) == "fedavg"
+    assert entry_label(choice, {"lr": 0.1}) == "fedavg(lr=0.1)"
