@@ -27,7 +27,6 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
-from matplotlib.transforms import ScaledTranslation
 
 from pflalign import stats
 
@@ -312,23 +311,11 @@ def plot_bytes_accuracy(path: Path, group: Mapping, colors: Mapping[str, str],
         mean = entry["mean"] * scale
         return [[mean - entry["low"] * scale], [entry["high"] * scale - mean]]
 
-    # Methods with the same traffic are drawn side by side (a display offset; data unchanged).
-    same: dict[float, list[str]] = {}
-    for lb, _, traffic in points:
-        same.setdefault(round(traffic["mean"] / 1e5), []).append(lb)
-    for lb, acc, traffic in points:
+    for lb, acc, traffic in points:  # exact positions: methods with equal traffic share an x
         x, y = traffic["mean"] / 1e6, acc["mean"] * 100
-        peers = same[round(traffic["mean"] / 1e5)]
-        shift = (peers.index(lb) - (len(peers) - 1) / 2) * 0.12
-        transform = ax.transData + ScaledTranslation(shift, 0, fig.dpi_scale_trans)
         ax.errorbar([x], [y], xerr=whisker(traffic, 1e-6), yerr=whisker(acc, 100), fmt="o",
-                    color=colors[lb], capsize=4, label=lb, transform=transform)
-        ax.annotate(lb, (x, y), xytext=(5 + 72 * shift, 5), textcoords="offset points",
-                    fontsize=7)
-        # Offset artists do not count for autoscaling: the data extent is added by hand.
-        xs = [traffic[k] / 1e6 for k in ("mean", "low", "high") if traffic[k] is not None]
-        ys = [acc[k] * 100 for k in ("mean", "low", "high") if acc[k] is not None]
-        ax.update_datalim([(min(xs), min(ys)), (max(xs), max(ys))])
+                    color=colors[lb], capsize=4, label=lb)
+        ax.annotate(lb, (x, y), xytext=(5, 3), textcoords="offset points", fontsize=7)
     ax.autoscale_view()
     ax.set_xlabel("total traffic, MB (up + down, whole run)")
     ax.set_ylabel("final personal accuracy (%)")

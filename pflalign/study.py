@@ -267,13 +267,15 @@ class Progress:
 
     total: int
     done: int = 0
+    #: cells found finished by an earlier run (they took no time in this one)
+    kept: int = 0
     started: float = field(default_factory=time.perf_counter)
 
     def line(self, what: str) -> str:
         elapsed = time.perf_counter() - self.started
         eta = ""
-        if self.done:
-            left = elapsed / self.done * (self.total - self.done)
+        if self.done > self.kept:
+            left = elapsed / (self.done - self.kept) * (self.total - self.done)
             eta = f", about {_duration(left)} left"
         return (f"==> [{self.done}/{self.total} cells, {_duration(elapsed)} elapsed{eta}] "
                 f"{what}")
@@ -329,6 +331,7 @@ class Study:
         finished = _group_done(directory, labels)
         if finished is not None and self.resume:
             self.progress.done += len(labels)
+            self.progress.kept += len(labels)
             self.reporter.stage(self.progress.line(f"{what}: finished earlier, kept"),
                                 self.progress.done, self.progress.total)
             return finished

@@ -229,3 +229,21 @@ def test_entry_labels_round_trip_through_the_parser():
     choice = MethodChoice("fedavg", "fedavg")
     assert entry(choice, {}) == "fedavg"
     assert entry_label(choice, {"lr": 0.1}) == "fedavg(lr=0.1)"
+
+
+def test_the_command_line_refuses_bad_study_options_in_one_line(tmp_path, capsys):
+    import simulate
+
+    cases = [
+        (["--resume", str(tmp_path / "nothing")], "no plan.json"),
+        (["--seeds", "0,1", "--tune", "2", "--tune-seeds", "1"], "overlap"),
+        (["--scenario", "no-such"], "Unknown scenario"),
+        (["--seeds", "0,x"], "--seeds takes"),
+        (["--reference", "ditto", "--methods", "fedavg,local"], "--reference 'ditto'"),
+        (["--sweep", "lr=0.1,0.1"], "lists a value twice"),
+    ]
+    for argv, message in cases:
+        assert simulate.main([*argv, "--out", str(tmp_path / "out")]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "out").exists()  # nothing was started
