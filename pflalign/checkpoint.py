@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import re
 import zipfile
 from collections.abc import Mapping
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 
 from pflalign.options import ConfigError
-from pflalign.state import Arrays
+from pflalign.state import Arrays, atomic_write
 
 CHECKPOINT_FORMAT = "pflalign-checkpoint"
 FORMAT_VERSION = 1
@@ -114,22 +113,6 @@ def restore_rng(arrays: Mapping[str, np.ndarray], meta: Mapping[str, list]) -> N
                              int(has_gauss), float(cached)))
 
 
-def _atomic_write(path: Path, arrays: Mapping[str, np.ndarray], meta: dict) -> None:
-    """Write the file beside ``path`` under a temporary name, then move it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            np.savez(handle, meta=np.array(json.dumps(meta)), **arrays)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 class Checkpoint:
     """The checkpoint file of one method entry: when to write it, writing, reading, removing.
 
@@ -177,7 +160,8 @@ class Checkpoint:
                 "client-results": snapshot.client_results,
                 "saved-state": sorted(snapshot.saved_state), "last-eval": snapshot.last_eval,
                 "hooks": snapshot.hooks, "rng": snapshot.rng_meta}
-        _atomic_write(self.path, arrays, meta)
+        atomic_write(self.path, lambda handle: np.savez(
+            handle, meta=np.array(json.dumps(meta)), **arrays))
         return self.path
 
     def read(self) -> Snapshot | None:

@@ -27,14 +27,12 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 import torch
@@ -43,7 +41,7 @@ from pflalign.data import ClientData, Normalizer
 from pflalign.federation import DATA_KEYS, federated_dataset
 from pflalign.options import ConfigError
 from pflalign.protocol import NUM_TEST, NUM_TRAIN, PARTITION_ID, UNSEEN
-from pflalign.state import Arrays
+from pflalign.state import Arrays, atomic_write
 
 PARTITION_FORMAT = "pflalign-partition"
 STATE_FORMAT = "pflalign-state"
@@ -96,35 +94,6 @@ def pooled_node_data(settings: Mapping[str, object], client_id: int,
 
 
 # --- partition files ---------------------------------------------------------------------------
-@lru_cache(maxsize=1)
-def _umask() -> int:
-    """The process's umask, read without changing it (Linux; else the usual 022)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
-
-
-def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write(handle)`` on a temporary file beside ``path``, then move it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # as open() would create it (mkstemp makes it 0600)
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def partition_metadata(settings: Mapping[str, object], node: NodeData) -> dict:
     """What a partition file says about itself (see the module docstring)."""
     federation = federated_dataset(settings)
@@ -148,7 +117,7 @@ def write_partition(path: Path, node: NodeData, metadata: Mapping[str, object]) 
               "test_y": data.test_y}
     arrays = {k: np.ascontiguousarray(v.numpy()) for k, v in arrays.items()}
     meta = np.array(json.dumps(dict(metadata), sort_keys=True))
-    _atomic_write(Path(path), lambda handle: np.savez(handle, meta=meta, **arrays))
+    atomic_write(Path(path), lambda handle: np.savez(handle, meta=meta, **arrays))
     return Path(path)
 
 
@@ -327,7 +296,7 @@ class StateStore:
                 "round": int(server_round),
                 "saved-at": time.time(), "names": names}
         payload = {f"a{i}": np.asarray(arrays[name]) for i, name in enumerate(names)}
-        _atomic_write(self.path, lambda handle: np.savez(
+        atomic_write(self.path, lambda handle: np.savez(
             handle, meta=np.array(json.dumps(meta, sort_keys=True)), **payload))
         for other in self.dir.glob(f"{self.own}*.npz"):
             if other != self.path:

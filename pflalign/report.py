@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from pflalign import stats
+from pflalign.results import json_safe
 
 #: (key in a run's "final" metrics, column label, scale, whether to show the std over runs)
 COLUMNS = (("personal-acc", "personal", 100, True), ("personal-acc-next", "next", 100, True),
@@ -179,16 +180,6 @@ def higher_is_better(metric: str) -> bool:
     return not metric.endswith("loss")
 
 
-def _json_safe(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def _choose_reference(reference: str | None, protocol: Mapping, labels: Sequence[str]) -> str:
     if reference is not None:
         if reference not in labels:
@@ -253,7 +244,7 @@ def summarize_study(doc: Mapping, reference: str | None = None) -> dict:
                            "label": group.label, "seeds": sorted(group.runs),
                            "best": ranking[0] if ranking else None, "ranking": ranking,
                            "methods": methods})
-    return _json_safe({"protocol": protocol, "reference": reference, "metric": metric,
+    return json_safe({"protocol": protocol, "reference": reference, "metric": metric,
                        "ci": CI_METHOD, "methods": labels, "groups": out_groups,
                        "average-rank": stats.average_ranks(all_ranks)})
 

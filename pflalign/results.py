@@ -33,13 +33,14 @@ def new_results(config: Mapping[str, object], partition_summary: Mapping[str, ob
             "partition": dict(partition_summary)}
 
 
-def _json_safe(value: object) -> object:
+def json_safe(value: object) -> object:
+    """``value`` with non-finite floats as None (JSON has no NaN), through dicts and lists."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -49,7 +50,7 @@ def write_results(out_dir: str | Path, results: Mapping[str, object]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_json_safe(results), indent=1) + "\n")
+    tmp.write_text(json.dumps(json_safe(results), indent=1) + "\n")
     os.replace(tmp, path)
     return path
 

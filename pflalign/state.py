@@ -22,10 +22,15 @@ arrays (server rules aggregate in NumPy); :attr:`ArrayState.holds_tensors` says 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import tempfile
 import typing
-from collections.abc import Mapping
-from typing import ClassVar, Self
+from collections.abc import Callable, Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import IO, ClassVar, Self
 
 import numpy as np
 import torch
@@ -117,3 +122,32 @@ class ServerState(ArrayState):
     holds_tensors: ClassVar[bool] = False
 
     model: State = dataclasses.field(default_factory=dict)
+
+
+@lru_cache(maxsize=1)
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux; else the usual 022)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Call ``write(handle)`` on a temporary file beside ``path``, then move it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # as open() would create it (mkstemp makes it 0600)
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -159,6 +159,13 @@ class Plan:
                                   "--tune-seeds.")
             if not self.tune_seeds:
                 raise ConfigError("--tune needs at least one tuning seed (--tune-seeds).")
+            searched = {k for c in self.settings(next(iter(self.scenarios))).method_choices
+                        for k in METHODS[c.name].search_space}
+            clash = sorted(searched & set(self.sweep))
+            if clash:
+                raise ConfigError(f"--sweep varies {', '.join(clash)}, which --tune chooses "
+                                  "(the tuned value would win); sweep other keys, or tune "
+                                  "without that sweep.")
 
     @property
     def single(self) -> bool:

@@ -86,6 +86,8 @@ def test_tuning_and_evaluation_seeds_must_be_disjoint(tmp_path):
     with pytest.raises(ConfigError, match="--reference"):
         tiny_plan(tmp_path, reference="ditto")
     assert tiny_plan(tmp_path).reference == "fedavg"
+    with pytest.raises(ConfigError, match="--tune chooses"):
+        tiny_plan(tmp_path, tune=2, tune_seeds=(9,), sweep={"lr": (0.01, 0.1)})
 
 
 # --- trials -------------------------------------------------------------------------------------
