@@ -15,8 +15,10 @@ method over all their runs is printed instead (``--table`` prints it for one pat
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -496,6 +498,35 @@ def write_report(out_dir: str | Path, doc: Mapping, reference: str | None = None
     report = out / REPORT_FILE
     report.write_text(format_report(summary, doc, images))
     return [report, *written]
+
+
+CSV_COLUMNS = ("scenario", "setting", "seed", "method", "round", "metric", "value")
+
+
+def write_csv(path: str | Path, doc: Mapping) -> Path:
+    """A tidy CSV of a results document: one row per scenario × setting × seed × method × round
+    × metric (numeric metrics only), with the final metrics under round ``final``. Written
+    atomically."""
+    path = Path(path)
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_COLUMNS)
+        for run in study_runs(doc):
+            setting = ";".join(f"{k}={v}" for k, v in run.get("setting", {}).items())
+            head = (run.get("scenario", ""), setting, run.get("seed"))
+            for label, result in run.get("methods", {}).items():
+                rows = [(row.get("round"), row) for row in result.get("rounds", [])]
+                rows.append(("final", result.get("final", {})))
+                for number, row in rows:
+                    for metric, value in row.items():
+                        if metric == "round" or isinstance(value, bool) or not isinstance(
+                                value, int | float):
+                            continue
+                        writer.writerow((*head, label, number, metric,
+                                         repr(value) if isinstance(value, float) else value))
+    os.replace(tmp, path)
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:

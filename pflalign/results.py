@@ -218,36 +218,3 @@ def make_reporter(quiet: bool = False) -> Reporter:
     if not quiet and sys.stdout.isatty() and os.environ.get("TERM") != "dumb":
         return LiveReporter()
     return Reporter(quiet=quiet)
-
-
-CSV_COLUMNS = ("scenario", "setting", "seed", "method", "round", "metric", "value")
-
-
-def write_csv(path: str | Path, doc: Mapping) -> Path:
-    """A tidy CSV of a results document: one row per scenario × setting × seed × method × round
-    × metric (numeric metrics only), with the final metrics under round ``final``. Written
-    atomically."""
-    import csv
-
-    from pflalign.report import study_runs
-
-    path = Path(path)
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(CSV_COLUMNS)
-        for run in study_runs(doc):
-            setting = ";".join(f"{k}={v}" for k, v in run.get("setting", {}).items())
-            head = (run.get("scenario", ""), setting, run.get("seed"))
-            for label, result in run.get("methods", {}).items():
-                rows = [(row.get("round"), row) for row in result.get("rounds", [])]
-                rows.append(("final", result.get("final", {})))
-                for number, row in rows:
-                    for metric, value in row.items():
-                        if metric == "round" or isinstance(value, bool) or not isinstance(
-                                value, int | float):
-                            continue
-                        writer.writerow((*head, label, number, metric,
-                                         repr(value) if isinstance(value, float) else value))
-    os.replace(tmp, path)
-    return path

@@ -490,8 +490,7 @@ def finish_study(out: Path, doc: dict, reference: str) -> dict:
 
 def write_outputs(out: Path, doc: Mapping) -> None:
     """results.csv and the report (report.md and plots/) next to results.json."""
-    from pflalign.report import write_report
-    from pflalign.results import write_csv
+    from pflalign.report import write_csv, write_report
 
     write_csv(out / "results.csv", doc)
     write_report(out, doc)
