@@ -179,6 +179,10 @@ def group_runner(args: argparse.Namespace):
             from pflalign.engines.sequential import simulate as simulate_sequential
 
             return simulate_sequential(settings, reporter, resume=resume)
+        if settings.run.engine == "batched":
+            from pflalign.engines.batched import simulate as simulate_batched
+
+            return simulate_batched(settings, reporter, resume=resume)
         from strategies.simulation import simulate
 
         return simulate(settings, reporter, verbose=args.verbose, ray_address=args.ray_address,

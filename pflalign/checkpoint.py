@@ -36,7 +36,7 @@ from pflalign.state import Arrays, atomic_write
 CHECKPOINT_FORMAT = "pflalign-checkpoint"
 FORMAT_VERSION = 1
 #: keys that change nothing a run computes: left out of the fingerprints
-NON_RUN_KEYS = ("checkpoint-every", "out-dir")
+NON_RUN_KEYS = ("checkpoint-every", "out-dir", "memory-budget-gb")
 DIRECTORY = "checkpoints"
 
 #: array groups of a checkpoint file

@@ -49,6 +49,13 @@ if TYPE_CHECKING:  # the parser imports the method registry, which imports this 
 _TEMPLATES: dict[tuple, nn.Module] = {}
 
 
+def _template(model: str, input_shape: tuple, num_classes: int, seed: int) -> nn.Module:
+    key = (model, tuple(input_shape), num_classes, seed)
+    if key not in _TEMPLATES:
+        _TEMPLATES[key] = build_model(model, tuple(input_shape), num_classes, seed=seed)
+    return _TEMPLATES[key]
+
+
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -112,10 +119,14 @@ class ClientRuntime:
     def template(self) -> nn.Module:
         """The run's initial model (seeded; identical to the server's), cached per process.
         Read-only: :meth:`new_model` hands out copies."""
-        key = (self.model_name, self.input_shape, self.num_classes, self.seed)
-        if key not in _TEMPLATES:
-            _TEMPLATES[key] = build_model(key[0], key[1], key[2], seed=key[3])
-        return _TEMPLATES[key]
+        return _template(self.model_name, self.input_shape, self.num_classes, self.seed)
+
+    @staticmethod
+    def template_for(settings: Settings) -> nn.Module:
+        """:meth:`template` for a run's pooled dataset (the batched engine's clients)."""
+        dataset = federated_dataset(settings).dataset
+        return _template(settings.run.model, dataset.input_shape, dataset.num_classes,
+                         settings.run.seed)
 
     # --- training ------------------------------------------------------------------------------
     def generator(self, server_round: int, *streams: int) -> torch.Generator:

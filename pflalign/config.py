@@ -26,7 +26,7 @@ from pflalign.params import Params, param
 from pflalign.partition import parse_angles
 from pflalign.train import LocalTraining
 
-ENGINES = ("flower", "sequential")
+ENGINES = ("flower", "sequential", "batched")
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100")
 PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated")
 AGGREGATIONS = ("mean", "trimmed-mean", "median")
@@ -151,9 +151,28 @@ class RunConfig(Params):
     engine: str = param(
         'flower',
         'How the clients run: flower (a Flower simulation on Ray, the same ClientApp and '
-        'ServerApp as a deployment) or sequential (every client in turn in this process, '
-        'without Ray or Flower; the same metrics).',
+        'ServerApp as a deployment), sequential (every client in turn in this process, '
+        'without Ray or Flower) or batched (a round\'s clients trained together in this process, '
+        'in cohorts of cohort-size, on the GPU when client-resources-num-gpus > 0); the same '
+        'metrics.',
         choices=ENGINES, group='simulation')
+    cohort_size: int = param(
+        64,
+        'engine = batched: clients trained or evaluated together in one cohort (their models '
+        'and optimizer states are stacked: memory grows with it).',
+        minimum=1, group='simulation')
+    batched_backend: str = param(
+        'auto',
+        'engine = batched: how a step computes the cohort\'s gradients: loop (one client at a '
+        'time, the sequential engine\'s metrics bit for bit), vmap (one torch.func.vmap call for '
+        'the cohort) or auto (vmap on a GPU, loop on the CPU, where it measured faster).',
+        choices=('auto', 'loop', 'vmap'), group='simulation')
+    memory_budget_gb: float = param(
+        2.0,
+        'engines sequential and batched: GB of client state (offsets, optimizer states, personal '
+        'models) kept in memory; beyond it the least recently used clients\' state is spilled to '
+        'files under out-dir and memory-mapped back when needed (0: no cap).',
+        minimum=0.0, group='simulation')
     client_resources_num_cpus: float = param(
         1.0,
         "CPU cores per simulated client (Ray resource; also the client's torch thread count).",
@@ -298,7 +317,8 @@ RUN_WIDE_KEYS = ("methods", "seed", "out-dir", "dataset", "data-root", "download
                  "partition", "num-clients", "num-unseen-clients", "dirichlet-alpha",
                  "rotation-angles", "rotation-unseen-groups",
                  "classes-per-client", "quantity-power", "min-samples-per-client",
-                 "test-fraction", "evaluate-on", "validation-fraction", "engine",
+                 "test-fraction", "evaluate-on", "validation-fraction", "engine", "cohort-size",
+                 "batched-backend", "memory-budget-gb",
                  "client-resources-num-cpus",
                  "client-resources-num-gpus", "round-timeout", "client-failure-rate",
                  "client-dropout-rate", "malicious-clients", "attack", "attack-scale")

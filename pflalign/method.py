@@ -30,6 +30,7 @@ from pflalign.protocol import MODEL
 from pflalign.state import ArrayState, NoClientState, ServerState
 
 if TYPE_CHECKING:  # the server's view, for type hints only (it imports this module)
+    from pflalign.cohort import Cohort
     from pflalign.server import ServerRuntime
 
 P = TypeVar("P", bound=Params)
@@ -108,6 +109,30 @@ class Method(Generic[P, C, S]):
         """Score this client's model(s): :meth:`ClientRuntime.eval_metrics` and any extras."""
         raise NotImplementedError
 
+    # --- batched client rules (the batched engine; optional) ----------------------------------
+    def train_cohort(self, cohort: Cohort, received: Sequence[Received], states: Sequence[C],
+                     ) -> list[tuple[Upload, C]]:
+        """:meth:`train` for every client of ``cohort`` at once (``received[i]`` and
+        ``states[i]`` are client ``cohort.clients[i]``'s): the same uploads and states, computed
+        on stacked models (:mod:`pflalign.cohort`). A method without it runs one client at a time
+        on the batched engine."""
+        raise NotImplementedError
+
+    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
+                        states: Sequence[C]) -> list[dict[str, float | int]]:
+        """:meth:`evaluate` for every client of ``cohort``, with the same metrics."""
+        raise NotImplementedError
+
+    def cohort_unsupported(self) -> str | None:
+        """Why this method (with its Params) cannot run its client rules as a cohort; None when
+        it can. The batched rules count only when defined by the class that defines the
+        per-client ones (a subclass that changes :meth:`train` does not inherit a batched rule
+        that no longer matches it)."""
+        for rule in ("train", "evaluate"):
+            if _owner(type(self), rule) is not _owner(type(self), f"{rule}_cohort"):
+                return f"it has no batched {rule} rule ({rule}_cohort)"
+        return None
+
     # --- server rules --------------------------------------------------------------------------
     def personal_keys(self, server: ServerRuntime) -> tuple[str, ...]:
         """Model entries that stay on the clients: never sent, uploaded or averaged."""
@@ -146,3 +171,8 @@ class Method(Generic[P, C, S]):
         """Extra per-round metrics recorded after aggregation (default: none)."""
         return {}
 
+
+
+def _owner(cls: type, name: str) -> type | None:
+    """The class in ``cls``'s method resolution order that defines ``name``."""
+    return next((c for c in cls.__mro__ if name in vars(c)), None)

@@ -7,9 +7,9 @@
 Every per-round row, final metric and per-client result of every method is compared for exact
 equality (floats included). Wall-clock entries (``*-seconds``, ``seconds-per-round``) differ from
 run to run and are skipped; so are the run's start time, its total seconds and the package
-versions. The partition summary and the config must match too (``out-dir`` and ``engine`` aside,
-so that two engines' runs of one config can be compared). Prints one line per difference and a
-summary; exits 1 when anything differs.
+versions. The partition summary and the config must match too (``out-dir``, ``engine`` and the
+engines' own keys aside, so that two engines' runs of one config can be compared). Prints one
+line per difference and a summary; exits 1 when anything differs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import math
 import sys
 from pathlib import Path
 
-IGNORED_CONFIG = {"out-dir", "engine"}
+IGNORED_CONFIG = {"out-dir", "engine", "cohort-size", "batched-backend", "memory-budget-gb"}
 
 
 def _timing(key: str) -> bool:

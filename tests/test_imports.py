@@ -84,7 +84,8 @@ def test_no_import_cycles_in_the_project():
 
 
 def test_the_library_imports_neither_flwr_nor_ray():
-    code = ("import sys, pflalign.config, pflalign.engines.sequential, pflalign.docs; "
+    code = ("import sys, pflalign.config, pflalign.engines.sequential, pflalign.docs, "
+            "pflalign.engines.batched, pflalign.cohort, pflalign.store; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('flwr', 'ray')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout

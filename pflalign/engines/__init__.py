@@ -158,6 +158,9 @@ def run_methods(settings: Settings, make_engine: Callable[[Settings], Engine],
                 federation.hooks.append(AnnealedWarmStart(method_settings.gga, federation))
             entry = {**federation.run(model, checkpoint), "method": spec.name,
                      "overrides": overrides}
+            note = getattr(federation.engine, "memory_note", None)
+            if callable(note) and note():
+                reporter.info(f"[{choice.label}] {note()}.")
             done = {**results["methods"], choice.label: entry}
             results["methods"] = {c.label: done[c.label] for c in choices if c.label in done}
             running = None

@@ -2,7 +2,9 @@
 
 Messages carry what Flower's would (the arrays the Flower engine serializes, the message config),
 each client's state is kept as the flat arrays :meth:`~pflalign.state.ArrayState.to_arrays` gives,
-as a Flower client keeps it in its node state, and the bytes counted are those Flower would send.
+as a Flower client keeps it in its node state (in a :class:`~pflalign.store.ClientStateStore`:
+in memory up to ``memory-budget-gb``, spilled to memory-mapped files beyond it), and the bytes
+counted are those Flower would send.
 A client rule that raises becomes an error reply naming the exception and where it was raised,
 which the round loop skips with a warning, as under Flower. Torch uses
 ``client-resources-num-cpus`` threads. Needs neither Ray nor flwr.
@@ -26,7 +28,7 @@ from pflalign.federation import federated_dataset
 from pflalign.protocol import NUM_TEST, NUM_TRAIN, RESTORE, UNSEEN
 from pflalign.results import Reporter
 from pflalign.server import ClientInfo, Exchange, Outgoing, Reply
-from pflalign.state import Arrays
+from pflalign.store import ClientStateStore
 
 
 @lru_cache(maxsize=256)
@@ -55,7 +57,13 @@ class SequentialEngine:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.states: dict[int, Arrays] = {}
+        #: each client's saved state, in memory up to memory-budget-gb, beyond it in files
+        self.states = ClientStateStore(int(settings.run.memory_budget_gb * 1e9),
+                                       settings.run.out_dir)
+
+    def memory_note(self) -> str | None:
+        """What the client-state store spilled to disk (None: nothing)."""
+        return self.states.describe()
 
     def discover(self) -> dict[int, ClientInfo]:
         partition = federated_dataset(self.settings).partition

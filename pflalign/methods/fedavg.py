@@ -8,10 +8,16 @@ round's clients (ALGORITHMS.md 1.6), the :class:`~pflalign.method.Method` defaul
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from pflalign.client import ClientRuntime, Received, Upload
 from pflalign.method import Method
 from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
 from pflalign.state import NoClientState
+
+if TYPE_CHECKING:
+    from pflalign.cohort import Cohort
 
 
 class FedAvg(Method):
@@ -30,3 +36,17 @@ class FedAvg(Method):
     def evaluate(self, client: ClientRuntime, received: Received, state: NoClientState) -> dict:
         result = client.test(client.new_model(received.model))
         return client.eval_metrics(result, result)
+
+    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
+                     states: Sequence[NoClientState]) -> list[tuple[Upload, NoClientState]]:
+        server_round = received[0].server_round
+        params = cohort.stack([r.model for r in received])
+        stats = cohort.local_train(params, server_round, cohort.optimizers(params, server_round))
+        return [(Upload(cohort.state_dict(params, i, r.model),
+                        {TRAIN_LOSS: s.loss, LOCAL_STEPS: s.steps}), state)
+                for i, (r, s, state) in enumerate(zip(received, stats, states, strict=True))]
+
+    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
+                        states: Sequence[NoClientState]) -> list[dict]:
+        results = [cohort.test(cohort.model(r.model), i) for i, r in enumerate(received)]
+        return [cohort.eval_metrics(result, result) for result in results]

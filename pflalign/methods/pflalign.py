@@ -38,6 +38,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -52,7 +53,17 @@ from pflalign.params import Params, param
 from pflalign.protocol import LOCAL_STEPS, MODEL, NEXT_CORRECT, TRAIN_LOSS
 from pflalign.server import ServerRuntime
 from pflalign.state import ArrayState, ServerState, TorchState
-from pflalign.train import STREAM_OPTIMIZER, STREAM_TRAIN, EvalStats, num_local_steps
+from pflalign.train import (
+    STREAM_OPTIMIZER,
+    STREAM_TRAIN,
+    EvalStats,
+    LocalTraining,
+    TrainStats,
+    num_local_steps,
+)
+
+if TYPE_CHECKING:
+    from pflalign.cohort import Cohort
 
 OFFSET, PERSONAL = "offset", "personal"
 #: the per-client config flag: score the model right after training (personal-acc)
@@ -158,17 +169,16 @@ class PFLAlignMethod(Method):
             model.load_state_dict(state.buffers, strict=False)
         return model
 
-    def _local_update(self, client: ClientRuntime, model: nn.Module, server_round: int,
-                      state: PFLAlignClientState) -> tuple[torch.optim.Optimizer, list[str]]:
-        """PFLAlign (or GENIE) over the trainable parameters with this client's persisted state;
-        GENIE's mask and noise are seeded per (seed, round, client)."""
+    def _local_update(self, named: list[tuple[str, torch.Tensor]], training: LocalTraining,
+                      generator: torch.Generator, state: PFLAlignClientState,
+                      ) -> torch.optim.Optimizer:
+        """PFLAlign (or GENIE, its mask and noise drawn from ``generator``) over the trainable
+        entries ``named`` with this client's persisted state."""
         p = self.params
-        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
         saved = state.optimizer
         if self.genie:
-            optimizer = GENIE([q for _, q in named], **client.training.genie_options(),
-                              generator=client.generator(server_round, STREAM_OPTIMIZER,
-                                                         STREAM_TRAIN))
+            optimizer = GENIE([q for _, q in named], **training.genie_options(),
+                              generator=generator)
             if saved:
                 for name, q in named:
                     optimizer.state[q].update(step=int(saved[f"{name}.step"]),
@@ -176,14 +186,50 @@ class PFLAlignMethod(Method):
                                               s=saved[f"{name}.s"].to(q.device))
         else:
             optimizer = PFLAlign([q for _, q in named],
-                                 lr=p.lr if p.precondition else client.training.lr,
+                                 lr=p.lr if p.precondition else training.lr,
                                  beta=p.beta, eps=p.eps, precondition=p.precondition,
                                  gamma=p.gamma)
             if saved:  # freshly deserialized tensors: the optimizer may own them
                 for name, q in named:
                     optimizer.state[q]["v"] = saved[f"{name}.v"].to(q.device)
                     optimizer.state[q]["P"] = saved[f"{name}.P"].to(q.device)
-        return optimizer, [n for n, _ in named]
+        return optimizer
+
+    def _begin(self, named: list[tuple[str, torch.Tensor]], offset: TorchState | None,
+               training: LocalTraining, generator: torch.Generator, num_train: int,
+               state: PFLAlignClientState, device: torch.device) -> torch.optim.Optimizer:
+        """Start a client's round on its trainable entries ``named`` (the received model): add
+        Delta_i (client-held state), build the local update, and begin its round."""
+        names = [n for n, _ in named]
+        optimizer = self._local_update(named, training, generator, state)
+        if offset and not self.server_mode:  # server mode receives theta_g + Delta already
+            with torch.no_grad():
+                torch._foreach_add_([q for _, q in named], [offset[n].to(device) for n in names])
+        if not self.genie:
+            steps = num_local_steps(num_train, training.batch_size, training.local_epochs,
+                                    training.local_steps)
+            optimizer.begin_round([offset[n] for n in names] if offset else None, steps)
+        return optimizer
+
+    def _end(self, named: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
+             start: TorchState, state: PFLAlignClientState, device: torch.device,
+             model_state: Mapping[str, torch.Tensor], stats: TrainStats,
+             ) -> tuple[PFLAlignClientState, dict]:
+        """A client's new state and metrics after its local training."""
+        names = [n for n, _ in named]
+        new = dataclasses.replace(state, optimizer=self._optimizer_state(optimizer, names))
+        if self.params.personalize and not self.server_mode:
+            with torch.no_grad():
+                new_offset = torch._foreach_sub([q for _, q in named],
+                                                [start[n].to(device) for n in names])
+            new.offset = dict(zip(names, new_offset, strict=True))
+        if self.params.bn == "local":
+            new.buffers = {k: v for k, v in model_state.items() if k not in set(names)}
+        metrics = {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps}
+        if not self.genie:
+            metrics.update({"mean-P": optimizer.mean_preconditioner(),
+                            "mean-gamma": optimizer.mean_gamma()})
+        return new, metrics
 
     def _optimizer_state(self, optimizer: torch.optim.Optimizer, names: list[str]) -> TorchState:
         params = [q for group in optimizer.param_groups for q in group["params"]]
@@ -200,37 +246,45 @@ class PFLAlignMethod(Method):
     def train(self, client: ClientRuntime, received: Received, state: PFLAlignClientState,
               ) -> tuple[Upload, PFLAlignClientState]:
         start = received.model
-        offset = self._offset(received, state)
         model = self._model(client, start, state)
-        optimizer, names = self._local_update(client, model, received.server_round, state)
-        trained = [dict(model.named_parameters())[n] for n in names]
-        if offset and not self.server_mode:  # server mode receives theta_g + Delta already
-            with torch.no_grad():
-                torch._foreach_add_(trained, [offset[n].to(client.device) for n in names])
-        t = client.training
-        if not self.genie:
-            steps = num_local_steps(client.data.num_train, t.batch_size, t.local_epochs,
-                                    t.local_steps)
-            optimizer.begin_round([offset[n] for n in names] if offset else None, steps)
+        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        optimizer = self._begin(
+            named, self._offset(received, state), client.training,
+            client.generator(received.server_round, STREAM_OPTIMIZER, STREAM_TRAIN),
+            client.data.num_train, state, client.device)
         stats = client.local_train(model, received.server_round, optimizer=optimizer)
-
-        new = dataclasses.replace(state, optimizer=self._optimizer_state(optimizer, names))
-        if self.params.personalize and not self.server_mode:
-            with torch.no_grad():
-                new_offset = torch._foreach_sub(trained, [start[n].to(client.device)
-                                                          for n in names])
-            new.offset = dict(zip(names, new_offset, strict=True))
-        if self.params.bn == "local":
-            new.buffers = {k: v for k, v in model.state_dict().items() if k not in set(names)}
+        new, metrics = self._end(named, optimizer, start, state, client.device,
+                                 model.state_dict(), stats)
         if received.config.get(EVALUATE_AFTER_FIT):
             result = client.test(model)
             new.fit_correct, new.fit_count = result.correct, result.count
             new.fit_loss_sum = result.loss_sum
-        metrics = {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps}
-        if not self.genie:
-            metrics.update({"mean-P": optimizer.mean_preconditioner(),
-                            "mean-gamma": optimizer.mean_gamma()})
         return Upload(model.state_dict(), metrics), new
+
+    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
+                     states: Sequence[PFLAlignClientState],
+                     ) -> list[tuple[Upload, PFLAlignClientState]]:
+        server_round = received[0].server_round
+        params = cohort.stack([r.model for r in received])
+        named = [list(zip(cohort.names, cohort.views(params, i), strict=True))
+                 for i in range(len(cohort))]
+        optimizers = [self._begin(
+            named[i], self._offset(r, state), cohort.training,
+            cohort.generator(i, server_round, STREAM_OPTIMIZER, STREAM_TRAIN),
+            cohort.num_train(i), state, cohort.device)
+            for i, (r, state) in enumerate(zip(received, states, strict=True))]
+        stats = cohort.local_train(params, server_round, optimizers)
+        out = []
+        for i, (r, state) in enumerate(zip(received, states, strict=True)):
+            model_state = cohort.state_dict(params, i, r.model)
+            new, metrics = self._end(named[i], optimizers[i], r.model, state, cohort.device,
+                                     model_state, stats[i])
+            if r.config.get(EVALUATE_AFTER_FIT):
+                result = cohort.test(cohort.model(model_state), i)
+                new.fit_correct, new.fit_count = result.correct, result.count
+                new.fit_loss_sum = result.loss_sum
+            out.append((Upload(model_state, metrics), new))
+        return out
 
     def _next_model(self, client: ClientRuntime, received: Received,
                     state: PFLAlignClientState) -> nn.Module | None:
@@ -257,6 +311,35 @@ class PFLAlignMethod(Method):
         personal = next_result if state.fit_count is None else EvalStats(
             correct=state.fit_correct, loss_sum=state.fit_loss_sum, count=state.fit_count)
         return {**client.eval_metrics(personal, global_result), NEXT_CORRECT: next_result.correct}
+
+    def _next_state(self, received: Received, state: PFLAlignClientState,
+                    ) -> TorchState | None:
+        """:meth:`_next_model`'s weights: theta_g + Delta_i, or None for the global model."""
+        buffers = state.buffers if self.params.bn == "local" and state.buffers else {}
+        if self.server_mode:
+            personal = received.arrays.get(PERSONAL)
+            return None if personal is None else {**personal, **buffers}
+        offset = self._offset(received, state)
+        if not offset and not buffers:
+            return None
+        weights = {**received.model, **buffers}
+        for n, delta in (offset or {}).items():
+            weights[n] = weights[n] + delta.to(weights[n].device)
+        return weights
+
+    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
+                        states: Sequence[PFLAlignClientState]) -> list[dict]:
+        out = []
+        for i, (r, state) in enumerate(zip(received, states, strict=True)):
+            global_result = cohort.test(cohort.model(r.model, "global"), i)
+            weights = self._next_state(r, state)
+            next_result = (global_result if weights is None
+                           else cohort.test(cohort.model(weights, "next"), i))
+            personal = next_result if state.fit_count is None else EvalStats(
+                correct=state.fit_correct, loss_sum=state.fit_loss_sum, count=state.fit_count)
+            out.append({**cohort.eval_metrics(personal, global_result),
+                        NEXT_CORRECT: next_result.correct})
+        return out
 
     # --- server --------------------------------------------------------------------------------
     def train_payload(self, server: ServerRuntime, state: PFLAlignServerState, client: int,

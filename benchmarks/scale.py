@@ -1,0 +1,278 @@
+#!/usr/bin/env python
+"""Scale: clients/s, s/round, evaluation time and peak memory of each engine, at 20, 100 and 1,000
+clients, for fedavg and pflalign.
+
+Every cell is its own ``python simulate.py`` process (a fresh interpreter, a fresh Ray), on the
+embedded Fashion-MNIST with Dirichlet(0.1) label skew and the default model:
+
+=========  =================  ======================
+clients    fraction-train     clients per round
+=========  =================  ======================
+20         0.4                8 (the default config)
+100        0.2                20
+1,000      0.05               50
+=========  =================  ======================
+
+``--rounds`` training rounds (default 3), then one evaluation of every client at the last round.
+Measured, per cell:
+
+- **clients/s**: clients trained per second of training rounds (``train-seconds``, round 1
+  included: it is part of what a user waits for), and **s/round** (training rounds);
+- **eval s**: the one evaluation of all clients (``eval-seconds``);
+- **peak RSS**: the peak over the run of the summed resident memory of the process and all its
+  descendants (Ray's GCS, raylet and workers), sampled every 0.2 s from /proc;
+- **GPU peak**: ``torch.cuda.max_memory_allocated`` of the in-process engines, and for the
+  Flower engine the peak of ``nvidia-smi``'s used memory over the run (when a GPU is used);
+- **same metrics**: whether the cell's per-round losses and accuracies equal the sequential
+  engine's bit for bit (``=``), or agree to within 1e-3 relative (``~``).
+
+The in-process engines (sequential, batched) get every core as torch threads
+(``client-resources-num-cpus``); the Flower engine runs one client per core. With ``--gpu``
+every engine trains on the GPU (``client-resources-num-gpus``: ``--gpu-share`` per Flower client,
+1 for the in-process engines). Without Ray (``NO_RAY=1``) the Flower engine is skipped.
+
+    python benchmarks/scale.py                               # everything on the CPU
+    python benchmarks/scale.py --clients 100 --engines flower,batched
+    python benchmarks/scale.py --gpu --gpu-share 0.25        # on a GPU machine
+
+The table is printed and written, with every cell's numbers, to ``--out``
+(``results/benchmark-scale/scale.json`` and ``scale.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FRACTION = {20: 0.4, 100: 0.2, 1000: 0.05}
+#: a child process reports its torch GPU peak here (in-process engines)
+GPU_PEAK_FILE = "gpu-peak.json"
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(ppid, []).append(int(entry))
+    return tree
+
+
+def tree_rss(pid: int) -> int:
+    """Summed resident bytes of ``pid`` and its descendants now."""
+    tree, total, todo = _children(), 0, [pid]
+    while todo:
+        current = todo.pop()
+        todo.extend(tree.get(current, []))
+        try:
+            with open(f"/proc/{current}/status") as handle:
+                for line in handle:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            continue
+    return total
+
+
+def gpu_used_bytes() -> int | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,"
+                              "nounits"], capture_output=True, text=True, timeout=5, check=True)
+        return int(out.stdout.split()[0]) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+class Sampler(threading.Thread):
+    """Samples a process tree's summed RSS (and the GPU's used memory) until stopped."""
+
+    def __init__(self, pid: int, gpu: bool):
+        super().__init__(daemon=True)
+        self.pid, self.gpu = pid, gpu
+        self.peak_rss, self.peak_gpu = 0, None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        base = gpu_used_bytes() if self.gpu else None
+        while not self.stop.is_set():
+            self.peak_rss = max(self.peak_rss, tree_rss(self.pid))
+            if base is not None:
+                used = gpu_used_bytes()
+                if used is not None:
+                    self.peak_gpu = max(self.peak_gpu or 0, used - base)
+            self.stop.wait(0.2)
+
+
+#: run inside the child, around simulate.py's main: records the torch GPU peak
+CHILD = """
+import json, runpy, sys, torch
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as stop:
+    code = stop.code
+else:
+    code = 0
+if torch.cuda.is_available():
+    with open({peak!r}, "w") as handle:
+        json.dump({{"gpu-peak": torch.cuda.max_memory_allocated()}}, handle)
+sys.exit(code)
+"""
+
+
+def run_cell(engine: str, clients: int, method: str, args: argparse.Namespace,
+             out: Path) -> dict:
+    cell = out / f"{engine}-{clients}-{method}"
+    cell.mkdir(parents=True, exist_ok=True)
+    cpus = os.cpu_count() or 1
+    settings = {
+        "methods": method, "engine": engine, "num-clients": clients,
+        "fraction-train": FRACTION[clients], "partition": "dirichlet", "dirichlet-alpha": 0.1,
+        "rounds": args.rounds, "eval-every": args.rounds, "out-dir": str(cell),
+        "client-resources-num-cpus": 1 if engine == "flower" else cpus,
+        "client-resources-num-gpus": (args.gpu_share if engine == "flower" else 1)
+        if args.gpu else 0,
+        **dict(item.split("=", 1) for item in args.set)}
+    command = [sys.executable, "-c", CHILD.format(peak=str(cell / GPU_PEAK_FILE)),
+               str(ROOT / "simulate.py"), "--overwrite", "--quiet"]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={value}"]
+    (cell / GPU_PEAK_FILE).unlink(missing_ok=True)
+    started = time.perf_counter()
+    with open(cell / "log.txt", "w") as log:
+        child = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        sampler = Sampler(child.pid, args.gpu)
+        sampler.start()
+        code = child.wait()
+        sampler.stop.set()
+        sampler.join()
+    wall = time.perf_counter() - started
+    if code != 0:
+        tail = (cell / "log.txt").read_text().strip().splitlines()[-3:]
+        return {"engine": engine, "clients": clients, "method": method,
+                "error": f"exit {code}: " + " | ".join(tail)}
+    results = json.loads((cell / "results.json").read_text())
+    rows = results["methods"][method]["rounds"]
+    train_seconds = sum(r["train-seconds"] for r in rows)
+    trained = sum(r["clients-trained"] for r in rows)
+    gpu = sampler.peak_gpu
+    if (cell / GPU_PEAK_FILE).exists():
+        gpu = json.loads((cell / GPU_PEAK_FILE).read_text())["gpu-peak"]
+    return {"engine": engine, "clients": clients, "method": method, "rounds": len(rows),
+            "trained": trained, "clients-per-s": trained / train_seconds,
+            "s-per-round": train_seconds / len(rows),
+            "eval-s": sum(r.get("eval-seconds", 0.0) for r in rows),
+            "peak-rss-gb": sampler.peak_rss / 1e9, "gpu-peak-gb": None if gpu is None
+            else gpu / 1e9, "wall-s": wall,
+            "personal-acc": results["methods"][method]["final"].get("personal-acc"),
+            "metrics": [{k: r[k] for k in ("train-loss", "personal-acc", "global-acc")
+                         if k in r} for r in rows]}
+
+
+def same(a: list[dict], b: list[dict]) -> str:
+    if a == b:
+        return "="
+    for x, y in zip(a, b, strict=True):
+        for k in x:
+            if abs(x[k] - y[k]) > 1e-3 * max(abs(x[k]), 1e-9):
+                return "differ"
+    return "~"
+
+
+def table(cells: list[dict]) -> str:
+    reference = {(c["clients"], c["method"]): c["metrics"] for c in cells
+                 if c["engine"] == "sequential" and "error" not in c}
+    head = (f"{'engine':<11}{'clients':>8}  {'method':<9}{'clients/s':>10}{'s/round':>9}"
+            f"{'eval s':>8}{'peak RSS GB':>13}{'GPU GB':>8}{'personal':>10}{'same':>6}")
+    lines = [head, "-" * len(head)]
+    for c in cells:
+        if "error" in c:
+            lines.append(f"{c['engine']:<11}{c['clients']:>8}  {c['method']:<9}  {c['error']}")
+            continue
+        ref = reference.get((c["clients"], c["method"]))
+        gpu = "-" if c["gpu-peak-gb"] is None else f"{c['gpu-peak-gb']:.2f}"
+        lines.append(
+            f"{c['engine']:<11}{c['clients']:>8}  {c['method']:<9}{c['clients-per-s']:>10.2f}"
+            f"{c['s-per-round']:>9.2f}{c['eval-s']:>8.2f}{c['peak-rss-gb']:>13.2f}{gpu:>8}"
+            f"{100 * c['personal-acc']:>9.2f}%{same(ref, c['metrics']) if ref else '-':>6}")
+    return "\n".join(lines)
+
+
+def ratios(cells: list[dict]) -> list[str]:
+    """The batched engine against the others, per (clients, method)."""
+    by = {(c["engine"], c["clients"], c["method"]): c for c in cells if "error" not in c}
+    out = []
+    for (engine, clients, method), c in sorted(by.items()):
+        if engine != "batched":
+            continue
+        for other in ("flower", "sequential"):
+            o = by.get((other, clients, method))
+            if o:
+                out.append(f"{clients:>5} clients {method:<9} batched / {other:<10} clients/s "
+                           f"{c['clients-per-s'] / o['clients-per-s']:5.2f}x   eval "
+                           f"{o['eval-s'] / max(c['eval-s'], 1e-9):5.2f}x faster   peak RSS "
+                           f"{c['peak-rss-gb']:.2f} vs {o['peak-rss-gb']:.2f} GB")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default="flower,sequential,batched")
+    parser.add_argument("--clients", default="20,100,1000")
+    parser.add_argument("--methods", default="fedavg,pflalign")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gpu", action="store_true", help="train on the GPU")
+    parser.add_argument("--gpu-share", type=float, default=0.25,
+                        help="client-resources-num-gpus of each Flower client with --gpu")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a further config override for every cell")
+    parser.add_argument("--out", default=str(ROOT / "results" / "benchmark-scale"))
+    args = parser.parse_args()
+    engines = [e for e in args.engines.split(",") if e]
+    if "flower" in engines and (os.environ.get("NO_RAY") == "1"
+                                or importlib.util.find_spec("ray") is None):
+        print("Ray is not available here: the flower engine is skipped.", flush=True)
+        engines.remove("flower")
+    sizes = [int(n) for n in args.clients.split(",")]
+    if any(n not in FRACTION for n in sizes):
+        parser.error(f"--clients takes {', '.join(map(str, FRACTION))}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cells = []
+    total = len(engines) * len(sizes) * len(args.methods.split(","))
+    for clients in sizes:
+        for method in args.methods.split(","):
+            for engine in ["sequential", *[e for e in engines if e != "sequential"]] \
+                    if "sequential" in engines else engines:
+                print(f"[{len(cells) + 1}/{total}] {engine}, {clients} clients, {method} ...",
+                      end=" ", flush=True)
+                cell = run_cell(engine, clients, method, args, out)
+                cells.append(cell)
+                print(cell.get("error") or f"{cell['wall-s']:.0f} s, {cell['clients-per-s']:.2f} "
+                      f"clients/s, peak RSS {cell['peak-rss-gb']:.2f} GB", flush=True)
+                (out / "scale.json").write_text(json.dumps(
+                    {"argv": sys.argv[1:], "cpus": os.cpu_count(), "cells": cells}, indent=1))
+    text = table(cells) + "\n\n" + "\n".join(ratios(cells))
+    print("\n" + text)
+    (out / "scale.md").write_text("```\n" + text + "\n```\n")
+    print(f"\nWritten to {out / 'scale.json'} and {out / 'scale.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""What a batched client rule works with: a round's clients together, their data, stacked models.
+
+A :class:`Cohort` is the batched counterpart of :class:`~pflalign.client.ClientRuntime`: the
+clients of one call of the batched engine (:mod:`pflalign.engines.batched`), built by the engine
+and handed to a method's ``train_cohort`` / ``evaluate_cohort`` with what the server sent each
+client and each client's ``ClientState``. It knows no engine and holds no method state.
+
+- **Models are stacked.** :meth:`Cohort.stack` turns the clients' received models into one tensor
+  per trainable entry with a leading client dimension; :meth:`Cohort.views` gives client ``i``'s
+  entries as views into it, so a per-client optimizer (SGD, Adam, GENIE, PFLAlign: any
+  ``torch.optim`` optimizer, with its own state) steps its client's rows in place.
+- **Data is never copied per client.** Each client's samples are row indices into the pooled
+  image array, which is moved to the device once per process and stays there across rounds;
+  every batch is gathered from it.
+- **Training is in lockstep.** :meth:`Cohort.local_train` advances every client one mini-batch per
+  step, each client on its own seeded batch order (:func:`~pflalign.train.batch_indices`, the
+  same draws as the other engines). A client with fewer samples has fewer steps: it is masked out
+  of the steps after its last one, and a smaller last batch is masked too; nothing is padded in
+  its data.
+- **Two backends** compute the per-client gradients of a step: ``loop`` calls
+  :func:`torch.func.grad` once per client on its exact batch (on the CPU this is as fast as
+  anything, the work being compute-bound, and it gives the sequential engine's metrics bit for
+  bit), and ``vmap`` computes every client's gradient in one :func:`torch.func.vmap` call over
+  padded batches with a mask (one kernel launch per layer for the whole cohort: the GPU backend;
+  equal to the others within float32 rounding).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from pflalign.client import ClientRuntime
+from pflalign.data import Normalizer
+from pflalign.federation import federated_dataset
+from pflalign.models import is_deterministic_in_training
+from pflalign.train import (
+    STREAM_OPTIMIZER,
+    STREAM_TRAIN,
+    EvalStats,
+    TrainStats,
+    batch_indices,
+    make_generator,
+)
+
+if TYPE_CHECKING:
+    from pflalign.config import Settings
+
+Stacked = dict[str, torch.Tensor]
+BACKENDS = ("auto", "loop", "vmap")
+
+_POOLS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def pooled_tensors(settings: Settings, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pooled images (uint8) and labels as tensors on ``device``: moved there once per process
+    and kept (the data stays on the GPU across rounds)."""
+    dataset = federated_dataset(settings).dataset
+    key = (id(dataset), str(device))
+    if key not in _POOLS:
+        _POOLS.clear()  # one dataset per process at a time
+        # taken as each client's split is taken (a NumPy gather), so that batches get the same
+        # strides, and so the same convolution kernels, as on the other engines
+        everything = np.arange(len(dataset.images))
+        _POOLS[key] = (torch.from_numpy(dataset.images[everything]).to(device),
+                       torch.from_numpy(dataset.labels[everything]).to(device))
+    return _POOLS[key]
+
+
+def unsupported(settings: Settings) -> str | None:
+    """Why a run's clients cannot be trained as a cohort (None when they can): the cohort reads
+    every client's samples straight from the pooled array and runs the model functionally."""
+    federation = federated_dataset(settings)
+    if federation.partition.rotations and any(federation.partition.rotations):
+        return "partition = rotated gives clients rotated copies of their images"
+    run = settings.run
+    if run.client_failure_rate or run.client_dropout_rate or run.malicious_clients:
+        return "fault injection runs inside each client's handler"
+    template = ClientRuntime.template_for(settings)
+    if not is_deterministic_in_training(template):
+        return f"model {run.model} has batch norm or dropout (state that is not per client)"
+    return None
+
+
+@dataclass
+class Cohort:
+    """The clients of one batched call: ids, data as pooled row indices, the run's model."""
+
+    settings: Settings
+    clients: list[int]
+    device: torch.device
+    backend: str = "loop"
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("loop", "vmap"):
+            raise ValueError(f"Cohort backend must be loop or vmap, not {self.backend!r}.")
+        federation = federated_dataset(self.settings)
+        self.training = self.settings.training
+        self.seed = self.settings.run.seed
+        self.images, self.labels = pooled_tensors(self.settings, self.device)
+        pool, part = federation.pool, federation.partition
+        self.train_rows = [torch.from_numpy(pool[part.train[c]]).to(self.device)
+                           for c in self.clients]
+        self.test_rows = [torch.from_numpy(pool[part.test[c]]).to(self.device)
+                          for c in self.clients]
+        dataset = federation.dataset
+        self.normalize = Normalizer(dataset.mean, dataset.std)
+        self.num_classes = dataset.num_classes
+        self.template = ClientRuntime.template_for(self.settings)
+        # the cohort's own copy, run functionally (its own tensors are never used) and reused
+        # for evaluation (loaded with each model in turn)
+        self.module = copy.deepcopy(self.template).to(self.device)
+        self._slots: dict[str, nn.Module] = {}
+        self._loaded: dict[str, Mapping[str, torch.Tensor]] = {}
+        self.names = [n for n, p in self.template.named_parameters() if p.requires_grad]
+        self._grad = None
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def num_train(self, i: int) -> int:
+        return len(self.train_rows[i])
+
+    # --- models --------------------------------------------------------------------------------
+    def stack(self, states: Sequence[Mapping[str, torch.Tensor]]) -> Stacked:
+        """The trainable entries of one model per client, stacked along a new first dimension
+        (float32 copies on the cohort's device)."""
+        return {n: torch.stack([torch.as_tensor(s[n]) for s in states]).to(self.device)
+                for n in self.names}
+
+    def views(self, params: Stacked, i: int) -> list[torch.Tensor]:
+        """Client ``i``'s trainable entries, as views into ``params`` (in :attr:`names` order)."""
+        return [params[n][i] for n in self.names]
+
+    def state_dict(self, params: Stacked, i: int, received: Mapping[str, torch.Tensor],
+                   ) -> dict[str, torch.Tensor]:
+        """Client ``i``'s full model state: its trained entries, and the received model's other
+        entries (buffers, frozen parameters), in the model's state-dict order."""
+        return {k: params[k][i] if k in params else received[k]
+                for k in self.template.state_dict()}
+
+    def model(self, state: Mapping[str, torch.Tensor], slot: str = "model") -> nn.Module:
+        """A module loaded with ``state``, for evaluation: one reused module per ``slot`` (loading
+        copies the values in; no module is built per client; the same ``state`` object again is
+        not reloaded). A model held while another is loaded needs another slot; a module from
+        here is read-only (a changed model is loaded from a changed state)."""
+        if slot not in self._slots:
+            self._slots[slot] = copy.deepcopy(self.template).to(self.device)
+        module = self._slots[slot]
+        if self._loaded.get(slot) is not state:  # the same record again (the global model)
+            module.load_state_dict(state)
+            self._loaded[slot] = state
+        return module
+
+    # --- training ------------------------------------------------------------------------------
+    def generator(self, i: int, server_round: int, *streams: int) -> torch.Generator:
+        return make_generator(self.seed, server_round, self.clients[i], *streams)
+
+    def optimizers(self, params: Stacked, server_round: int, stream: int = STREAM_TRAIN,
+                   ) -> list[torch.optim.Optimizer]:
+        """The run's ``local-optimizer`` for each client over its views, seeded as
+        :meth:`~pflalign.client.ClientRuntime.make_optimizer` seeds it."""
+        return [self.training.optimizer(
+            self.views(params, i), self.generator(i, server_round, STREAM_OPTIMIZER, stream))
+            for i in range(len(self))]
+
+    def _orders(self, server_round: int, stream: int) -> list[Iterator[torch.Tensor]]:
+        t = self.training
+        return [batch_indices(self.num_train(i), t.batch_size, t.local_epochs, t.local_steps,
+                              self.generator(i, server_round, stream), self.device)
+                for i in range(len(self))]
+
+    def _loss(self, params: Stacked, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(functional_call(self.module, params, (x,)), y)
+
+    def _masked_loss(self, params: Stacked, x: torch.Tensor, y: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+        losses = F.cross_entropy(functional_call(self.module, params, (x,)), y,
+                                 reduction="none")
+        return (losses * mask).sum() / mask.sum().clamp_min(1)
+
+    def local_train(self, params: Stacked, server_round: int,
+                    optimizers: Sequence[torch.optim.Optimizer],
+                    stream: int = STREAM_TRAIN,
+                    before_step: Callable[[int], None] | None = None) -> list[TrainStats]:
+        """Every client's round of local training (``local-epochs``, capped at ``local-steps``),
+        in lockstep, each client's optimizer (over :meth:`views` of its rows, e.g. from
+        :meth:`optimizers`) stepping its rows of ``params`` in place.
+        ``before_step(i)`` runs after client ``i``'s gradient is set on its views and before its
+        optimizer steps. Returns each client's :class:`~pflalign.train.TrainStats`."""
+        orders = self._orders(server_round, stream)
+        # the tensors each optimizer steps (views of client i's rows, in :attr:`names` order)
+        views = [[p for group in opt.param_groups for p in group["params"]] for opt in optimizers]
+        loss_sums = [torch.zeros((), device=self.device) for _ in range(len(self))]
+        seen = [0] * len(self)
+        steps = [0] * len(self)
+        self.module.train()
+        while True:
+            batch = [next(order, None) for order in orders]
+            active = [i for i, idx in enumerate(batch) if idx is not None]
+            if not active:
+                break
+            grads, losses = (self._loop_grads(params, batch, active) if self.backend == "loop"
+                             else self._vmap_grads(params, batch, active))
+            for i in active:
+                for view, g in zip(views[i], grads[i], strict=True):
+                    view.grad = g
+                if before_step is not None:
+                    before_step(i)
+                optimizers[i].step()
+                for view in views[i]:
+                    view.grad = None
+                loss_sums[i] += losses[i] * len(batch[i])
+                seen[i] += len(batch[i])
+                steps[i] += 1
+        return [TrainStats(loss=float(loss_sums[i]) / max(seen[i], 1), steps=steps[i],
+                           samples=seen[i]) for i in range(len(self))]
+
+    def _batch(self, i: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.train_rows[i][idx]
+        return self.normalize(self.images[rows]), self.labels[rows]
+
+    def _loop_grads(self, params: Stacked, batch: list, active: list[int],
+                    ) -> tuple[dict[int, list[torch.Tensor]], dict[int, torch.Tensor]]:
+        if self._grad is None:
+            self._grad = grad_and_value(self._loss)
+        grads, losses = {}, {}
+        for i in active:
+            x, y = self._batch(i, batch[i])
+            g, loss = self._grad({n: params[n][i] for n in self.names}, x, y)
+            grads[i], losses[i] = [g[n] for n in self.names], loss.detach()
+        return grads, losses
+
+    def _vmap_grads(self, params: Stacked, batch: list, active: list[int],
+                    ) -> tuple[dict[int, list[torch.Tensor]], dict[int, torch.Tensor]]:
+        if self._grad is None:
+            self._grad = vmap(grad_and_value(self._masked_loss))
+        size = max(len(batch[i]) for i in active)
+        rows = torch.zeros((len(active), size), dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(active), size), dtype=torch.float32, device=self.device)
+        for k, i in enumerate(active):
+            n = len(batch[i])
+            rows[k, :n] = self.train_rows[i][batch[i]]
+            mask[k, :n] = 1.0
+        x = self.normalize(self.images[rows.flatten()]).unflatten(0, (len(active), size))
+        y = self.labels[rows]
+        chosen = torch.tensor(active, device=self.device)
+        subset = params if len(active) == len(self) else {
+            n: p.index_select(0, chosen) for n, p in params.items()}
+        g, loss = self._grad(subset, x, y, mask)
+        return ({i: [g[n][k] for n in self.names] for k, i in enumerate(active)},
+                {i: loss[k].detach() for k, i in enumerate(active)})
+
+    # --- evaluation ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def test(self, model: nn.Module, i: int, batch_size: int = 256) -> EvalStats:
+        """Client ``i``'s test counts and summed loss of ``model``, computed as
+        :func:`pflalign.train.evaluate` computes them (the same chunks, the same sums)."""
+        model.eval()
+        rows = self.test_rows[i]
+        correct, loss_sum = 0, 0.0
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            logits = model(self.normalize(self.images[chunk]))
+            targets = self.labels[chunk]
+            correct += int((logits.argmax(dim=1) == targets).sum())
+            loss_sum += float(F.cross_entropy(logits, targets, reduction="sum"))
+        return EvalStats(correct=correct, loss_sum=loss_sum, count=len(rows))
+
+    @staticmethod
+    def eval_metrics(personal: EvalStats, global_: EvalStats | None = None) -> dict:
+        return ClientRuntime.eval_metrics(personal, global_)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto``: ``vmap`` on a GPU, ``loop`` on the CPU (measured there: vmap's grouped
+    convolutions run slower than one client at a time, the CPU being compute-bound)."""
+    if backend == "auto":
+        return "vmap" if device.type == "cuda" else "loop"
+    return backend
+
