@@ -129,6 +129,17 @@ class Cohort:
     def num_train(self, i: int) -> int:
         return len(self.train_rows[i])
 
+    def subset(self, indices: Sequence[int]) -> Cohort:
+        """A cohort of some of these clients (``indices`` into :attr:`clients`)."""
+        return Cohort(self.settings, [self.clients[i] for i in indices], self.device,
+                      self.backend)
+
+    @staticmethod
+    def optimized(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The tensors ``optimizer`` steps (a client's views), in order: where
+        :meth:`local_train` puts their gradients, for a ``before_step`` to correct."""
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
     # --- models --------------------------------------------------------------------------------
     def stack(self, states: Sequence[Mapping[str, torch.Tensor]]) -> Stacked:
         """The trainable entries of one model per client, stacked along a new first dimension
@@ -136,9 +147,11 @@ class Cohort:
         return {n: torch.stack([torch.as_tensor(s[n]) for s in states]).to(self.device)
                 for n in self.names}
 
-    def views(self, params: Stacked, i: int) -> list[torch.Tensor]:
-        """Client ``i``'s trainable entries, as views into ``params`` (in :attr:`names` order)."""
-        return [params[n][i] for n in self.names]
+    def views(self, params: Stacked, i: int, names: Sequence[str] | None = None,
+              ) -> list[torch.Tensor]:
+        """Client ``i``'s entries ``names`` (default: every trainable one, in :attr:`names`
+        order), as views into ``params``: an optimizer over them steps client ``i``'s rows."""
+        return [params[n][i] for n in (self.names if names is None else names)]
 
     def state_dict(self, params: Stacked, i: int, received: Mapping[str, torch.Tensor],
                    ) -> dict[str, torch.Tensor]:
@@ -165,40 +178,58 @@ class Cohort:
         return make_generator(self.seed, server_round, self.clients[i], *streams)
 
     def optimizers(self, params: Stacked, server_round: int, stream: int = STREAM_TRAIN,
-                   ) -> list[torch.optim.Optimizer]:
-        """The run's ``local-optimizer`` for each client over its views, seeded as
-        :meth:`~pflalign.client.ClientRuntime.make_optimizer` seeds it."""
+                   names: Sequence[str] | None = None) -> list[torch.optim.Optimizer]:
+        """The run's ``local-optimizer`` for each client over its views of ``names`` (default:
+        all), seeded as :meth:`~pflalign.client.ClientRuntime.make_optimizer` seeds it."""
         return [self.training.optimizer(
-            self.views(params, i), self.generator(i, server_round, STREAM_OPTIMIZER, stream))
+            self.views(params, i, names),
+            self.generator(i, server_round, STREAM_OPTIMIZER, stream))
             for i in range(len(self))]
 
-    def _orders(self, server_round: int, stream: int) -> list[Iterator[torch.Tensor]]:
+    def _orders(self, server_round: int, stream: int, epochs: int | None,
+                ) -> list[Iterator[torch.Tensor]]:
         t = self.training
-        return [batch_indices(self.num_train(i), t.batch_size, t.local_epochs, t.local_steps,
+        return [batch_indices(self.num_train(i), t.batch_size,
+                              t.local_epochs if epochs is None else epochs,
+                              t.local_steps if epochs is None else 0,
                               self.generator(i, server_round, stream), self.device)
                 for i in range(len(self))]
 
-    def _loss(self, params: Stacked, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(functional_call(self.module, params, (x,)), y)
+    def _loss(self, trained: Stacked, fixed: Stacked, x: torch.Tensor,
+              y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(functional_call(self.module, {**fixed, **trained}, (x,)), y)
 
-    def _masked_loss(self, params: Stacked, x: torch.Tensor, y: torch.Tensor,
+    def _masked_loss(self, trained: Stacked, fixed: Stacked, x: torch.Tensor, y: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
-        losses = F.cross_entropy(functional_call(self.module, params, (x,)), y,
+        losses = F.cross_entropy(functional_call(self.module, {**fixed, **trained}, (x,)), y,
                                  reduction="none")
         return (losses * mask).sum() / mask.sum().clamp_min(1)
 
     def local_train(self, params: Stacked, server_round: int,
                     optimizers: Sequence[torch.optim.Optimizer],
-                    stream: int = STREAM_TRAIN,
+                    stream: int = STREAM_TRAIN, epochs: int | None = None,
+                    names: Sequence[str] | None = None,
                     before_step: Callable[[int], None] | None = None) -> list[TrainStats]:
-        """Every client's round of local training (``local-epochs``, capped at ``local-steps``),
-        in lockstep, each client's optimizer (over :meth:`views` of its rows, e.g. from
-        :meth:`optimizers`) stepping its rows of ``params`` in place.
-        ``before_step(i)`` runs after client ``i``'s gradient is set on its views and before its
-        optimizer steps. Returns each client's :class:`~pflalign.train.TrainStats`."""
-        orders = self._orders(server_round, stream)
-        # the tensors each optimizer steps (views of client i's rows, in :attr:`names` order)
-        views = [[p for group in opt.param_groups for p in group["params"]] for opt in optimizers]
+        """Every client's round of local training, in lockstep, as
+        :meth:`~pflalign.client.ClientRuntime.local_train` trains one client: shuffled by
+        (seed, round, client, ``stream``); ``epochs=None`` is ``local-epochs`` capped at
+        ``local-steps``, an explicit ``epochs`` runs in full.
+
+        ``params`` holds every trainable entry of the model, stacked; ``names`` (default: all)
+        are the ones trained, the others held fixed. Client ``i``'s optimizer steps views of its
+        rows of the ``names`` entries, in that order (:meth:`views`, :meth:`optimizers`).
+        ``before_step(i)`` runs after client ``i``'s gradient is set on those views and before
+        its optimizer steps (a method's gradient correction). Returns each client's
+        :class:`~pflalign.train.TrainStats`."""
+        names = tuple(self.names if names is None else names)
+        missing = [n for n in self.names if n not in params]
+        if missing:
+            raise ValueError(f"Cohort.local_train: params lacks the model's entries {missing}.")
+        orders = self._orders(server_round, stream, epochs)
+        views = [self.optimized(opt) for opt in optimizers]
+        if any(len(v) != len(names) for v in views):
+            raise ValueError("Cohort.local_train: each optimizer must step one view per trained "
+                             f"entry ({len(names)}), in order.")
         loss_sums = [torch.zeros((), device=self.device) for _ in range(len(self))]
         seen = [0] * len(self)
         steps = [0] * len(self)
@@ -208,8 +239,8 @@ class Cohort:
             active = [i for i, idx in enumerate(batch) if idx is not None]
             if not active:
                 break
-            grads, losses = (self._loop_grads(params, batch, active) if self.backend == "loop"
-                             else self._vmap_grads(params, batch, active))
+            grads, losses = (self._loop_grads if self.backend == "loop" else self._vmap_grads)(
+                params, names, batch, active)
             for i in active:
                 for view, g in zip(views[i], grads[i], strict=True):
                     view.grad = g
@@ -228,18 +259,27 @@ class Cohort:
         rows = self.train_rows[i][idx]
         return self.normalize(self.images[rows]), self.labels[rows]
 
-    def _loop_grads(self, params: Stacked, batch: list, active: list[int],
+    def _split(self, params: Stacked, names: tuple[str, ...], rows: int | torch.Tensor | None,
+               ) -> tuple[Stacked, Stacked]:
+        """(trained, fixed) entries of client ``rows`` (all clients: None)."""
+        pick = (lambda p: p) if rows is None else (lambda p: p[rows])
+        trained = {n: pick(params[n]) for n in names}
+        return trained, {n: pick(p) for n, p in params.items() if n not in trained}
+
+    def _loop_grads(self, params: Stacked, names: tuple[str, ...], batch: list,
+                    active: list[int],
                     ) -> tuple[dict[int, list[torch.Tensor]], dict[int, torch.Tensor]]:
         if self._grad is None:
             self._grad = grad_and_value(self._loss)
         grads, losses = {}, {}
         for i in active:
             x, y = self._batch(i, batch[i])
-            g, loss = self._grad({n: params[n][i] for n in self.names}, x, y)
-            grads[i], losses[i] = [g[n] for n in self.names], loss.detach()
+            g, loss = self._grad(*self._split(params, names, i), x, y)
+            grads[i], losses[i] = [g[n] for n in names], loss.detach()
         return grads, losses
 
-    def _vmap_grads(self, params: Stacked, batch: list, active: list[int],
+    def _vmap_grads(self, params: Stacked, names: tuple[str, ...], batch: list,
+                    active: list[int],
                     ) -> tuple[dict[int, list[torch.Tensor]], dict[int, torch.Tensor]]:
         if self._grad is None:
             self._grad = vmap(grad_and_value(self._masked_loss))
@@ -252,11 +292,9 @@ class Cohort:
             mask[k, :n] = 1.0
         x = self.normalize(self.images[rows.flatten()]).unflatten(0, (len(active), size))
         y = self.labels[rows]
-        chosen = torch.tensor(active, device=self.device)
-        subset = params if len(active) == len(self) else {
-            n: p.index_select(0, chosen) for n, p in params.items()}
-        g, loss = self._grad(subset, x, y, mask)
-        return ({i: [g[n][k] for n in self.names] for k, i in enumerate(active)},
+        chosen = None if len(active) == len(self) else torch.tensor(active, device=self.device)
+        g, loss = self._grad(*self._split(params, names, chosen), x, y, mask)
+        return ({i: [g[n][k] for n in names] for k, i in enumerate(active)},
                 {i: loss[k].detach() for k, i in enumerate(active)})
 
     # --- evaluation ----------------------------------------------------------------------------

@@ -145,8 +145,9 @@ def test_vmaps_masked_gradients_equal_each_clients_own():
     params = loop.stack([model] * len(loop))
     batch = [torch.arange(5), torch.arange(3), None, torch.arange(7)]  # unequal, one finished
     active = [0, 1, 3]
-    g_loop, l_loop = loop._loop_grads(params, batch, active)
-    g_vmap, l_vmap = vmapped._vmap_grads(params, batch, active)
+    names = tuple(loop.names)
+    g_loop, l_loop = loop._loop_grads(params, names, batch, active)
+    g_vmap, l_vmap = vmapped._vmap_grads(params, names, batch, active)
     assert set(g_vmap) == set(active)
     for i in active:
         assert float(l_vmap[i]) == pytest.approx(float(l_loop[i]), rel=1e-5)

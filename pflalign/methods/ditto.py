@@ -12,8 +12,11 @@ for a new client. Server: FedAvg's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from pflalign.baselines import add_proximal_
@@ -23,6 +26,9 @@ from pflalign.params import Params, param
 from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
 from pflalign.state import ArrayState, TorchState
 from pflalign.train import STREAM_PERSONAL, TrainStats
+
+if TYPE_CHECKING:
+    from pflalign.cohort import Cohort
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,53 @@ class Ditto(FedAvg):
         upload = Upload(model.state_dict(), {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps,
                                              "personal-train-loss": personal_stats.loss})
         return upload, DittoClientState(personal.state_dict())
+
+    def personal_step_cohort(self, cohort: Cohort, personal: dict[str, torch.Tensor],
+                             anchors: dict[str, torch.Tensor], server_round: int,
+                             ) -> list[TrainStats]:
+        """:meth:`personal_step` for every client of ``cohort``: ``personal`` and ``anchors``
+        stacked."""
+        optimizers = cohort.optimizers(personal, server_round, STREAM_PERSONAL)
+        views = [cohort.optimized(opt) for opt in optimizers]
+        lam = self.params.lambda_
+        return cohort.local_train(
+            personal, server_round, optimizers, stream=STREAM_PERSONAL,
+            epochs=self.params.personal_epochs,
+            before_step=lambda i: add_proximal_(views[i], cohort.views(anchors, i), lam))
+
+    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
+                     states: Sequence[DittoClientState],
+                     ) -> list[tuple[Upload, DittoClientState]]:
+        server_round = received[0].server_round
+        anchors = cohort.stack([r.model for r in received])
+        params = {n: p.clone() for n, p in anchors.items()}
+        stats = cohort.local_train(params, server_round, cohort.optimizers(params, server_round))
+        starts = [s.personal or r.model for r, s in zip(received, states, strict=True)]
+        personal = cohort.stack(starts)
+        personal_stats = self.personal_step_cohort(cohort, personal, anchors, server_round)
+        return [(Upload(cohort.state_dict(params, i, r.model),
+                        {TRAIN_LOSS: stats[i].loss, LOCAL_STEPS: stats[i].steps,
+                         "personal-train-loss": personal_stats[i].loss}),
+                 DittoClientState(cohort.state_dict(personal, i, starts[i])))
+                for i, r in enumerate(received)]
+
+    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
+                        states: Sequence[DittoClientState]) -> list[dict]:
+        global_results = [cohort.test(cohort.model(r.model, "global"), i)
+                          for i, r in enumerate(received)]
+        personal: dict[int, dict] = {i: s.personal for i, s in enumerate(states)
+                                     if s.personal is not None}
+        fresh = [i for i in range(len(cohort)) if i not in personal]
+        if fresh:  # a client without v fits it from the global model, as in evaluate
+            part = cohort.subset(fresh)
+            models = [received[i].model for i in fresh]
+            stacked = part.stack(models)
+            self.personal_step_cohort(part, stacked, {n: p.clone() for n, p in stacked.items()},
+                                      received[0].server_round)
+            personal.update({i: part.state_dict(stacked, k, models[k])
+                             for k, i in enumerate(fresh)})
+        return [cohort.eval_metrics(cohort.test(cohort.model(personal[i], "personal"), i),
+                                    global_results[i]) for i in range(len(cohort))]
 
     def evaluate(self, client: ClientRuntime, received: Received,
                  state: DittoClientState) -> dict:

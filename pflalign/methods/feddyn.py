@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,6 +45,9 @@ from pflalign.server import ServerRuntime
 from pflalign.state import ArrayState, ServerState, TorchState
 
 Tensors = Sequence[torch.Tensor]
+
+if TYPE_CHECKING:
+    from pflalign.cohort import Cohort
 
 
 @torch.no_grad()
@@ -126,6 +130,30 @@ class FedDyn(FedAvg):
         upload = Upload(model.state_dict(), {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps})
         return upload, FedDynClientState(dict(zip([n for n, _ in named], new_linear,
                                                   strict=True)))
+
+    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
+                     states: Sequence[FedDynClientState],
+                     ) -> list[tuple[Upload, FedDynClientState]]:
+        alpha = self.params.alpha
+        server_round = received[0].server_round
+        names = cohort.names
+        params = cohort.stack([r.model for r in received])
+        anchors = {n: p.clone() for n, p in params.items()}
+        optimizers = cohort.optimizers(params, server_round)
+        views = [cohort.optimized(opt) for opt in optimizers]
+        linear = [[state.linear[n].to(cohort.device) for n in names] if state.linear
+                  else [torch.zeros_like(p) for p in views[i]]
+                  for i, state in enumerate(states)]
+        stats = cohort.local_train(params, server_round, optimizers, before_step=lambda i:
+                                   add_dynamic_regularizer_(views[i], cohort.views(anchors, i),
+                                                            linear[i], alpha))
+        out = []
+        for i, r in enumerate(received):
+            new_linear = linear_term_update(linear[i], views[i], cohort.views(anchors, i), alpha)
+            out.append((Upload(cohort.state_dict(params, i, r.model),
+                               {TRAIN_LOSS: stats[i].loss, LOCAL_STEPS: stats[i].steps}),
+                        FedDynClientState(dict(zip(names, new_linear, strict=True)))))
+        return out
 
     def init_server(self, server: ServerRuntime, model: State) -> FedDynServerState:
         return FedDynServerState(model=model, h=np.zeros(server.trainable_spec.size,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -20,6 +21,9 @@ from pflalign.method import Method, Payload, Update
 from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS
 from pflalign.server import ServerRuntime
 from pflalign.state import ArrayState, ServerState, TorchState
+
+if TYPE_CHECKING:
+    from pflalign.cohort import Cohort
 
 
 @dataclass
@@ -57,6 +61,22 @@ class Local(Method):
     def evaluate(self, client: ClientRuntime, received: Received,
                  state: LocalClientState) -> dict:
         return client.eval_metrics(client.test(self._model(client, received, state)))
+
+    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
+                     states: Sequence[LocalClientState],
+                     ) -> list[tuple[Upload, LocalClientState]]:
+        server_round = received[0].server_round
+        starts = [s.model or r.model for r, s in zip(received, states, strict=True)]
+        params = cohort.stack(starts)
+        stats = cohort.local_train(params, server_round, cohort.optimizers(params, server_round))
+        return [(Upload(None, {TRAIN_LOSS: s.loss, LOCAL_STEPS: s.steps}),
+                 LocalClientState(model=cohort.state_dict(params, i, starts[i])))
+                for i, s in enumerate(stats)]
+
+    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
+                        states: Sequence[LocalClientState]) -> list[dict]:
+        return [cohort.eval_metrics(cohort.test(cohort.model(s.model or r.model), i))
+                for i, (r, s) in enumerate(zip(received, states, strict=True))]
 
     def train_payload(self, server: ServerRuntime, state: LocalServerState, client: int,
                       server_round: int) -> Payload:

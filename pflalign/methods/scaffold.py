@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ from pflalign.server import ServerRuntime
 from pflalign.state import ArrayState, ServerState, State, TorchState
 
 CONTROL, CONTROL_DELTA = "control", "control-delta"
+
+if TYPE_CHECKING:
+    from pflalign.cohort import Cohort
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,39 @@ class Scaffold(FedAvg):
         upload = Upload(model.state_dict(), {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps},
                         arrays={CONTROL_DELTA: dict(zip(names, delta, strict=True))})
         return upload, ScaffoldClientState(dict(zip(names, new_c_i, strict=True)))
+
+    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
+                     states: Sequence[ScaffoldClientState],
+                     ) -> list[tuple[Upload, ScaffoldClientState]]:
+        t = cohort.training
+        if t.momentum or t.weight_decay:
+            raise ValueError("scaffold's control variates (option II) assume plain SGD; set "
+                             "momentum = 0 and weight-decay = 0 for it.")
+        server_round = received[0].server_round
+        names = cohort.names
+        params = cohort.stack([r.model for r in received])
+        start = {n: p.clone() for n, p in params.items()}
+        optimizers = cohort.optimizers(params, server_round)
+        views = [cohort.optimized(opt) for opt in optimizers]
+        c, c_i = [], []
+        for i, (r, state) in enumerate(zip(received, states, strict=True)):
+            zeros = [torch.zeros_like(p) for p in views[i]]
+            server = r.arrays.get(CONTROL)
+            c.append([server[n].to(cohort.device) for n in names] if server else zeros)
+            c_i.append([state.control[n].to(cohort.device) for n in names] if state.control
+                       else zeros)
+        stats = cohort.local_train(params, server_round, optimizers, before_step=lambda i:
+                                   add_control_variates_(views[i], c[i], c_i[i]))
+        out = []
+        for i, r in enumerate(received):
+            new_c_i = scaffold_client_control(c_i[i], c[i], cohort.views(start, i), views[i],
+                                              stats[i].steps, t.lr)
+            delta = torch._foreach_sub(new_c_i, c_i[i])
+            upload = Upload(cohort.state_dict(params, i, r.model),
+                            {TRAIN_LOSS: stats[i].loss, LOCAL_STEPS: stats[i].steps},
+                            arrays={CONTROL_DELTA: dict(zip(names, delta, strict=True))})
+            out.append((upload, ScaffoldClientState(dict(zip(names, new_c_i, strict=True)))))
+        return out
 
     # --- server --------------------------------------------------------------------------------
     def init_server(self, server: ServerRuntime, model: State) -> ScaffoldServerState:
