@@ -160,6 +160,34 @@ class Cohort:
         return {k: params[k][i] if k in params else received[k]
                 for k in self.template.state_dict()}
 
+    def new_model(self, state: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
+        """A fresh module of the run's model (a copy of the template), loaded with ``state``
+        if given, on the cohort's device: for a method's own models (heads, policies)."""
+        module = copy.deepcopy(self.template)
+        if state is not None:
+            module.load_state_dict(state)
+        return module.to(self.device)
+
+    @torch.no_grad()
+    def head_inputs(self, i: int, model: nn.Module, head: nn.Module,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`~pflalign.client.ClientRuntime.head_inputs` for client ``i``: what ``head``
+        (the model's last layer) receives for its train samples ``rows`` (all when None), in
+        eval mode, in chunks of 256."""
+        if rows is None:
+            rows = torch.arange(self.num_train(i), device=self.device)
+        captured: list[torch.Tensor] = []
+        hook = head.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+        was_training = model.training
+        try:
+            model.eval()
+            for start in range(0, len(rows), 256):
+                model(self.batch(i, rows[start:start + 256])[0])
+        finally:
+            hook.remove()
+            model.train(was_training)
+        return torch.cat(captured)
+
     def model(self, state: Mapping[str, torch.Tensor], slot: str = "model") -> nn.Module:
         """A module loaded with ``state``, for evaluation: one reused module per ``slot`` (loading
         copies the values in; no module is built per client; the same ``state`` object again is
@@ -186,8 +214,11 @@ class Cohort:
             self.generator(i, server_round, STREAM_OPTIMIZER, stream))
             for i in range(len(self))]
 
-    def _orders(self, server_round: int, stream: int, epochs: int | None,
-                ) -> list[Iterator[torch.Tensor]]:
+    def orders(self, server_round: int, stream: int = STREAM_TRAIN, epochs: int | None = None,
+               ) -> list[Iterator[torch.Tensor]]:
+        """Each client's index batches for (round, ``stream``), as
+        :meth:`~pflalign.client.ClientRuntime.batch_order` gives them (``epochs=None``: the
+        round's local training, capped at ``local-steps``; else that many epochs in full)."""
         t = self.training
         return [batch_indices(self.num_train(i), t.batch_size,
                               t.local_epochs if epochs is None else epochs,
@@ -225,7 +256,7 @@ class Cohort:
         missing = [n for n in self.names if n not in params]
         if missing:
             raise ValueError(f"Cohort.local_train: params lacks the model's entries {missing}.")
-        orders = self._orders(server_round, stream, epochs)
+        orders = self.orders(server_round, stream, epochs)
         views = [self.optimized(opt) for opt in optimizers]
         if any(len(v) != len(names) for v in views):
             raise ValueError("Cohort.local_train: each optimizer must step one view per trained "
@@ -233,14 +264,20 @@ class Cohort:
         loss_sums = [torch.zeros((), device=self.device) for _ in range(len(self))]
         seen = [0] * len(self)
         steps = [0] * len(self)
+        # plain SGD for every client under vmap: one stacked step for the cohort (on a GPU, one
+        # kernel per entry instead of one per client and entry)
+        lr = (self._plain_sgd(optimizers, views, params, names)
+              if self.backend == "vmap" and before_step is None else None)
         self.module.train()
-        while True:
-            batch = [next(order, None) for order in orders]
-            active = [i for i, idx in enumerate(batch) if idx is not None]
-            if not active:
-                break
-            grads, losses = (self._loop_grads if self.backend == "loop" else self._vmap_grads)(
-                params, names, batch, active)
+        for batch, active in self.lockstep(orders):
+            if lr is not None:
+                losses = self._stacked_sgd_step(params, names, batch, active, lr)
+                for i in active:
+                    loss_sums[i] += losses[i] * len(batch[i])
+                    seen[i] += len(batch[i])
+                    steps[i] += 1
+                continue
+            grads, losses = self.grads(params, names, batch, active)
             for i in active:
                 for view, g in zip(views[i], grads[i], strict=True):
                     view.grad = g
@@ -255,7 +292,68 @@ class Cohort:
         return [TrainStats(loss=float(loss_sums[i]) / max(seen[i], 1), steps=steps[i],
                            samples=seen[i]) for i in range(len(self))]
 
-    def _batch(self, i: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def lockstep(orders: Sequence[Iterator[torch.Tensor]],
+                 ) -> Iterator[tuple[list[torch.Tensor | None], list[int]]]:
+        """Step through every client's batch order together: per step, each client's next
+        index batch (None once its order is done) and the clients that have one."""
+        while True:
+            batch = [next(order, None) for order in orders]
+            active = [i for i, idx in enumerate(batch) if idx is not None]
+            if not active:
+                return
+            yield batch, active
+
+    def padded(self, batch: Sequence[torch.Tensor | None], active: Sequence[int],
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The active clients' batches as one padded tensor: inputs ``(clients, longest, ...)``,
+        labels and a float mask of the real samples (for a vmapped, masked loss)."""
+        size = max(len(batch[i]) for i in active)
+        rows = torch.zeros((len(active), size), dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(active), size), dtype=torch.float32, device=self.device)
+        for k, i in enumerate(active):
+            n = len(batch[i])
+            rows[k, :n] = self.train_rows[i][batch[i]]
+            mask[k, :n] = 1.0
+        x = self.normalize(self.images[rows.flatten()]).unflatten(0, (len(active), size))
+        return x, self.labels[rows], mask
+
+    @staticmethod
+    def _plain_sgd(optimizers: Sequence[torch.optim.Optimizer], views: list[list[torch.Tensor]],
+                   params: Stacked, names: tuple[str, ...]) -> float | None:
+        """The learning rate when every client's optimizer is SGD without momentum, weight
+        decay, Nesterov or maximize, all with one rate and over exactly its rows of ``names``
+        (so that ``p -= lr g`` on the stacked tensors is every client's step); else None."""
+        rates = set()
+        for i, opt in enumerate(optimizers):
+            if type(opt) is not torch.optim.SGD or len(opt.param_groups) != 1:
+                return None
+            group = opt.param_groups[0]
+            if (group["momentum"] or group["weight_decay"] or group["nesterov"]
+                    or group["maximize"] or group.get("differentiable")):
+                return None
+            if any(v.data_ptr() != params[n][i].data_ptr() or v.shape != params[n][i].shape
+                   for v, n in zip(views[i], names, strict=True)):
+                return None
+            rates.add(float(group["lr"]))
+        return rates.pop() if len(rates) == 1 else None
+
+    def _stacked_sgd_step(self, params: Stacked, names: tuple[str, ...], batch: list,
+                          active: list[int], lr: float) -> dict[int, torch.Tensor]:
+        g, loss = self._vmap_stacked(params, names, batch, active)
+        chosen = None if len(active) == len(self) else torch.tensor(active, device=self.device)
+        with torch.no_grad():
+            for n in names:
+                if chosen is None:
+                    params[n].add_(g[n], alpha=-lr)
+                else:
+                    params[n].index_copy_(0, chosen, params[n].index_select(0, chosen).add_(
+                        g[n], alpha=-lr))
+        return {i: loss[k].detach() for k, i in enumerate(active)}
+
+    def batch(self, i: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Client ``i``'s normalised train samples ``idx`` (positions in its train split) and
+        their labels, gathered from the pooled arrays."""
         rows = self.train_rows[i][idx]
         return self.normalize(self.images[rows]), self.labels[rows]
 
@@ -266,6 +364,15 @@ class Cohort:
         trained = {n: pick(params[n]) for n in names}
         return trained, {n: pick(p) for n, p in params.items() if n not in trained}
 
+    def grads(self, params: Stacked, names: Sequence[str], batch: list, active: list[int],
+              ) -> tuple[dict[int, list[torch.Tensor]], dict[int, torch.Tensor]]:
+        """The cross-entropy gradients of the ``names`` entries (the others held fixed) and the
+        losses of the clients ``active``, client ``i`` on its ``batch[i]`` (positions in its
+        train split): one :func:`torch.func.grad` call per client (``loop``) or one vmapped
+        call for them all (``vmap``)."""
+        fn = self._loop_grads if self.backend == "loop" else self._vmap_grads
+        return fn(params, tuple(names), batch, active)
+
     def _loop_grads(self, params: Stacked, names: tuple[str, ...], batch: list,
                     active: list[int],
                     ) -> tuple[dict[int, list[torch.Tensor]], dict[int, torch.Tensor]]:
@@ -273,7 +380,7 @@ class Cohort:
             self._grad = grad_and_value(self._loss)
         grads, losses = {}, {}
         for i in active:
-            x, y = self._batch(i, batch[i])
+            x, y = self.batch(i, batch[i])
             g, loss = self._grad(*self._split(params, names, i), x, y)
             grads[i], losses[i] = [g[n] for n in names], loss.detach()
         return grads, losses
@@ -281,21 +388,19 @@ class Cohort:
     def _vmap_grads(self, params: Stacked, names: tuple[str, ...], batch: list,
                     active: list[int],
                     ) -> tuple[dict[int, list[torch.Tensor]], dict[int, torch.Tensor]]:
-        if self._grad is None:
-            self._grad = vmap(grad_and_value(self._masked_loss))
-        size = max(len(batch[i]) for i in active)
-        rows = torch.zeros((len(active), size), dtype=torch.long, device=self.device)
-        mask = torch.zeros((len(active), size), dtype=torch.float32, device=self.device)
-        for k, i in enumerate(active):
-            n = len(batch[i])
-            rows[k, :n] = self.train_rows[i][batch[i]]
-            mask[k, :n] = 1.0
-        x = self.normalize(self.images[rows.flatten()]).unflatten(0, (len(active), size))
-        y = self.labels[rows]
-        chosen = None if len(active) == len(self) else torch.tensor(active, device=self.device)
-        g, loss = self._grad(*self._split(params, names, chosen), x, y, mask)
+        g, loss = self._vmap_stacked(params, names, batch, active)
         return ({i: [g[n][k] for n in names] for k, i in enumerate(active)},
                 {i: loss[k].detach() for k, i in enumerate(active)})
+
+    def _vmap_stacked(self, params: Stacked, names: tuple[str, ...], batch: list,
+                      active: list[int]) -> tuple[Stacked, torch.Tensor]:
+        """The active clients' gradients (stacked, in ``active`` order) and losses, in one
+        vmapped call over their batches padded to the longest, with a mask."""
+        if self._grad is None:
+            self._grad = vmap(grad_and_value(self._masked_loss))
+        x, y, mask = self.padded(batch, active)
+        chosen = None if len(active) == len(self) else torch.tensor(active, device=self.device)
+        return self._grad(*self._split(params, names, chosen), x, y, mask)
 
     # --- evaluation ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -168,7 +168,7 @@ class RunConfig(Params):
         'the cohort) or auto (vmap on a GPU, loop on the CPU, where it measured faster).',
         choices=('auto', 'loop', 'vmap'), group='simulation')
     memory_budget_gb: float = param(
-        2.0,
+        1.0,
         'engines sequential and batched: GB of client state (offsets, optimizer states, personal '
         'models) kept in memory; beyond it the least recently used clients\' state is spilled to '
         'files under out-dir and memory-mapped back when needed (0: no cap).',

@@ -67,6 +67,10 @@ def _method_section(spec: MethodSpec, variants: list[MethodSpec]) -> list[str]:
              f"{'yes' if spec.local_optimizer else 'no (its own local rule)'}"
              + (". Needs batch norm (runs on `cnn-bn` when `model = cnn`)."
                 if spec.needs_batch_norm else ".")]
+    missing = cls.missing_batched_rule()
+    lines.append("- `engine = batched`: " + ("its clients train and evaluate together (batched "
+                                              "rules)." if missing is None else
+                                              f"one client at a time ({missing})."))
     space = spec.search_space
     lines.append("- Tuned by `--tune` over: " + ("; ".join(
         f"`{k}` in {{{', '.join(toml_literal(v) for v in values)}}}"

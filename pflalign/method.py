@@ -128,9 +128,16 @@ class Method(Generic[P, C, S]):
         it can. The batched rules count only when defined by the class that defines the
         per-client ones (a subclass that changes :meth:`train` does not inherit a batched rule
         that no longer matches it)."""
+        return self.missing_batched_rule()
+
+    @classmethod
+    def missing_batched_rule(cls) -> str | None:
+        """Why the class has no batched rules (None when it has both)."""
         for rule in ("train", "evaluate"):
-            if _owner(type(self), rule) is not _owner(type(self), f"{rule}_cohort"):
-                return f"it has no batched {rule} rule ({rule}_cohort)"
+            if _owner(cls, rule) is not _owner(cls, f"{rule}_cohort"):
+                return f"it has no batched {rule} rule: {rule}_cohort"
+        if cls.needs_batch_norm:
+            return "it needs batch norm, whose statistics the cohort does not keep per client"
         return None
 
     # --- server rules --------------------------------------------------------------------------

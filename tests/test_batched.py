@@ -25,13 +25,16 @@ from pflalign.results import Reporter
 from pflalign.store import ClientStateStore
 from pflalign.train import num_local_steps
 
-#: fedavg with each local optimizer, pFLAlign with its state on the client and on the server,
-#: with GENIE and two ablations, and ditto (no batched rule: one client at a time)
-ENTRIES = ("fedavg,fedavg(local-optimizer=\"adam\"),fedavg(local-optimizer=\"genie\"),pflalign,"
-           "pflalign(pflalign-state=\"server\"),pflalign-genie,pflalign-hardgamma,"
-           "pflalign-noprecond,ditto")
-TINY = {"num-clients": 6, "max-samples": 1500, "rounds": 3, "eval-every": 1,
-        "fraction-train": 0.5, "local-steps": 3, "cohort-size": 2}
+#: every registered method with batched rules (the variants of pFLAlign among them), fedavg with
+#: each local optimizer, and fedbn, which has none and must say it runs one client at a time
+UNBATCHED = {spec.name for spec in METHODS.values()
+             if spec.method.missing_batched_rule() is not None}
+ENTRIES = ",".join([spec.name for spec in METHODS.values() if spec.name not in UNBATCHED
+                    and (spec.variant_of is None or spec.variant_of == "pflalign")]
+                   + ['fedavg(local-optimizer="adam")', 'fedavg(local-optimizer="genie")',
+                      'pflalign(pflalign-state="server")', "fedbn"])
+TINY = {"num-clients": 5, "num-unseen-clients": 1, "max-samples": 1000, "rounds": 2,
+        "eval-every": 1, "fraction-train": 0.6, "local-steps": 2, "cohort-size": 2}
 
 
 class Lines(Reporter):
@@ -71,10 +74,8 @@ def test_the_batched_engine_gives_the_sequential_engines_results_bit_for_bit(seq
     batched, lines = _run(tmp_path, "batched", simulate_batched, engine="batched",
                           **{"batched-backend": "loop"})
     assert comparable(batched["methods"]) == comparable(sequential["methods"])
-    # the round-1 training loss of every entry, which a silent fallback would also match, is not
-    # all the test checks: ditto alone says it ran one client at a time
     said = [line for line in lines if "one at a time" in line]
-    assert len(said) == 1 and said[0].startswith("[ditto]")
+    assert len(said) == 1 and said[0].startswith("[fedbn]") and "batch norm" in said[0]
 
 
 def _close(a: object, b: object, where: str = "") -> None:
@@ -106,7 +107,7 @@ def test_the_vmap_backend_agrees_within_float32_rounding(sequential, tmp_path):
 
 
 def test_a_spilled_run_gives_the_same_results(sequential, tmp_path):
-    entries = ["pflalign", 'pflalign(pflalign-state="server")', "ditto"]
+    entries = ["pflalign", 'pflalign(pflalign-state="server")', "ditto", "scaffold"]
     spilled, lines = _run(tmp_path, "spilled", simulate_batched, engine="batched",
                           methods=",".join(entries), **{"memory-budget-gb": 1e-5})
     assert comparable(spilled["methods"]) == comparable(
@@ -161,10 +162,16 @@ def test_what_the_cohort_cannot_serve_falls_back_and_says_why():
     assert "rotated" in unsupported(Settings({**base, "partition": "rotated"}))
     assert "fault" in unsupported(Settings({**base, "client-failure-rate": 0.1}))
     assert "batch norm" in unsupported(Settings({**base, "model": "cnn-bn"}))
-    # fedprox changes fedavg's train: it must not inherit fedavg's batched rule
-    fedprox = METHODS["fedprox"].build(Settings({**base, "methods": "fedprox"}))
-    assert "no batched train rule" in fedprox.cohort_unsupported()
-    assert METHODS["fedavg"].build(Settings(base)).cohort_unsupported() is None
+    # a subclass that changes train must not inherit its parent's batched rule
+    fedavg = METHODS["fedavg"].method
+
+    class Changed(fedavg):
+        def train(self, client, received, state):
+            return super().train(client, received, state)
+
+    assert "no batched train rule" in Changed.missing_batched_rule()
+    assert fedavg.missing_batched_rule() is None
+    assert METHODS["fedbn"].method.missing_batched_rule() is not None
 
 
 # --- the store -----------------------------------------------------------------------------------

@@ -17,7 +17,9 @@ method is FedAvg exactly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,10 @@ from pflalign.method import Method
 from pflalign.params import Params, param
 from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
 from pflalign.state import ArrayState, TorchState
+from pflalign.train import STREAM_TRAIN, LocalTraining
+
+if TYPE_CHECKING:
+    from pflalign.cohort import Cohort
 
 
 @dataclass(frozen=True)
@@ -69,13 +75,42 @@ class APFL(Method):
     def _alpha(self, state: APFLClientState) -> float:
         return self.params.alpha if state.alpha is None else state.alpha
 
-    def train(self, client: ClientRuntime, received: Received, state: APFLClientState,
-              ) -> tuple[Upload, APFLClientState]:
-        t = client.training
+    @staticmethod
+    def _check(t: LocalTraining) -> None:
         if t.momentum:
             raise ValueError("apfl updates its personal model by plain SGD (Algorithm 1); set "
                              "momentum = 0 for it, so that both of its models use the same rule.")
-        lr, alpha_lr, adaptive = t.lr, self.params.alpha_lr, self.params.adaptive
+
+    @staticmethod
+    @torch.no_grad()
+    def _mix_(w_bar: list[torch.Tensor], w: list[torch.Tensor], v: list[torch.Tensor],
+              alpha: float) -> None:
+        """``w_bar <- alpha v + (1 - alpha) w``: the mixture a step's mixed loss is taken at."""
+        torch._foreach_copy_(w_bar, lerp_models(w, v, alpha))
+
+    def _alpha_grad(self, v: list[torch.Tensor], w: list[torch.Tensor],
+                    g_bar: list[torch.Tensor]) -> float | None:
+        """alpha's gradient at ``v`` and ``w`` before the step (None without adaptation)."""
+        return apfl_alpha_grad(v, w, g_bar) if self.params.adaptive else None
+
+    def _personal_step_(self, v: list[torch.Tensor], g_bar: list[torch.Tensor], alpha: float,
+                        alpha_grad: float | None, lr: float) -> float:
+        """``v <- v - lr alpha grad f(v_bar)`` in place, and alpha's new value."""
+        with torch.no_grad():
+            torch._foreach_add_(v, g_bar, alpha=-lr * alpha)
+        return alpha if alpha_grad is None else apfl_alpha_step(alpha, alpha_grad,
+                                                                self.params.alpha_lr)
+
+    @staticmethod
+    def _metrics(loss_sum: float, mixed_sum: float, seen: int, steps: int, alpha: float,
+                 ) -> dict:
+        return {TRAIN_LOSS: loss_sum / max(seen, 1), LOCAL_STEPS: steps,
+                "personal-train-loss": mixed_sum / max(seen, 1), "alpha": alpha}
+
+    def train(self, client: ClientRuntime, received: Received, state: APFLClientState,
+              ) -> tuple[Upload, APFLClientState]:
+        t = client.training
+        self._check(t)
         model = client.new_model(received.model)
         personal = client.new_model(state.personal or received.model)
         mixed = client.new_model(received.model)
@@ -86,30 +121,76 @@ class APFL(Method):
         mixed.train()
         loss_sum, mixed_sum, seen, steps = 0.0, 0.0, 0, 0
         for inputs, targets in client.batches(received.server_round):
-            with torch.no_grad():
-                torch._foreach_copy_(w_bar, lerp_models(w, v, alpha))
+            self._mix_(w_bar, w, v, alpha)
             mixed.zero_grad(set_to_none=True)
             mixed_loss = F.cross_entropy(mixed(inputs), targets)
             mixed_loss.backward()
             g_bar = grads_of(w_bar)
-            if adaptive:
-                alpha_grad = apfl_alpha_grad(v, w, g_bar)
+            alpha_grad = self._alpha_grad(v, w, g_bar)
             loss = F.cross_entropy(model(inputs), targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            with torch.no_grad():
-                torch._foreach_add_(v, g_bar, alpha=-lr * alpha)
-            if adaptive:
-                alpha = apfl_alpha_step(alpha, alpha_grad, alpha_lr)
+            alpha = self._personal_step_(v, g_bar, alpha, alpha_grad, t.lr)
             loss_sum += float(loss.detach()) * len(targets)
             mixed_sum += float(mixed_loss.detach()) * len(targets)
             seen += len(targets)
             steps += 1
-        upload = Upload(model.state_dict(), {
-            TRAIN_LOSS: loss_sum / max(seen, 1), LOCAL_STEPS: steps,
-            "personal-train-loss": mixed_sum / max(seen, 1), "alpha": alpha})
+        upload = Upload(model.state_dict(), self._metrics(loss_sum, mixed_sum, seen, steps, alpha))
         return upload, APFLClientState(personal.state_dict(), alpha)
+
+    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
+                     states: Sequence[APFLClientState],
+                     ) -> list[tuple[Upload, APFLClientState]]:
+        """:meth:`train` for every client in lockstep: ``w``, ``v`` and the mixture stacked, one
+        mini-batch per client per step, each client's the one :meth:`train` draws."""
+        t = cohort.training
+        self._check(t)
+        server_round = received[0].server_round
+        names = tuple(cohort.names)
+        starts = [s.personal or r.model for r, s in zip(received, states, strict=True)]
+        w_all = cohort.stack([r.model for r in received])
+        v_all = cohort.stack(starts)
+        bar_all = {n: q.clone() for n, q in w_all.items()}
+        n = len(cohort)
+        w = [cohort.views(w_all, i) for i in range(n)]
+        v = [cohort.views(v_all, i) for i in range(n)]
+        w_bar = [cohort.views(bar_all, i) for i in range(n)]
+        optimizers = [t.sgd(w[i]) for i in range(n)]
+        alphas = [self._alpha(s) for s in states]
+        loss_sum, mixed_sum, seen, steps = [0.0] * n, [0.0] * n, [0] * n, [0] * n
+        grads = cohort.grads
+        orders = cohort.orders(server_round, STREAM_TRAIN, None)
+        cohort.module.train()
+        for batch, active in cohort.lockstep(orders):
+            for i in active:
+                self._mix_(w_bar[i], w[i], v[i], alphas[i])
+            g_bar, mixed_losses = grads(bar_all, names, batch, active)
+            g_w, losses = grads(w_all, names, batch, active)
+            for i in active:
+                alpha_grad = self._alpha_grad(v[i], w[i], g_bar[i])
+                for view, g in zip(w[i], g_w[i], strict=True):
+                    view.grad = g
+                optimizers[i].step()
+                for view in w[i]:
+                    view.grad = None
+                alphas[i] = self._personal_step_(v[i], g_bar[i], alphas[i], alpha_grad, t.lr)
+                size = len(batch[i])
+                loss_sum[i] += float(losses[i]) * size
+                mixed_sum[i] += float(mixed_losses[i]) * size
+                seen[i] += size
+                steps[i] += 1
+        return [(Upload(cohort.state_dict(w_all, i, r.model),
+                        self._metrics(loss_sum[i], mixed_sum[i], seen[i], steps[i], alphas[i])),
+                 APFLClientState(cohort.state_dict(v_all, i, starts[i]), alphas[i]))
+                for i, r in enumerate(received)]
+
+    def _mixture(self, global_: TorchState, state: APFLClientState, names: Sequence[str],
+                 device: torch.device) -> list[torch.Tensor]:
+        """The evaluated mixture's trainable entries ``names``: ``alpha v + (1 - alpha) w_g``."""
+        with torch.no_grad():
+            return lerp_models([global_[k].to(device) for k in names],
+                               [state.personal[k].to(device) for k in names], self._alpha(state))
 
     def evaluate(self, client: ClientRuntime, received: Received,
                  state: APFLClientState) -> dict:
@@ -118,8 +199,23 @@ class APFL(Method):
         if state.personal is None:
             return client.eval_metrics(global_result, global_result)
         mixed = client.new_model(global_model.state_dict())
+        named = [(k, q) for k, q in mixed.named_parameters() if q.requires_grad]
         with torch.no_grad():
-            torch._foreach_copy_(_trainable(mixed), lerp_models(
-                _trainable(global_model), _trainable(client.new_model(state.personal)),
-                self._alpha(state)))
+            torch._foreach_copy_([q for _, q in named], self._mixture(
+                global_model.state_dict(), state, [k for k, _ in named], client.device))
         return client.eval_metrics(client.test(mixed), global_result)
+
+    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
+                        states: Sequence[APFLClientState]) -> list[dict]:
+        out = []
+        for i, (r, state) in enumerate(zip(received, states, strict=True)):
+            global_result = cohort.test(cohort.model(r.model, "global"), i)
+            if state.personal is None:
+                out.append(cohort.eval_metrics(global_result, global_result))
+                continue
+            mixed = dict(zip(cohort.names, self._mixture(r.model, state, cohort.names,
+                                                         cohort.device), strict=True))
+            weights = {k: mixed.get(k, q) for k, q in r.model.items()}
+            out.append(cohort.eval_metrics(cohort.test(cohort.model(weights, "mixed"), i),
+                                           global_result))
+        return out

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from pflalign.client import ClientRuntime
 from pflalign.methods.fedper import FedPer
-from pflalign.methods.partial import HeadParams
+from pflalign.methods.partial import HeadParams, Phase
 from pflalign.params import param
-from pflalign.train import STREAM_PERSONAL, STREAM_TRAIN, TrainStats
+from pflalign.train import STREAM_PERSONAL, STREAM_TRAIN
 
 
 @dataclass(frozen=True)
@@ -37,10 +36,9 @@ class FedRep(FedPer):
              "Learning, ICML 2021")
     Params = FedRepParams
 
-    def train_round(self, client: ClientRuntime, model: nn.Module,
-                    server_round: int) -> TrainStats:
-        head = self.personal_entries(client.template())
-        self.train_part(client, model, head, server_round, STREAM_PERSONAL,
-                        self.params.head_epochs)
+    def phases(self, model: nn.Module) -> list[Phase]:
+        """The head for ``fedrep-head-epochs`` (body frozen), then the body for the round's
+        local epochs (head frozen): its statistics are the round's."""
+        head = self.personal_entries(model)
         body = tuple(n for n, _ in model.named_parameters() if n not in set(head))
-        return self.train_part(client, model, body, server_round, STREAM_TRAIN, None)
+        return [(head, STREAM_PERSONAL, self.params.head_epochs), (body, STREAM_TRAIN, None)]

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -33,6 +35,9 @@ from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
 from pflalign.server import ServerRuntime
 from pflalign.state import ArrayState, ServerState, TorchState
 from pflalign.train import STREAM_FINETUNE, STREAM_TRAIN
+
+if TYPE_CHECKING:
+    from pflalign.cohort import Cohort, Stacked
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,11 @@ class PFedMe(Method):
     ClientState = PFedMeClientState
     local_optimizer = False
 
+    def _inner_step_(self, theta: list[torch.Tensor], w: list[torch.Tensor]) -> None:
+        """One step on the inner problem, ``grad f(theta)`` in ``theta[k].grad``."""
+        p = self.params
+        pfedme_inner_step_(theta, w, p.lambda_, p.personal_lr)
+
     def _solve(self, client: ClientRuntime, theta: nn.Module, local: nn.Module,
                server_round: int, stream: int, epochs: int | None, move_local: bool,
                ) -> tuple[float, int]:
@@ -77,13 +87,45 @@ class PFedMe(Method):
                 theta.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(theta(x), y)
                 loss.backward()
-                pfedme_inner_step_(th, w, p.lambda_, p.personal_lr)
+                self._inner_step_(th, w)
             if move_local:
                 pfedme_outer_step_(w, th, p.lambda_, client.training.lr)
             loss_sum += float(loss.detach()) * len(y)
             seen += len(y)
             steps += 1
         return loss_sum / max(seen, 1), steps
+
+    def _solve_cohort(self, cohort: Cohort, theta: Stacked, local: Stacked, server_round: int,
+                      stream: int, epochs: int | None, move_local: bool,
+                      ) -> list[tuple[float, int]]:
+        """:meth:`_solve` for every client of ``cohort`` in lockstep (``theta`` and ``local``
+        stacked): each step, every client's own next mini-batch and its ``pfedme-k`` inner
+        steps."""
+        p = self.params
+        names = tuple(cohort.names)
+        n = len(cohort)
+        th = [cohort.views(theta, i) for i in range(n)]
+        w = [cohort.views(local, i) for i in range(n)]
+        grads = cohort.grads
+        orders = cohort.orders(server_round, stream, epochs)
+        loss_sum, seen, steps = [0.0] * n, [0] * n, [0] * n
+        cohort.module.train()
+        for batch, active in cohort.lockstep(orders):
+            for _ in range(p.k):
+                g, losses = grads(theta, names, batch, active)
+                for i in active:
+                    for view, grad in zip(th[i], g[i], strict=True):
+                        view.grad = grad
+                    self._inner_step_(th[i], w[i])
+                    for view in th[i]:
+                        view.grad = None
+            for i in active:
+                if move_local:
+                    pfedme_outer_step_(w[i], th[i], p.lambda_, cohort.training.lr)
+                loss_sum[i] += float(losses[i]) * len(batch[i])
+                seen[i] += len(batch[i])
+                steps[i] += 1
+        return [(loss_sum[i] / max(seen[i], 1), steps[i]) for i in range(n)]
 
     def train(self, client: ClientRuntime, received: Received, state: PFedMeClientState,
               ) -> tuple[Upload, PFedMeClientState]:
@@ -97,6 +139,19 @@ class PFedMe(Method):
         return (Upload(local.state_dict(), {TRAIN_LOSS: loss, LOCAL_STEPS: steps}),
                 PFedMeClientState(personal))
 
+    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
+                     states: Sequence[PFedMeClientState],
+                     ) -> list[tuple[Upload, PFedMeClientState]]:
+        # the cohort's models have no batch norm: theta's buffers are the received model's
+        local = cohort.stack([r.model for r in received])
+        theta = {n: q.clone() for n, q in local.items()}
+        solved = self._solve_cohort(cohort, theta, local, received[0].server_round, STREAM_TRAIN,
+                                    None, True)
+        return [(Upload(cohort.state_dict(local, i, r.model),
+                        {TRAIN_LOSS: solved[i][0], LOCAL_STEPS: solved[i][1]}),
+                 PFedMeClientState(cohort.state_dict(theta, i, r.model)))
+                for i, r in enumerate(received)]
+
     def evaluate(self, client: ClientRuntime, received: Received,
                  state: PFedMeClientState) -> dict:
         global_model = client.new_model(received.model)
@@ -108,6 +163,25 @@ class PFedMe(Method):
         else:
             theta = client.new_model(state.personal)
         return client.eval_metrics(client.test(theta), global_result)
+
+    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
+                        states: Sequence[PFedMeClientState]) -> list[dict]:
+        global_results = [cohort.test(cohort.model(r.model, "global"), i)
+                          for i, r in enumerate(received)]
+        personal: dict[int, dict] = {i: s.personal for i, s in enumerate(states)
+                                     if s.personal is not None}
+        fresh = [i for i in range(len(cohort)) if i not in personal]
+        if fresh:  # the new-client procedure: theta solved around the global model
+            part = cohort.subset(fresh)
+            models = [received[i].model for i in fresh]
+            anchors = part.stack(models)
+            theta = {n: q.clone() for n, q in anchors.items()}
+            self._solve_cohort(part, theta, anchors, received[0].server_round, STREAM_FINETUNE,
+                               1, False)
+            personal.update({i: part.state_dict(theta, k, models[k])
+                             for k, i in enumerate(fresh)})
+        return [cohort.eval_metrics(cohort.test(cohort.model(personal[i], "personal"), i),
+                                    global_results[i]) for i in range(len(cohort))]
 
     def aggregate(self, server: ServerRuntime, state: ServerState, server_round: int,
                   updates: Sequence[Update]) -> tuple[ServerState, dict[str, float]]:
