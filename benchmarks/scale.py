@@ -198,7 +198,7 @@ def table(cells: list[dict]) -> str:
     reference = {(c["clients"], c["method"]): c["metrics"] for c in cells
                  if c["engine"] == "sequential" and "error" not in c}
     head = (f"{'engine':<11}{'clients':>8}  {'method':<9}{'clients/s':>10}{'s/round':>9}"
-            f"{'eval s':>8}{'peak RSS GB':>13}{'GPU GB':>8}{'personal':>10}{'same':>6}")
+            f"{'eval s':>8}{'peak RSS GB':>13}{'GPU GB':>8}{'personal':>10}{'same':>8}")
     lines = [head, "-" * len(head)]
     for c in cells:
         if "error" in c:
@@ -209,7 +209,7 @@ def table(cells: list[dict]) -> str:
         lines.append(
             f"{c['engine']:<11}{c['clients']:>8}  {c['method']:<9}{c['clients-per-s']:>10.2f}"
             f"{c['s-per-round']:>9.2f}{c['eval-s']:>8.2f}{c['peak-rss-gb']:>13.2f}{gpu:>8}"
-            f"{100 * c['personal-acc']:>9.2f}%{same(ref, c['metrics']) if ref else '-':>6}")
+            f"{100 * c['personal-acc']:>9.2f}%{same(ref, c['metrics']) if ref else '-':>8}")
     return "\n".join(lines)
 
 

@@ -11,6 +11,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +36,7 @@ ENTRIES = ",".join([spec.name for spec in METHODS.values() if spec.name not in U
                     and (spec.variant_of is None or spec.variant_of == "pflalign")]
                    + ['fedavg(local-optimizer="adam")', 'fedavg(local-optimizer="genie")',
                       'pflalign(pflalign-state="server")', "fedbn"])
+ROOT = Path(__file__).resolve().parent.parent
 TINY = {"num-clients": 5, "num-unseen-clients": 1, "max-samples": 1000, "rounds": 2,
         "eval-every": 1, "fraction-train": 0.6, "local-steps": 2, "cohort-size": 2}
 
@@ -213,3 +217,21 @@ def test_a_store_without_a_budget_never_spills(tmp_path):
     for c in range(20):
         store[c] = _state(c)
     assert store.on_disk == 0 and store.describe() is None and not list(tmp_path.iterdir())
+
+
+def test_simulate_py_on_the_batched_engine_imports_neither_ray_nor_flwr(tmp_path):
+    """The GPU machine's NO_RAY pack runs the in-process engines from simulate.py."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['simulate.py', '--quiet', '--overwrite', '--set', 'engine=batched',\n"
+            "            '--set', 'methods=fedavg', '--set', 'num-clients=4', '--set',\n"
+            "            'max-samples=400', '--set', 'rounds=1', '--set', 'local-steps=1',\n"
+            f"            '--set', 'out-dir={tmp_path}']\n"
+            "try:\n"
+            "    runpy.run_path('simulate.py', run_name='__main__')\n"
+            "except SystemExit as stop:\n"
+            "    assert not stop.code, stop.code\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'flwr'}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "results.json").exists()
