@@ -60,6 +60,24 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@torch.no_grad()
+def head_inputs(model: nn.Module, head: nn.Module, batches: Iterable[torch.Tensor],
+                ) -> torch.Tensor:
+    """What ``head`` (a layer of ``model``) receives when ``model`` runs on each of ``batches``
+    in eval mode, concatenated (the model's mode is restored)."""
+    captured: list[torch.Tensor] = []
+    hook = head.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    was_training = model.training
+    try:
+        model.eval()
+        for batch in batches:
+            model(batch)
+    finally:
+        hook.remove()
+        model.train(was_training)
+    return torch.cat(captured)
+
+
 @dataclass
 class Received:
     """What the server sent a client for one action: named array records (torch state dicts;
@@ -197,17 +215,8 @@ class ClientRuntime:
         data = self.data
         chosen = torch.arange(data.num_train, device=data.train_x.device) \
             if indices is None else indices
-        captured: list[torch.Tensor] = []
-        hook = head.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
-        was_training = model.training
-        try:
-            model.eval()
-            for start in range(0, len(chosen), 256):
-                model(data.normalize(data.train_x[chosen[start:start + 256]]))
-        finally:
-            hook.remove()
-            model.train(was_training)
-        return torch.cat(captured)
+        return head_inputs(model, head, (data.normalize(data.train_x[chosen[start:start + 256]])
+                                         for start in range(0, len(chosen), 256)))
 
     # --- evaluation ----------------------------------------------------------------------------
     def test(self, model: nn.Module) -> EvalStats:

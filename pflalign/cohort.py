@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from pflalign.client import ClientRuntime
+from pflalign.client import ClientRuntime, head_inputs
 from pflalign.data import Normalizer
 from pflalign.federation import federated_dataset
 from pflalign.models import is_deterministic_in_training
@@ -169,7 +169,6 @@ class Cohort:
             module.load_state_dict(state)
         return module.to(self.device)
 
-    @torch.no_grad()
     def head_inputs(self, i: int, model: nn.Module, head: nn.Module,
                     rows: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`~pflalign.client.ClientRuntime.head_inputs` for client ``i``: what ``head``
@@ -177,17 +176,8 @@ class Cohort:
         eval mode, in chunks of 256."""
         if rows is None:
             rows = torch.arange(self.num_train(i), device=self.device)
-        captured: list[torch.Tensor] = []
-        hook = head.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
-        was_training = model.training
-        try:
-            model.eval()
-            for start in range(0, len(rows), 256):
-                model(self.batch(i, rows[start:start + 256])[0])
-        finally:
-            hook.remove()
-            model.train(was_training)
-        return torch.cat(captured)
+        return head_inputs(model, head, (self.batch(i, rows[start:start + 256])[0]
+                                         for start in range(0, len(rows), 256)))
 
     def model(self, state: Mapping[str, torch.Tensor], slot: str = "model") -> nn.Module:
         """A module loaded with ``state``, for evaluation: one reused module per ``slot`` (loading
