@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from pflalign.client import ClientRuntime, head_inputs
+from pflalign.client import ClientRuntime, Received, head_inputs
 from pflalign.data import Normalizer
 from pflalign.federation import federated_dataset
 from pflalign.models import is_deterministic_in_training
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from pflalign.config import Settings
 
 Stacked = dict[str, torch.Tensor]
-BACKENDS = ("auto", "loop", "vmap")
 
 _POOLS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -116,9 +115,9 @@ class Cohort:
         self.normalize = Normalizer(dataset.mean, dataset.std)
         self.num_classes = dataset.num_classes
         self.template = ClientRuntime.template_for(self.settings)
-        # the cohort's own copy, run functionally (its own tensors are never used) and reused
-        # for evaluation (loaded with each model in turn)
-        self.module = copy.deepcopy(self.template).to(self.device)
+        # the cohort's own copy for training: the loop backend points its parameters at each
+        # client's rows in turn, the vmap backend calls it functionally
+        self.module = self.new_model()
         self._slots: dict[str, nn.Module] = {}
         self._loaded: dict[str, Mapping[str, torch.Tensor]] = {}
         self.names = [n for n, p in self.template.named_parameters() if p.requires_grad]
@@ -134,6 +133,25 @@ class Cohort:
         """A cohort of some of these clients (``indices`` into :attr:`clients`)."""
         return Cohort(self.settings, [self.clients[i] for i in indices], self.device,
                       self.backend)
+
+    def personal_models(self, personal: Mapping[int, Mapping[str, torch.Tensor]],
+                        received: Sequence[Received],
+                        fit: Callable[[Cohort, Stacked, Stacked], object],
+                        ) -> dict[int, Mapping[str, torch.Tensor]]:
+        """Every client's personal model: ``personal[i]`` where client ``i`` has one; for the
+        others (new clients), ``fit(part, trained, anchors)`` on the cohort of just them, with
+        ``trained`` (fitted in place) and ``anchors`` both stacked copies of the models they
+        received."""
+        out = dict(personal)
+        fresh = [i for i in range(len(self)) if i not in out]
+        if fresh:
+            part = self.subset(fresh)
+            models = [received[i].model for i in fresh]
+            anchors = part.stack(models)
+            trained = {n: p.clone() for n, p in anchors.items()}
+            fit(part, trained, anchors)
+            out.update({i: part.state_dict(trained, k, models[k]) for k, i in enumerate(fresh)})
+        return out
 
     @staticmethod
     def optimized(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -185,7 +203,7 @@ class Cohort:
         not reloaded). A model held while another is loaded needs another slot; a module from
         here is read-only (a changed model is loaded from a changed state)."""
         if slot not in self._slots:
-            self._slots[slot] = copy.deepcopy(self.template).to(self.device)
+            self._slots[slot] = self.new_model()
         module = self._slots[slot]
         if self._loaded.get(slot) is not state:  # the same record again (the global model)
             module.load_state_dict(state)
@@ -216,10 +234,6 @@ class Cohort:
                               t.local_steps if epochs is None else 0,
                               self.generator(i, server_round, stream), self.device)
                 for i in range(len(self))]
-
-    def _loss(self, trained: Stacked, fixed: Stacked, x: torch.Tensor,
-              y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(functional_call(self.module, {**fixed, **trained}, (x,)), y)
 
     def _masked_loss(self, trained: Stacked, fixed: Stacked, x: torch.Tensor, y: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
@@ -348,9 +362,9 @@ class Cohort:
         rows = self.train_rows[i][idx]
         return self.normalize(self.images[rows]), self.labels[rows]
 
-    def _split(self, params: Stacked, names: tuple[str, ...], rows: int | torch.Tensor | None,
+    def _split(self, params: Stacked, names: tuple[str, ...], rows: torch.Tensor | None,
                ) -> tuple[Stacked, Stacked]:
-        """(trained, fixed) entries of client ``rows`` (all clients: None)."""
+        """(trained, fixed) entries of the clients ``rows`` (all clients: None)."""
         pick = (lambda p: p) if rows is None else (lambda p: p[rows])
         trained = {n: pick(params[n]) for n in names}
         return trained, {n: pick(p) for n, p in params.items() if n not in trained}

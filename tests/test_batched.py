@@ -19,14 +19,17 @@ import numpy as np
 import pytest
 import torch
 
+from pflalign import interrupt
 from pflalign.cohort import Cohort, unsupported
 from pflalign.config import Settings
 from pflalign.engines.batched import simulate as simulate_batched
 from pflalign.engines.sequential import simulate as simulate_sequential
+from pflalign.interrupt import Interrupted
 from pflalign.methods import METHODS
 from pflalign.results import Reporter
 from pflalign.store import ClientStateStore
 from pflalign.train import num_local_steps
+from tests.test_checkpoint import _StopAt
 
 #: every registered method with batched rules (the variants of pFLAlign among them), fedavg with
 #: each local optimizer, and fedbn, which has none and must say it runs one client at a time
@@ -235,3 +238,19 @@ def test_simulate_py_on_the_batched_engine_imports_neither_ray_nor_flwr(tmp_path
                          cwd=ROOT, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
     assert (tmp_path / "results.json").exists()
+
+
+def test_a_stopped_batched_run_resumes_to_the_uninterrupted_results(sequential, tmp_path):
+    """Client-held state (pFLAlign's Delta, v, P) goes to the checkpoint through the store and
+    comes back to each cohort client as its restored state."""
+    settings = Settings({**TINY, "engine": "batched", "methods": "pflalign,ditto",
+                         "checkpoint-every": 1, "out-dir": str(tmp_path)})
+    with pytest.raises(Interrupted):
+        simulate_batched(settings, _StopAt("[ditto] round   1/2"))
+    interrupt.reset()
+    assert (tmp_path / "checkpoints" / "ditto.npz").exists()
+    reporter = _StopAt()
+    resumed = simulate_batched(settings, reporter, resume=True)
+    assert any(line.startswith("[ditto] resumed from round 1") for line in reporter.lines)
+    assert comparable(resumed["methods"]) == comparable(
+        {k: sequential["methods"][k] for k in ("pflalign", "ditto")})

@@ -20,7 +20,6 @@ flwr.
 from __future__ import annotations
 
 import time
-import traceback
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -30,17 +29,19 @@ from pflalign import cohort as cohorts
 from pflalign.client import Received
 from pflalign.config import Settings
 from pflalign.engines import check_resources, run_methods
-from pflalign.engines.host import method_of
-from pflalign.engines.sequential import SequentialEngine, payload_bytes
+from pflalign.engines.host import counted, method_of, state_to_keep, train_reply
+from pflalign.engines.sequential import (
+    SequentialEngine,
+    failure_reply,
+    numpy_records,
+    payload_bytes,
+    sent_bytes,
+    sent_records,
+)
 from pflalign.federation import federated_dataset
 from pflalign.protocol import (
-    CLIENT_SECONDS,
     EVALUATE,
-    HAD_STATE,
-    KEPT_STATE,
     METHOD,
-    MODEL,
-    NUM_EXAMPLES,
     PARTITION_ID,
     RESTORE,
     ROUND,
@@ -62,12 +63,10 @@ class BatchedEngine(SequentialEngine):
         self.backend = cohorts.resolve_backend(run.batched_backend, self.device)
         self.cohort_size = run.cohort_size
         self._said: set[str] = set()
+        self._unsupported = cohorts.unsupported(settings)  # the run's: the same every round
 
     def _fallback_reason(self, method_name: str) -> str | None:
-        reason = cohorts.unsupported(self.settings)
-        if reason is None:
-            reason = method_of(self.settings, method_name).cohort_unsupported()
-        return reason
+        return self._unsupported or method_of(self.settings, method_name).cohort_unsupported()
 
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
         if action not in (TRAIN, EVALUATE) or not messages:
@@ -82,24 +81,20 @@ class BatchedEngine(SequentialEngine):
             return super().exchange(action, messages)
         configure_threads(self.settings.run.client_resources_num_cpus)
         method = method_of(self.settings, name)
-        converted: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+        converted: dict[tuple[int, ...], tuple[list, dict[str, torch.Tensor]]] = {}
         replies: list[Reply] = []
         down = up = 0
         for start in range(0, len(messages), self.cohort_size):
             chunk = messages[start:start + self.cohort_size]
             received = []
             for message in chunk:
-                arrays = message.payload.arrays
-                if RESTORE in arrays:  # a resumed client's state: it replaces the saved one
-                    self.states[message.client] = {
-                        k: np.array(v, order="C", copy=True) for k, v in arrays[RESTORE].items()}
-                # as the sequential engine counts them (0-d arrays travel as 1-d)
-                down += payload_bytes({k: np.ascontiguousarray(v) for k, v in record.items()}
-                                      for record_name, record in arrays.items()
-                                      if record_name != RESTORE)
+                sent = sent_records(message.payload.arrays)
+                down += sent_bytes(sent)
+                if RESTORE in sent:  # a resumed client's state: it replaces the saved one
+                    self.states[message.client] = sent[RESTORE]
                 received.append(Received(int(message.config[ROUND]), {
                     record_name: self._torch(record, converted)
-                    for record_name, record in arrays.items()
+                    for record_name, record in sent.items()
                     if record_name != RESTORE and len(record)}, dict(message.config)))
             cohort_replies, cohort_up = self._run_cohort(action, method, chunk, received)
             replies.extend(cohort_replies)
@@ -107,16 +102,17 @@ class BatchedEngine(SequentialEngine):
         return Exchange(replies, down, up)
 
     def _torch(self, record: Mapping[str, np.ndarray],
-               converted: dict[tuple[int, ...], dict[str, torch.Tensor]],
+               converted: dict[tuple[int, ...], tuple[list, dict[str, torch.Tensor]]],
                ) -> dict[str, torch.Tensor]:
         """A received record as torch tensors on the device: one copy per distinct record in an
-        exchange (the global model sent to a thousand clients is converted once)."""
+        exchange (the global model sent to a thousand clients is converted once). The arrays
+        are kept with their copy, so that no id in a key is reused while the exchange runs."""
         key = tuple(id(v) for v in record.values())
         if key not in converted:
-            converted[key] = {
-                k: torch.from_numpy(np.array(np.ascontiguousarray(v), copy=True)).to(self.device)
-                for k, v in record.items()}
-        return converted[key]
+            converted[key] = (list(record.values()), {
+                k: torch.from_numpy(np.array(v, copy=True)).to(self.device)
+                for k, v in record.items()})
+        return converted[key][1]
 
     def _run_cohort(self, action: str, method, chunk: Sequence[Outgoing],
                     received: list[Received]) -> tuple[list[Reply], int]:
@@ -131,34 +127,22 @@ class BatchedEngine(SequentialEngine):
             else:
                 results = method.train_cohort(cohort, received, states)
         except Exception as err:  # the cohort's clients fail, as failing clients do under Flower
-            where = traceback.extract_tb(err.__traceback__)[-1]
-            error = f"failed: {type(err).__name__}: {err} (at {where.filename}:{where.lineno})"
-            return [Reply(c, f"client {c}", error=error) for c in clients], 0
+            return [failure_reply(c, err) for c in clients], 0
         seconds = (time.perf_counter() - started) / len(clients)
-        replies, up = [], 0
         if action == EVALUATE:
-            for c, metrics in zip(clients, results, strict=True):
-                replies.append(Reply(c, f"client {c}", metrics={PARTITION_ID: c, **metrics}))
-            return replies, 0
+            return [Reply(c, f"client {c}", metrics={PARTITION_ID: c, **metrics})
+                    for c, metrics in zip(clients, results, strict=True)], 0
+        replies, up = [], 0
         for i, (c, (upload, new_state)) in enumerate(zip(clients, results, strict=True)):
-            kept = new_state.to_arrays()
-            if all(np.isfinite(v).all() for v in kept.values() if np.asarray(v).dtype.kind == "f"):
+            kept = state_to_keep(new_state, None)
+            if kept is not None:
                 self.states[c] = kept
-            else:
-                kept = None  # never save a broken state: the client keeps the one it had
-            metrics = {PARTITION_ID: c, NUM_EXAMPLES: cohort.num_train(i), **upload.metrics,
-                       HAD_STATE: int(bool(saved[i])),
-                       KEPT_STATE: int(bool(saved[i] if kept is None else kept)),
-                       CLIENT_SECONDS: seconds}
-            reply = dict(upload.arrays)
-            if upload.model is not None:
-                reply = {MODEL: upload.model, **reply}
-            arrays = {name: {k: v.detach().cpu().numpy().copy() for k, v in rec.items()}
-                      for name, rec in reply.items()}
+            metrics, reply = train_reply(c, counted(upload, cohort.num_train(i)), saved[i], kept,
+                                         seconds)
+            arrays = numpy_records(reply)
             up += payload_bytes(arrays.values())
             replies.append(Reply(c, f"client {c}", metrics=metrics, arrays=arrays))
         return replies, up
-
 
 def simulate(settings: Settings, reporter: Reporter | None = None, resume: bool = False) -> dict:
     """Validate the data and resources, run every method of ``settings`` on the batched engine,

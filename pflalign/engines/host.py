@@ -24,7 +24,7 @@ import torch
 
 from pflalign import faults
 from pflalign.annealing import GGA_ACTION, client_answer
-from pflalign.client import ClientRuntime, Received
+from pflalign.client import ClientRuntime, Received, Upload
 from pflalign.config import Settings
 from pflalign.federation import federated_dataset
 from pflalign.method import Method
@@ -51,7 +51,7 @@ from pflalign.protocol import (
     TRAIN,
     UNSEEN,
 )
-from pflalign.state import Arrays
+from pflalign.state import Arrays, ArrayState
 from pflalign.train import configure_threads, pick_device
 
 Metrics = dict[str, float | int]
@@ -133,16 +133,35 @@ def handle(action: str, settings: Settings, client_id: int,
     if action != TRAIN:
         raise ValueError(f"Unknown action {action!r}.")
     upload, new_state = method.train(client, received, state)
+    kept = state_to_keep(new_state, restored)
+    upload = faults.attacked_upload(settings, client_id, received.server_round, received.model,
+                                    counted(upload, client.data.num_train))
+    metrics, reply = train_reply(client_id, upload, saved, kept, time.perf_counter() - started)
+    return metrics, reply, kept
+
+
+def state_to_keep(new_state: ArrayState, fallback: Arrays | None) -> Arrays | None:
+    """The flat state a client saves after training: ``new_state``'s arrays, or ``fallback``
+    when any of its floats is not finite (never save a broken state)."""
     kept = new_state.to_arrays()
     if not all(np.isfinite(v).all() for v in kept.values() if np.asarray(v).dtype.kind == "f"):
-        kept = restored  # never save a broken state: the client keeps the one it had
-    upload = faults.attacked_upload(settings, client_id, received.server_round, received.model,
-                                    replace(upload, metrics={
-                                        NUM_EXAMPLES: client.data.num_train, **upload.metrics}))
+        return fallback
+    return kept
+
+
+def counted(upload: Upload, num_train: int) -> Upload:
+    """``upload`` with the client's training-sample count first among its metrics."""
+    return replace(upload, metrics={NUM_EXAMPLES: num_train, **upload.metrics})
+
+
+def train_reply(client_id: int, upload: Upload, saved: Arrays | None, kept: Arrays | None,
+                seconds: float) -> tuple[Metrics, ReplyArrays]:
+    """A training reply's metrics and array records (the model first) from a client's upload,
+    the state it had (``saved``) and the state it keeps (``kept``; None: ``saved``)."""
     metrics = {PARTITION_ID: client_id, **upload.metrics,
                HAD_STATE: int(bool(saved)), KEPT_STATE: int(bool(saved if kept is None else kept)),
-               CLIENT_SECONDS: time.perf_counter() - started}
+               CLIENT_SECONDS: seconds}
     reply = dict(upload.arrays)
     if upload.model is not None:
         reply = {MODEL: upload.model, **reply}
-    return metrics, reply, kept
+    return metrics, reply

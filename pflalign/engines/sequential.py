@@ -52,6 +52,35 @@ def payload_bytes(records: Iterable[Mapping[str, np.ndarray | torch.Tensor]]) ->
     return sum(npy_bytes(a) for record in records for a in record.values())
 
 
+def sent_records(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict]:
+    """A message's array records as the Flower engine serializes them (to_record: C-contiguous,
+    0-d arrays as 1-d), and a client's restored state (:data:`~pflalign.protocol.RESTORE`)
+    exactly."""
+    return {name: ({k: np.array(v, order="C", copy=True) for k, v in record.items()}
+                   if name == RESTORE else {k: np.ascontiguousarray(v) for k, v in record.items()})
+            for name, record in arrays.items()}
+
+
+def sent_bytes(sent: Mapping[str, Mapping[str, np.ndarray]]) -> int:
+    """The bytes :func:`sent_records` carry down, a restored state aside (no round of the run
+    sends it)."""
+    return payload_bytes(record for name, record in sent.items() if name != RESTORE)
+
+
+def failure_reply(client: int, err: Exception) -> Reply:
+    """A failing client's error reply: the exception and where it was raised, as under Flower."""
+    where = traceback.extract_tb(err.__traceback__)[-1]
+    return Reply(client, f"client {client}", error=(
+        f"failed: {type(err).__name__}: {err} (at {where.filename}:{where.lineno})"))
+
+
+def numpy_records(arrays: Mapping[str, Mapping[str, torch.Tensor]],
+                  ) -> dict[str, dict[str, np.ndarray]]:
+    """A reply's array records as NumPy copies (what the server receives)."""
+    return {name: {k: v.detach().cpu().numpy().copy() for k, v in record.items()}
+            for name, record in arrays.items()}
+
+
 class SequentialEngine:
     """Clients called one after another in this process, with their states kept in memory."""
 
@@ -77,13 +106,8 @@ class SequentialEngine:
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
         replies, down, up = [], 0, 0
         for message in messages:
-            # what the Flower engine serializes (to_record: C-contiguous, 0-d arrays as 1-d;
-            # a client's restored state exactly, and not counted: no round of the run sends it)
-            sent = {name: ({k: np.array(v, order="C", copy=True) for k, v in record.items()}
-                           if name == RESTORE else
-                           {k: np.ascontiguousarray(v) for k, v in record.items()})
-                    for name, record in message.payload.arrays.items()}
-            down += payload_bytes(record for name, record in sent.items() if name != RESTORE)
+            sent = sent_records(message.payload.arrays)
+            down += sent_bytes(sent)
             cid = message.client
             try:
                 metrics, arrays, state = handle(action, self.settings, cid, message.config,
@@ -94,14 +118,11 @@ class SequentialEngine:
                     f"{self.settings.run.round_timeout:g} s")))
                 continue
             except Exception as err:  # a failing client is an error reply, as under Flower
-                where = traceback.extract_tb(err.__traceback__)[-1]
-                replies.append(Reply(cid, f"client {cid}", error=(
-                    f"failed: {type(err).__name__}: {err} (at {where.filename}:{where.lineno})")))
+                replies.append(failure_reply(cid, err))
                 continue
             if state is not None:
                 self.states[cid] = state
-            reply_arrays = {name: {k: v.detach().cpu().numpy().copy() for k, v in rec.items()}
-                            for name, rec in arrays.items()}
+            reply_arrays = numpy_records(arrays)
             up += payload_bytes(reply_arrays.values())
             replies.append(Reply(cid, f"client {cid}", metrics=metrics, arrays=reply_arrays))
         return Exchange(replies, down, up)

@@ -110,17 +110,11 @@ class Ditto(FedAvg):
                         states: Sequence[DittoClientState]) -> list[dict]:
         global_results = [cohort.test(cohort.model(r.model, "global"), i)
                           for i, r in enumerate(received)]
-        personal: dict[int, dict] = {i: s.personal for i, s in enumerate(states)
-                                     if s.personal is not None}
-        fresh = [i for i in range(len(cohort)) if i not in personal]
-        if fresh:  # a client without v fits it from the global model, as in evaluate
-            part = cohort.subset(fresh)
-            models = [received[i].model for i in fresh]
-            stacked = part.stack(models)
-            self.personal_step_cohort(part, stacked, {n: p.clone() for n, p in stacked.items()},
-                                      received[0].server_round)
-            personal.update({i: part.state_dict(stacked, k, models[k])
-                             for k, i in enumerate(fresh)})
+        # a client without v fits it from the global model, as in evaluate
+        personal = cohort.personal_models(
+            {i: s.personal for i, s in enumerate(states) if s.personal is not None}, received,
+            lambda part, v, anchors: self.personal_step_cohort(part, v, anchors,
+                                                               received[0].server_round))
         return [cohort.eval_metrics(cohort.test(cohort.model(personal[i], "personal"), i),
                                     global_results[i]) for i in range(len(cohort))]
 

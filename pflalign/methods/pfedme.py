@@ -168,18 +168,11 @@ class PFedMe(Method):
                         states: Sequence[PFedMeClientState]) -> list[dict]:
         global_results = [cohort.test(cohort.model(r.model, "global"), i)
                           for i, r in enumerate(received)]
-        personal: dict[int, dict] = {i: s.personal for i, s in enumerate(states)
-                                     if s.personal is not None}
-        fresh = [i for i in range(len(cohort)) if i not in personal]
-        if fresh:  # the new-client procedure: theta solved around the global model
-            part = cohort.subset(fresh)
-            models = [received[i].model for i in fresh]
-            anchors = part.stack(models)
-            theta = {n: q.clone() for n, q in anchors.items()}
-            self._solve_cohort(part, theta, anchors, received[0].server_round, STREAM_FINETUNE,
-                               1, False)
-            personal.update({i: part.state_dict(theta, k, models[k])
-                             for k, i in enumerate(fresh)})
+        # the new-client procedure: theta solved around the global model
+        personal = cohort.personal_models(
+            {i: s.personal for i, s in enumerate(states) if s.personal is not None}, received,
+            lambda part, theta, anchors: self._solve_cohort(
+                part, theta, anchors, received[0].server_round, STREAM_FINETUNE, 1, False))
         return [cohort.eval_metrics(cohort.test(cohort.model(personal[i], "personal"), i),
                                     global_results[i]) for i in range(len(cohort))]
 
