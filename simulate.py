@@ -23,11 +23,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-from pflalign.config import OPTIONS, ConfigError, Settings, format_settings, resolve
+from pflalign.config import OPTIONS, format_settings, resolve
 from pflalign.interrupt import Interrupted, exit_status, handle_signals, signal_name, stop_signal
 from pflalign.methods import METHODS
+from pflalign.options import ConfigError
 from pflalign.report import leaderboard_text
 from pflalign.results import Reporter, make_reporter, prepare_output
+from pflalign.settings import Settings
 from pflalign.study import Plan, Study, parse_seeds, parse_sweep, scenario_names, scenario_values
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import sys
 import time
-from functools import lru_cache
 from logging import INFO
 from pathlib import Path
 
@@ -32,7 +31,8 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
-from pflalign.config import Settings
+from pflalign.caches import cached
+from pflalign.config import build_settings
 from pflalign.engines.host import discovery, handle
 from pflalign.faults import ClientDropout
 from pflalign.node import (
@@ -54,13 +54,14 @@ from pflalign.protocol import (
     STATE,
     TRAIN,
 )
+from pflalign.settings import Settings
 
 app = ClientApp()
 
 
-@lru_cache(maxsize=8)
+@cached(maxsize=8)
 def _settings(items: tuple) -> Settings:
-    return Settings(dict(items), source="the server's run-config")
+    return build_settings(dict(items), source="the server's run-config")
 
 
 def settings_of(msg: Message) -> Settings:

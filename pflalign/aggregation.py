@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-State = dict[str, np.ndarray]
+from pflalign.state import State
 
 
 @dataclass(frozen=True)

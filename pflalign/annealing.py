@@ -11,7 +11,7 @@ domains), moves the global model there (:func:`pflalign.gga.apply_candidate`), a
 continues. One message exchange per annealing round; its bytes and seconds are recorded in the
 round's row.
 
-:class:`AnnealedWarmStart` is a :class:`~pflalign.server.RoundHook`: it wraps a federation's
+:class:`AnnealedWarmStart` is a :class:`~pflalign.rounds.RoundHook`: it wraps a round loop's
 rounds and never branches inside a method or the round loop.
 """
 
@@ -19,55 +19,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
 
-from pflalign.client import ClientRuntime, Received
-from pflalign.gga import OBJECTIVES, apply_candidate, candidate_statistics, choose_candidate
-from pflalign.method import Payload
+from pflalign.client import ClientRuntime
+from pflalign.gga import apply_candidate, candidate_statistics, choose_candidate
+from pflalign.messages import Payload, Received
 from pflalign.models import head_keys
-from pflalign.params import Params, param
 from pflalign.protocol import ACTION, MODEL, NUM_EXAMPLES, QUERY
-from pflalign.server import ClientFailure, Federation
+from pflalign.rounds import RoundLoop
+from pflalign.settings import GGAParams
 from pflalign.state import TorchState
 from pflalign.train import STREAM_GGA
+from pflalign.validation import ClientFailure
 
 GGA_ACTION = "gga"
 SKETCH = "sketch"
 CANDIDATES, PERTURB = "gga-candidates", "gga-perturb"
-
-
-@dataclass(frozen=True)
-class GGAParams(Params):
-    prefix = "gga"
-
-    enabled: bool = param(
-        False, "Federated annealed warm start: in rounds gga-start..gga-end the server proposes "
-        "gga-candidates perturbed global models (from a seed), the round's clients return "
-        "per-candidate losses and gradient sketches, and the server moves to the candidate on "
-        "which the clients' gradients agree most (within the loss tolerance) before training.",
-        key="gga")
-    start: int = param(2, "First round of the annealing window.", minimum=1)
-    end: int = param(4, "Last round of the annealing window (inclusive).", minimum=1)
-    candidates: int = param(8, "Candidates proposed per annealing round.", minimum=1)
-    rho: float = param(0.03, "Candidates perturb the featurizer (all trainable parameters but "
-                       "the classifier) by U(-rho, rho) noise (best of 0.001-0.1 on "
-                       "configs/rotated.toml, seeds 0-1; at 0.1 no candidate passes the loss "
-                       "tolerance).", minimum=0.0, exclusive_minimum=True)
-    tolerance: float = param(0.1, "A candidate is accepted only if its mean loss exceeds the "
-                             "anchor's by less than this.")
-    objective: str = param("min", "Clients' agreement on a candidate: min (GGA's rule) or mean "
-                           "pairwise cosine of their gradients.", choices=OBJECTIVES)
-    sketch_dim: int = param(1024, "Gradients are uploaded as count sketches of this many entries "
-                            "(a sparse random projection that preserves cosines in expectation); "
-                            "0 uploads the full gradient.", minimum=0)
-    batch_size: int = param(64, "Samples of its train split on which each client evaluates the "
-                            "candidates.", minimum=1)
-
-    group: ClassVar[str] = "gga"
 
 
 def losses_key(k: int) -> str:
@@ -95,10 +64,10 @@ def client_answer(client: ClientRuntime, received: Received, params: GGAParams,
 
 
 class AnnealedWarmStart:
-    """The warm start as a round hook over any federation (see the module docstring)."""
+    """The warm start as a round hook over any round loop (see the module docstring)."""
 
-    def __init__(self, params: GGAParams, federation: Federation):
-        server = federation.server
+    def __init__(self, params: GGAParams, loop: RoundLoop):
+        server = loop.server
         self.params = params
         head = set(head_keys(server.template_model()))
         #: the featurizer: trainable shared entries outside the classifier (3.2 step 4.1)
@@ -120,24 +89,24 @@ class AnnealedWarmStart:
     def active(self, server_round: int) -> bool:
         return self.params.start <= server_round <= self.params.end
 
-    def before_training(self, federation: Federation, server_round: int,
+    def before_training(self, loop: RoundLoop, server_round: int,
                         ) -> tuple[dict[str, float], int, int]:
         if not self.active(server_round):
             return {}, 0, 0
-        server, p = federation.server, self.params
+        server, p = loop.server, self.params
         started = time.perf_counter()
         config = {ACTION: GGA_ACTION, CANDIDATES: p.candidates, PERTURB: ",".join(self.perturb)}
-        model = server.shared_model(federation.state)
-        messages = [federation.message(cid, Payload({MODEL: model}, config), server_round)
+        model = server.shared_model(loop.state)
+        messages = [loop.message(cid, Payload({MODEL: model}, config), server_round)
                     for cid in server.largest_first(server.sample(server_round))]
-        exchange = federation.engine.exchange(QUERY, messages)
+        exchange = loop.engine.exchange(QUERY, messages)
         required = (NUM_EXAMPLES, *(losses_key(k) for k in range(p.candidates + 1)))
         losses, sketches, weights = [], [], []
         # in client-id order, whatever order the engine delivered them in: the means below
         # are then the same bits on every engine and run
         for reply in sorted(exchange.replies, key=lambda r: (r.sender is None, r.sender or 0)):
             try:
-                metrics, _ = federation.validate(reply, {}, required)
+                metrics, _ = loop.validator.validate(reply, {}, required)
                 record = reply.arrays.get(SKETCH)
                 if record is None or SKETCH not in record:
                     raise ClientFailure(f"{reply.who} replied without its gradient sketches")
@@ -150,7 +119,7 @@ class AnnealedWarmStart:
                                         f"{tuple(sketch.shape)} (expected {self.sketch_shape}, "
                                         "finite)")
             except ClientFailure as failure:
-                federation.warn(f"GGA round {server_round}: {failure}; skipped.")
+                loop.warn(f"GGA round {server_round}: {failure}; skipped.")
                 continue
             losses.append([metrics[losses_key(k)] for k in range(p.candidates + 1)])
             sketches.append(sketch)
@@ -158,15 +127,15 @@ class AnnealedWarmStart:
         row: dict[str, float] = {"gga-bytes-up": exchange.bytes_up,
                                  "gga-bytes-down": exchange.bytes_down}
         if len(sketches) < 2:
-            federation.warn(f"GGA round {server_round}: fewer than two usable replies; the "
+            loop.warn(f"GGA round {server_round}: fewer than two usable replies; the "
                             "global model is kept.")
             row.update({"gga-accepted": 0.0, "gga-seconds": time.perf_counter() - started})
             return row, exchange.bytes_down, exchange.bytes_up
         best, scores, mean_loss = choose_candidate(losses, sketches, weights, p.tolerance,
                                                    p.objective)
         if best:
-            federation.state = dataclasses.replace(federation.state, model=apply_candidate(
-                federation.state.model, self.perturb, seed=server.seed,
+            loop.state = dataclasses.replace(loop.state, model=apply_candidate(
+                loop.state.model, self.perturb, seed=server.seed,
                 server_round=server_round, candidate=best, rho=p.rho))
         row.update({"gga-accepted": float(best > 0), "gga-candidate": float(best),
                     "gga-cosine-before": scores[0], "gga-cosine-after": scores[best],

@@ -25,30 +25,6 @@ def grads_of(params: Tensors) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def add_proximal_(params: Tensors, anchors: Tensors, mu: float) -> None:
-    """``g += mu (w - w_anchor)``: the gradient of ``mu/2 ||w - w_anchor||^2`` added in place.
-
-    FedProx (Li et al., MLSys 2020, eq. 2) with the received global model as anchor; Ditto's
-    personal objective (Li et al., ICML 2021, Algorithm 1) with ``mu = lambda``.
-    """
-    grads = [p.grad for p in params]
-    if any(g is None for g in grads):
-        raise ValueError("add_proximal_ needs every parameter's gradient; call backward() first.")
-    torch._foreach_add_(grads, torch._foreach_sub(list(params), list(anchors)), alpha=mu)
-
-
-@torch.no_grad()
-def add_control_variates_(params: Tensors, server_control: Tensors,
-                          client_control: Tensors) -> None:
-    """SCAFFOLD's corrected gradient ``g + c - c_i`` (Karimireddy et al., ICML 2020, Alg. 1
-    line 10), in place on ``.grad``."""
-    grads = [p.grad for p in params]
-    if any(g is None for g in grads):
-        raise ValueError("add_control_variates_ needs every gradient; call backward() first.")
-    torch._foreach_add_(grads, torch._foreach_sub(list(server_control), list(client_control)))
-
-
-@torch.no_grad()
 def scaffold_client_control(client_control: Tensors, server_control: Tensors, start: Tensors,
                             end: Tensors, steps: int, lr: float) -> list[torch.Tensor]:
     """SCAFFOLD option II (Alg. 1 line 12): ``c_i+ = c_i - c + (x - y_i) / (K lr)`` where ``x`` is

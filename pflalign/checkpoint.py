@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 from pflalign.options import ConfigError
-from pflalign.state import Arrays, atomic_write
+from pflalign.settings import NON_RUN_KEYS
+from pflalign.state import State, atomic_write
 
 CHECKPOINT_FORMAT = "pflalign-checkpoint"
 FORMAT_VERSION = 1
 #: keys that change nothing a run computes: left out of the fingerprints
-NON_RUN_KEYS = ("checkpoint-every", "out-dir", "memory-budget-gb")
 DIRECTORY = "checkpoints"
 
 #: array groups of a checkpoint file
@@ -78,11 +78,11 @@ class Snapshot:
     docstring). Rows and client results are JSON-able; states are flat arrays."""
 
     round: int
-    server: Arrays
+    server: State
     #: the server state before the latest aggregation (None: none to roll back to)
-    before_aggregation: Arrays | None
+    before_aggregation: State | None
     #: every client's method state, by client id (the clients that keep state)
-    clients: dict[int, Arrays]
+    clients: dict[int, State]
     rounds: list[dict]
     client_results: list[dict]
     saved_state: list[int]
@@ -91,12 +91,12 @@ class Snapshot:
     #: each round hook's :meth:`state_dict`, in the federation's order
     hooks: list[dict] = field(default_factory=list)
     #: the process-wide generators: ``torch`` (its state) and ``numpy`` (MT19937 keys)
-    rng_arrays: Arrays = field(default_factory=dict)
+    rng_arrays: State = field(default_factory=dict)
     #: the rest of NumPy's generator state (position, cached Gaussian)
     rng_meta: dict = field(default_factory=dict)
 
 
-def capture_rng() -> tuple[Arrays, dict]:
+def capture_rng() -> tuple[State, dict]:
     """The process-wide torch and NumPy generator states, as arrays and JSON metadata."""
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     return ({"torch": torch.get_rng_state().numpy().copy(), "numpy": np.asarray(keys).copy()},
@@ -186,7 +186,7 @@ class Checkpoint:
                               f"'{meta.get('label')}' with another config; resume with the config "
                               f"it was written with, or remove it to run '{self.label}' from "
                               "round 1.")
-        groups: dict[tuple[str, int | None], Arrays] = {}
+        groups: dict[tuple[str, int | None], State] = {}
         for (group, owner, name), value in zip(meta["names"], loaded, strict=True):
             groups.setdefault((group, owner), {})[name] = value
         before = groups.get((BEFORE, None), {}) if meta["has-before-aggregation"] else None

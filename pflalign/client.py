@@ -2,105 +2,53 @@
 
 A :class:`ClientRuntime` is one client's view of a run, built by an engine for each action: its
 train and test splits (the process-wide cached partition, never re-read, or the node's own
-partition file: :mod:`pflalign.node`), the run's initial model (a per-process template,
-identical to the server's), the run's :class:`LocalTraining`, and the seeded training and
-evaluation loops every method shares. It holds no method state and knows no engine: a method's
-client rule receives it with what the server sent and its own ``ClientState``.
+partition file: :mod:`pflalign.node`), the run's model template (a per-process
+:class:`~pflalign.models.ModelTemplate`, identical to the server's initial model, that hands out
+copies), the run's :class:`~pflalign.settings.LocalTraining`, and the seeded loops every method
+shares. It executes a rule's local runs one client at a time (:meth:`ClientRuntime.execute`). It
+holds no method state and knows no engine: a method's client rule receives it with what the
+server sent and its own ``ClientState``.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from pflalign.federation import FederatedDataset, federated_dataset
-from pflalign.models import build_model, is_deterministic_in_training, parameter_modules
+from pflalign.local import LocalOptimizer, LocalRun, RunResult
+from pflalign.models import (
+    ModelTemplate,
+    is_deterministic_in_training,
+    model_template,
+    parameter_modules,
+)
 from pflalign.node import NodeData, pooled_node_data
-from pflalign.options import Value
 from pflalign.protocol import (
     GLOBAL_CORRECT,
     GLOBAL_LOSS,
-    MODEL,
     NUM_TEST,
     PERSONAL_CORRECT,
     PERSONAL_LOSS,
 )
-from pflalign.state import TorchState
+from pflalign.settings import LocalTraining, Settings
 from pflalign.train import (
     STREAM_OPTIMIZER,
     STREAM_TRAIN,
     EvalStats,
-    LocalTraining,
     TrainStats,
     batch_indices,
     evaluate,
+    head_inputs,
     make_generator,
     train_local,
 )
 
-if TYPE_CHECKING:  # the parser imports the method registry, which imports this module
-    from pflalign.config import Settings
-
-_TEMPLATES: dict[tuple, nn.Module] = {}
-
-
-def _template(model: str, input_shape: tuple, num_classes: int, seed: int) -> nn.Module:
-    key = (model, tuple(input_shape), num_classes, seed)
-    if key not in _TEMPLATES:
-        _TEMPLATES[key] = build_model(model, tuple(input_shape), num_classes, seed=seed)
-    return _TEMPLATES[key]
-
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-@torch.no_grad()
-def head_inputs(model: nn.Module, head: nn.Module, batches: Iterable[torch.Tensor],
-                ) -> torch.Tensor:
-    """What ``head`` (a layer of ``model``) receives when ``model`` runs on each of ``batches``
-    in eval mode, concatenated (the model's mode is restored)."""
-    captured: list[torch.Tensor] = []
-    hook = head.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
-    was_training = model.training
-    try:
-        model.eval()
-        for batch in batches:
-            model(batch)
-    finally:
-        hook.remove()
-        model.train(was_training)
-    return torch.cat(captured)
-
-
-@dataclass
-class Received:
-    """What the server sent a client for one action: named array records (torch state dicts;
-    :data:`~pflalign.protocol.MODEL` is the model) and the message's config."""
-
-    server_round: int
-    arrays: dict[str, TorchState] = field(default_factory=dict)
-    config: dict[str, Value] = field(default_factory=dict)
-
-    @property
-    def model(self) -> TorchState | None:
-        """The global model (or what the server rule sends in its place); None when not sent."""
-        return self.arrays.get(MODEL)
-
-
-@dataclass
-class Upload:
-    """What a client's training returns: its model (None when nothing is uploaded), its metrics,
-    and further array records uploaded beside the model (SCAFFOLD's control-variate change)."""
-
-    model: Mapping[str, torch.Tensor] | None
-    metrics: dict[str, float | int] = field(default_factory=dict)
-    arrays: dict[str, Mapping[str, torch.Tensor]] = field(default_factory=dict)
 
 
 class ClientRuntime:
@@ -113,43 +61,95 @@ class ClientRuntime:
         self.client_id = client_id
         self.device = device
         self.seed = settings.run.seed
-        self.model_name = settings.run.model
         self.training: LocalTraining = settings.training
-        self._settings = settings
         node = node if node is not None else pooled_node_data(settings, client_id, device)
         self.data = node.data.to(device)
         self.input_shape, self.num_classes = node.input_shape, node.num_classes
-
-    @property
-    def federation(self) -> FederatedDataset:
-        """The run's pooled dataset and partition (read on first use: a node given its own
-        partition file never needs it; prefer :attr:`data`, :attr:`num_classes`)."""
-        return federated_dataset(self._settings)
+        self.template: ModelTemplate = model_template(settings.run.model, tuple(node.input_shape),
+                                                      node.num_classes, settings.run.seed)
 
     # --- models --------------------------------------------------------------------------------
     def new_model(self, state: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
-        """A fresh model (a copy of a per-process template), loaded with ``state`` if given."""
-        model = copy.deepcopy(self.template())
-        if state is not None:
-            model.load_state_dict(state)
-        return model.to(self.device)
+        """A fresh model (a copy of the run's template), loaded with ``state`` if given."""
+        return self.template.new(state, self.device)
 
-    def template(self) -> nn.Module:
-        """The run's initial model (seeded; identical to the server's), cached per process.
-        Read-only: :meth:`new_model` hands out copies."""
-        return _template(self.model_name, self.input_shape, self.num_classes, self.seed)
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the run's initial model (its full state dict)."""
+        return self.template.initial_state()
 
-    @staticmethod
-    def template_for(settings: Settings) -> nn.Module:
-        """:meth:`template` for a run's pooled dataset (the batched engine's clients)."""
-        dataset = federated_dataset(settings).dataset
-        return _template(settings.run.model, dataset.input_shape, dataset.num_classes,
-                         settings.run.seed)
+    @property
+    def layout(self) -> nn.Module:
+        """The run's model on the meta device: its layers and names, for lookups."""
+        return self.template.layout
 
     # --- training ------------------------------------------------------------------------------
     def generator(self, server_round: int, *streams: int) -> torch.Generator:
         """A generator seeded by (seed, round, this client, streams...)."""
         return make_generator(self.seed, server_round, self.client_id, *streams)
+
+    def execute(self, run: LocalRun, server_round: int) -> RunResult:
+        """Run ``run`` on this client (:class:`~pflalign.local.LocalRun`): a module loaded with
+        its start, its optimizer over the trained parameters, and at every step ``backward``, the
+        correction on their ``.grad``, ``step``. When only the model's last layer trains and the
+        rest is deterministic in training, the layer trains on the body's features computed once
+        (the same batches and updates at the cost of one forward pass of the body)."""
+        model = self.new_model(run.start)
+        named = dict(model.named_parameters())
+        names = [n for n, p in named.items()
+                 if (p.requires_grad if run.trainable is None else n in set(run.trainable))]
+        params = [named[n] for n in names]
+        rule = run.optimizer or LocalOptimizer(self.training)
+        before_step = None
+        if run.correction is not None:
+            correction = run.correction.to(self.device)
+
+            @torch.no_grad()
+            def before_step() -> None:
+                correction.apply_([p.grad for p in params], params, names)
+
+        with self._only_training(model, run.trainable):
+            head = (None if run.trainable is None
+                    else self.last_layer_owning(model, run.trainable))
+            if head is not None:
+                params = list(head.parameters())
+                optimizer = rule.build(params, names, self.generator(
+                    server_round, STREAM_OPTIMIZER, run.stream))
+                features = self.head_inputs(model, head)
+                model.train()
+                stats = self.local_train(head, server_round, run.stream, run.epochs, optimizer,
+                                         before_step, features=features)
+            else:
+                optimizer = rule.build(params, names, self.generator(
+                    server_round, STREAM_OPTIMIZER, run.stream))
+                stats = self.local_train(model, server_round, run.stream, run.epochs, optimizer,
+                                         before_step)
+        return RunResult(model.state_dict(), stats, rule.outcome(optimizer, names))
+
+    @staticmethod
+    @contextmanager
+    def _only_training(model: nn.Module, keys: Iterable[str] | None) -> Iterator[None]:
+        """With ``keys`` (None: everything trains), the other parameters frozen, and the buffers
+        (batch-norm statistics) of layers none of whose parameters train kept as they are."""
+        if keys is None:
+            yield
+            return
+        wanted = set(keys)
+        frozen = [p for n, p in model.named_parameters() if n not in wanted and p.requires_grad]
+        kept = {}
+        for module_name, module in model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            if not any(prefix + n in wanted for n, _ in module.named_parameters(recurse=False)):
+                kept.update({prefix + n: b.clone()
+                             for n, b in module.named_buffers(recurse=False)})
+        for p in frozen:
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+            if kept:
+                model.load_state_dict(kept, strict=False)
 
     def local_train(self, model: nn.Module, server_round: int, stream: int = STREAM_TRAIN,
                     epochs: int | None = None,
@@ -176,8 +176,8 @@ class ClientRuntime:
                        stream: int = STREAM_TRAIN) -> torch.optim.Optimizer:
         """The run's ``local-optimizer`` over ``params``; its randomness (GENIE's) is seeded by
         (seed, round, client, training stream)."""
-        return self.training.optimizer(
-            params, self.generator(server_round, STREAM_OPTIMIZER, stream))
+        return LocalOptimizer(self.training).build(
+            list(params), (), self.generator(server_round, STREAM_OPTIMIZER, stream))
 
     def batches(self, server_round: int, stream: int = STREAM_TRAIN, epochs: int | None = None,
                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -219,7 +219,12 @@ class ClientRuntime:
                                          for start in range(0, len(chosen), 256)))
 
     # --- evaluation ----------------------------------------------------------------------------
-    def test(self, model: nn.Module) -> EvalStats:
+    def test(self, model: nn.Module | Mapping[str, torch.Tensor]) -> EvalStats:
+        """The test counts and summed loss of ``model``: a module, or a model's state dict
+        (scored on the template's reused module: :meth:`~pflalign.models.ModelTemplate.
+        scorer`)."""
+        if not isinstance(model, nn.Module):
+            model = self.template.scorer(model, self.device)
         return evaluate(model, self.data.test_x, self.data.test_y, self.data.normalize)
 
     @staticmethod

@@ -13,12 +13,12 @@ from __future__ import annotations
 import gzip
 import zlib
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pflalign.caches import cached
 from pflalign.options import ConfigError
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -168,7 +168,7 @@ def _load_cifar(name: str, root: Path | None, download: bool) -> tuple[np.ndarra
     return np.ascontiguousarray(images), labels
 
 
-@lru_cache(maxsize=2)
+@cached(maxsize=2)
 def load_dataset(name: str, data_root: str = "", download: bool = False) -> Dataset:
     """Load a dataset once per process (cached): pooled train+test images as uint8."""
     if name not in _NORMALISATION:

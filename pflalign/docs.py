@@ -19,9 +19,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from pflalign import methods as registry
-from pflalign.config import OPTIONS, RUN_WIDE_KEYS, Option, defaults, toml_literal
+from pflalign.config import OPTIONS, Option, defaults, toml_literal
+from pflalign.local import is_generator_rule
 from pflalign.methods import METHODS, MethodSpec
-from pflalign.train import LocalTraining
+from pflalign.settings import RUN_WIDE_KEYS, LocalTraining
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -41,11 +42,13 @@ def _range(option: Option) -> str:
     return option.describe_range()
 
 
-def options_table(options: Iterable[Option]) -> list[str]:
-    lines = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+def options_table(options: Iterable[Option], scopes: bool = False) -> list[str]:
+    """A markdown table of ``options``; ``scopes`` adds each key's scope."""
+    lines = ["| key | default | allowed |" + (" scope |" if scopes else "") + " meaning |",
+             "|---|---|---|" + ("---|" if scopes else "") + "---|"]
     for o in options:
         lines.append(f"| `{o.key}` | `{toml_literal(o.default)}` | {_cell(_range(o))} | "
-                     f"{_cell(o.help)} |")
+                     + (f"{o.scope} | " if scopes else "") + f"{_cell(o.help)} |")
     return lines
 
 
@@ -67,10 +70,14 @@ def _method_section(spec: MethodSpec, variants: list[MethodSpec]) -> list[str]:
              f"{'yes' if spec.local_optimizer else 'no (its own local rule)'}"
              + (". Needs batch norm (runs on `cnn-bn` when `model = cnn`)."
                 if spec.needs_batch_norm else ".")]
-    missing = cls.missing_batched_rule()
-    lines.append("- `engine = batched`: " + ("its clients train and evaluate together (batched "
-                                              "rules)." if missing is None else
-                                              f"one client at a time ({missing})."))
+    if not is_generator_rule(cls.train):
+        batched = "one client at a time (its local training is a loop of its own)."
+    elif spec.needs_batch_norm:
+        batched = "one client at a time (its model's batch norm keeps statistics per client)."
+    else:
+        batched = ("its local runs go through the vectorised path: with `batched-backend = vmap` "
+                   "a cohort's runs are stacked and stepped together.")
+    lines.append("- `engine = batched`: " + batched)
     space = spec.search_space
     lines.append("- Tuned by `--tune` over: " + ("; ".join(
         f"`{k}` in {{{', '.join(toml_literal(v) for v in values)}}}"
@@ -110,14 +117,17 @@ def render_config() -> str:
              "Configs are flat `key = value` TOML (Flower's run-config style), so one file serves "
              "`python simulate.py --config FILE` and `flwr run . --run-config FILE`; "
              "`--set key=value` overrides one key, and a method entry can carry its own: "
-             "`--methods \"fedavg,pflalign(pflalign-lr=2)\"`. These keys define the data, "
-             "the clients and the engine that every method of a run shares, and cannot be set "
-             f"per entry: {', '.join(f'`{k}`' for k in RUN_WIDE_KEYS)}.", ""]
+             "`--methods \"fedavg,pflalign(pflalign-lr=2)\"`. Each key declares its scope: "
+             "`method` keys may be set per entry; `data` keys define the data every client "
+             "sees and `data-location` keys where it is read from; `run` keys (the engine, the "
+             "clients' resources, the faults) are shared by every method of a run; `output` "
+             "keys change nothing a run computes. Every scope but `method` is run-wide and "
+             f"cannot be set per entry: {', '.join(f'`{k}`' for k in RUN_WIDE_KEYS)}.", ""]
     groups: dict[str, list[Option]] = {}
     for option in OPTIONS:
         groups.setdefault(option.group, []).append(option)
     for group, options in groups.items():
-        lines += [f"## {group}", "", *options_table(options), ""]
+        lines += [f"## {group}", "", *options_table(options, scopes=True), ""]
     return HEADER + "\n".join(lines).rstrip() + "\n"
 
 

@@ -29,18 +29,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import replace
-from functools import lru_cache
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pflalign.client import Upload
+from pflalign.caches import cached
 from pflalign.data import ClientData
+from pflalign.messages import Upload
 from pflalign.protocol import CORRECT_COUNTS, NUM_EXAMPLES, NUM_TEST, TRAIN
-
-if TYPE_CHECKING:
-    from pflalign.config import Settings
+from pflalign.settings import Settings
 
 #: seed streams, apart from those of training (pflalign.train)
 _STREAM_MALICIOUS, _STREAM_FAULT, _STREAM_NOISE = 7001, 7002, 7003
@@ -56,7 +53,7 @@ class ClientDropout(Exception):
     """The client stays silent for this message: an engine sends no reply."""
 
 
-@lru_cache(maxsize=32)
+@cached(maxsize=32)
 def _malicious(seed: int, num_clients: int, count: int) -> frozenset[int]:
     rng = np.random.default_rng([seed, _STREAM_MALICIOUS])
     return frozenset(int(c) for c in rng.choice(num_clients, size=count, replace=False))

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 
 import numpy as np
 import torch
 
-from pflalign.data import ClientData, Dataset, load_dataset
+from pflalign.caches import cached
+from pflalign.data import ClientData, Dataset, Normalizer, load_dataset
 from pflalign.partition import Partition, make_partition, parse_angles, split_train_test
-
-# The config keys that determine the data each client sees.
-DATA_KEYS = ("dataset", "data-root", "download", "max-samples", "partition", "num-clients",
-             "num-unseen-clients", "seed", "dirichlet-alpha", "classes-per-client",
-             "quantity-power", "min-samples-per-client", "test-fraction", "rotation-angles",
-             "rotation-unseen-groups", "evaluate-on", "validation-fraction")
+from pflalign.settings import DATA_KEYS
 
 #: the random stream of the validation split (partition draws use 0, the test split 1, the
 #: max-samples subset 2)
@@ -31,6 +26,7 @@ class FederatedDataset:
     pool: np.ndarray
     partition: Partition
     _rotated: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    _on_device: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def client_data(self, client: int, device: torch.device | str = "cpu") -> ClientData:
         """Client ``client``'s train and test tensors (copied out of the cached pool; for
@@ -39,14 +35,32 @@ class FederatedDataset:
             raise ValueError(f"Client id {client} is outside 0..{self.partition.num_clients - 1}; "
                              "the node's partition-id does not match this run's num-clients.")
         angle = self.partition.rotation(client)
+        train = self.pool[self.partition.train[client]]
+        test = self.pool[self.partition.test[client]]
+        if not angle and torch.device(device).type == "cuda":
+            images, labels = self.on_device(device)  # gathered where the data already is
+            rows = {k: torch.from_numpy(v).to(device) for k, v in (("train", train),
+                                                                   ("test", test))}
+            return ClientData(images[rows["train"]], labels[rows["train"]], images[rows["test"]],
+                              labels[rows["test"]], Normalizer(self.dataset.mean,
+                                                               self.dataset.std))
         if not angle:
-            return ClientData.from_indices(self.dataset, self.pool[self.partition.train[client]],
-                                           self.pool[self.partition.test[client]], device)
+            return ClientData.from_indices(self.dataset, train, test, device)
         if client not in self._rotated:
             data = ClientData.from_indices(self.dataset, self.pool[self.partition.train[client]],
                                            self.pool[self.partition.test[client]])
             self._rotated[client] = data.rotated(angle)
         return self._rotated[client].to(device)
+
+    def on_device(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pooled images and labels on ``device``: moved there once per process and kept
+        (on a GPU, every client's split is then gathered there, with nothing copied from the
+        host per message)."""
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = (torch.from_numpy(self.dataset.images).to(device),
+                                    torch.from_numpy(self.dataset.labels).to(device))
+        return self._on_device[key]
 
     def summary(self) -> dict:
         labels = self.dataset.labels[self.pool]
@@ -54,7 +68,7 @@ class FederatedDataset:
                 **self.partition.summary(labels, self.dataset.num_classes)}
 
 
-@lru_cache(maxsize=2)
+@cached(maxsize=2)
 def _build(key: tuple) -> FederatedDataset:
     cfg = dict(zip(DATA_KEYS, key, strict=True))
     dataset = load_dataset(cfg["dataset"], cfg["data-root"], cfg["download"])

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pflalign.settings import GGA_OBJECTIVES
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 PROPOSALS = ("walk", "anchor")
@@ -199,7 +201,7 @@ def gga_l_gradients_(model: nn.Module, batches: Sequence[Batch], *, gamma: float
 
 
 # --- federated annealed warm start (ALGORITHMS.md 4.3 item 1; the domains are clients) --------
-OBJECTIVES = ("min", "mean")
+
 
 
 def candidate_noise(seed: int, server_round: int, candidate: int, numel: int, rho: float,
@@ -267,8 +269,8 @@ def choose_candidate(losses: Sequence[Sequence[float]], sketches: Sequence[torch
     ``L_k``; the chosen candidate maximises ``s_k`` among those with ``s_k > s_0`` and
     ``L_k - L_0 < loss_tolerance`` (0, the anchor, when none qualifies). ``losses[i][k]`` and
     ``sketches[i][k]`` are client i's. Returns (k*, s, L)."""
-    if objective not in OBJECTIVES:
-        raise ValueError(f"choose_candidate: objective must be one of {OBJECTIVES}.")
+    if objective not in GGA_OBJECTIVES:
+        raise ValueError(f"choose_candidate: objective must be one of {GGA_OBJECTIVES}.")
     if len(sketches) < 2:
         raise ValueError("choose_candidate needs at least two clients' sketches.")
     agree = min_pairwise_cosine if objective == "min" else mean_pairwise_cosine

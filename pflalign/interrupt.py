@@ -8,7 +8,7 @@ re-raises, so that the engine can stop Ray and remove its temporary folder. A se
 exits at once (exit status 128 + the signal's number) after at most a few seconds of quick
 clean-ups (:func:`cleanup_on_forced_exit`: the Flower engine stops Ray's processes and removes
 its temporary folder); whatever those miss, the next run removes
-(:func:`pflalign.runtime.make_run_dir`).
+(:func:`pflalign.flower_process.make_run_dir`).
 
 The flag is process-wide and thread-safe: a Flower simulation runs the round loop in a
 thread of its own, while signal handlers always run in the main thread.

@@ -5,59 +5,41 @@ A method is one class in one file (``pflalign/methods/<name>.py``) with
 - ``Params``: a frozen dataclass of its hyperparameters (:mod:`pflalign.params`);
 - ``ClientState`` and ``ServerState``: dataclasses of what a client and the server keep between
   rounds, each flattening to ``dict[str, ndarray]`` (:mod:`pflalign.state`);
-- client rules: :meth:`Method.train` (given what the server sent and my state, train; return the
-  upload and my new state) and :meth:`Method.evaluate` (which model scores this client);
+- client rules, written once: :meth:`Method.train` (given what the server sent and my state,
+  train; return the upload and my new state) and :meth:`Method.evaluate` (which model scores
+  this client). Each is a generator that yields its runs of local training
+  (:class:`~pflalign.local.LocalRun`) and receives their results, or, for a method with an inner
+  loop of its own, a plain function (:mod:`pflalign.local`);
 - server rules: :meth:`Method.train_payload` / :meth:`Method.eval_payload` (what client i
   receives) and :meth:`Method.aggregate` (how the uploads update the server state), each FedAvg's
-  by default.
+  by default;
+- :meth:`Method.check`: the configurations it refuses, before any data is read.
 
-Engines (:mod:`pflalign.engines`) call these rules; they hold no learning logic, and a method
-never sees an engine. A variant (an ablation) is a registered method with some config keys fixed
+Engines (:mod:`pflalign.engines`) call these rules and execute the local runs, one client at a
+time or a cohort together; they hold no learning logic, and a method never sees an engine. A
+variant (an ablation) is a registered method with some config keys fixed
 (:mod:`pflalign.methods`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
-from pflalign.aggregation import FlatSpec, State
-from pflalign.client import ClientRuntime, Received, Upload
-from pflalign.options import Value
+from pflalign.aggregation import FlatSpec
+from pflalign.client import ClientRuntime
+from pflalign.local import Rule
+from pflalign.messages import Payload, Received, Update
+from pflalign.options import ConfigError, Value
 from pflalign.params import NoParams, Params
 from pflalign.protocol import MODEL
-from pflalign.state import ArrayState, NoClientState, ServerState
-
-if TYPE_CHECKING:  # the server's view, for type hints only (it imports this module)
-    from pflalign.cohort import Cohort
-    from pflalign.server import ServerRuntime
+from pflalign.server import ServerRuntime
+from pflalign.settings import LocalTraining, Settings
+from pflalign.state import ArrayState, NoClientState, ServerState, State
 
 P = TypeVar("P", bound=Params)
 C = TypeVar("C", bound=ArrayState)
 S = TypeVar("S", bound=ServerState)
-
-
-@dataclass
-class Payload:
-    """What the server sends one client for one action: named array records (NumPy state dicts;
-    :data:`~pflalign.protocol.MODEL` is the model) and per-client config entries."""
-
-    arrays: dict[str, State] = field(default_factory=dict)
-    config: dict[str, Value] = field(default_factory=dict)
-
-
-@dataclass
-class Update:
-    """A validated training reply, as the server rule sees it."""
-
-    client: int
-    num_examples: float
-    metrics: dict[str, float]
-    #: the uploaded model (its shared entries), None when the method uploads none
-    model: State | None
-    #: further validated array records (e.g. SCAFFOLD's control-variate change)
-    arrays: dict[str, State] = field(default_factory=dict)
 
 
 class Method(Generic[P, C, S]):
@@ -91,54 +73,39 @@ class Method(Generic[P, C, S]):
         """Config key -> the values ``--tune`` may try: the shared local-training keys in
         :attr:`tuned_training`, then the Params' own searches. ``fixed`` holds the keys a variant
         fixes (a method whose step size depends on them overrides this)."""
-        from pflalign.train import LocalTraining
-
         shared = LocalTraining.search_space()
         return {**{k: shared[k] for k in cls.tuned_training}, **cls.Params.search_space()}
 
     def __init__(self, params: P):
         self.params = params
 
-    # --- client rules --------------------------------------------------------------------------
-    def train(self, client: ClientRuntime, received: Received, state: C) -> tuple[Upload, C]:
-        """One round of local training: the upload and the client's new state."""
-        raise NotImplementedError
-
-    def evaluate(self, client: ClientRuntime, received: Received, state: C,
-                 ) -> dict[str, float | int]:
-        """Score this client's model(s): :meth:`ClientRuntime.eval_metrics` and any extras."""
-        raise NotImplementedError
-
-    # --- batched client rules (the batched engine; optional) ----------------------------------
-    def train_cohort(self, cohort: Cohort, received: Sequence[Received], states: Sequence[C],
-                     ) -> list[tuple[Upload, C]]:
-        """:meth:`train` for every client of ``cohort`` at once (``received[i]`` and
-        ``states[i]`` are client ``cohort.clients[i]``'s): the same uploads and states, computed
-        on stacked models (:mod:`pflalign.cohort`). A method without it runs one client at a time
-        on the batched engine."""
-        raise NotImplementedError
-
-    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
-                        states: Sequence[C]) -> list[dict[str, float | int]]:
-        """:meth:`evaluate` for every client of ``cohort``, with the same metrics."""
-        raise NotImplementedError
-
-    def cohort_unsupported(self) -> str | None:
-        """Why this method (with its Params) cannot run its client rules as a cohort; None when
-        it can. The batched rules count only when defined by the class that defines the
-        per-client ones (a subclass that changes :meth:`train` does not inherit a batched rule
-        that no longer matches it)."""
-        return self.missing_batched_rule()
-
     @classmethod
-    def missing_batched_rule(cls) -> str | None:
-        """Why the class has no batched rules (None when it has both)."""
-        for rule in ("train", "evaluate"):
-            if _owner(cls, rule) is not _owner(cls, f"{rule}_cohort"):
-                return f"it has no batched {rule} rule: {rule}_cohort"
-        if cls.needs_batch_norm:
-            return "it needs batch norm, whose statistics the cohort does not keep per client"
-        return None
+    def check(cls, settings: Settings) -> None:
+        """Refuse, in one :class:`~pflalign.options.ConfigError` sentence, a configuration this
+        method cannot run (``settings``: a method entry's own, its overrides applied); the config
+        parser calls it for every entry before any data is read. The default refuses a robust
+        ``aggregation`` for a server update that is not an average of models, and a
+        ``local-optimizer`` other than sgd for a method with its own local rule."""
+        aggregation = settings.run.aggregation
+        if aggregation != "mean" and not cls.robust_aggregation:
+            raise ConfigError(f"aggregation = {aggregation!r} is not defined for {cls.name}: its "
+                              "server update is not an average of models; use aggregation = "
+                              f"'mean' for it, e.g. '{cls.name}(aggregation=mean)'.")
+        optimizer = settings.training.local_optimizer
+        if not cls.local_optimizer and optimizer != "sgd":
+            raise ConfigError(f"local-optimizer = {optimizer!r} does not apply to {cls.name} "
+                              "(own local update rule); set it per method instead, e.g. "
+                              "'fedavg(local-optimizer=genie)', or use pflalign-genie.")
+
+    # --- client rules --------------------------------------------------------------------------
+    def train(self, client: ClientRuntime, received: Received, state: C) -> Rule:
+        """One round of local training; its result is the upload and the client's new state."""
+        raise NotImplementedError
+
+    def evaluate(self, client: ClientRuntime, received: Received, state: C) -> Rule:
+        """Score this client's model(s); its result is :meth:`ClientRuntime.eval_metrics` and
+        any extras."""
+        raise NotImplementedError
 
     # --- server rules --------------------------------------------------------------------------
     def personal_keys(self, server: ServerRuntime) -> tuple[str, ...]:
@@ -177,9 +144,3 @@ class Method(Generic[P, C, S]):
     def round_diagnostics(self, server: ServerRuntime, state: S) -> dict[str, float]:
         """Extra per-round metrics recorded after aggregation (default: none)."""
         return {}
-
-
-
-def _owner(cls: type, name: str) -> type | None:
-    """The class in ``cls``'s method resolution order that defines ``name``."""
-    return next((c for c in cls.__mro__ if name in vars(c)), None)

@@ -1,12 +1,16 @@
-"""Model registry: build a model by name for a given input shape and number of classes."""
+"""Model registry: build a model by name for a given input shape and number of classes; the
+run's model template, which hands out copies."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
+from pflalign.caches import cached
 from pflalign.options import ConfigError
 
 
@@ -94,6 +98,24 @@ def parameter_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if any(True for _ in module.parameters(recurse=False))]
 
 
+def head_of(model: nn.Module) -> tuple[str, nn.Module]:
+    """The model's last parameterised layer (its classifier) and its name."""
+    return parameter_modules(model)[-1]
+
+
+@contextlib.contextmanager
+def without_head(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` with its head replaced by the identity, so that it returns its features."""
+    name, head = head_of(model)
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, nn.Identity())
+    try:
+        yield model
+    finally:
+        setattr(parent, attr, head)
+
+
 def _entries(prefix: str, module: nn.Module) -> list[str]:
     return [f"{prefix}.{name}" if prefix else name
             for name, _ in [*module.named_parameters(recurse=False),
@@ -122,3 +144,52 @@ def is_deterministic_in_training(model: nn.Module) -> bool:
     so activations can be computed once and reused across epochs."""
     return not any(isinstance(m, nn.modules.batchnorm._BatchNorm | nn.modules.dropout._DropoutNd)
                    for m in model.modules())
+
+
+class ModelTemplate:
+    """The run's initial model (seeded; identical on the server and every client), shared by
+    every client of a process and changed by none: it is never handed out. :meth:`new` gives a
+    copy to train, :meth:`initial_state` a copy of its values, :attr:`layout` a copy on the
+    meta device (the model's structure, without values) for looking up layers and names, and
+    :meth:`scorer` a reused module to score a model's state with."""
+
+    def __init__(self, model: nn.Module):
+        self._model = model
+        #: the model's structure (layers, names, shapes) on the meta device: no values
+        self.layout = copy.deepcopy(model).to("meta")
+        #: the parameters that train, in the model's order
+        self.trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
+        self._scorers: dict[str, tuple[nn.Module, Mapping[str, torch.Tensor]]] = {}
+
+    def new(self, state: Mapping[str, torch.Tensor] | None = None,
+            device: torch.device | str = "cpu") -> nn.Module:
+        """A fresh copy of the model, loaded with ``state`` if given, on ``device``."""
+        model = copy.deepcopy(self._model)
+        if state is not None:
+            model.load_state_dict(state)
+        return model.to(device)
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the initial model's state dict."""
+        return {k: v.clone() for k, v in self._model.state_dict().items()}
+
+    def scorer(self, state: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
+               ) -> nn.Module:
+        """A module loaded with ``state`` for scoring it (evaluation only): one module per
+        device, reused, loaded again only when ``state`` is another object than the last one
+        (the same global model scored for a thousand clients is loaded once)."""
+        key = str(device)
+        module, last = self._scorers.get(key, (None, None))
+        if module is None:
+            module = self.new(device=device)
+        if last is not state:
+            module.load_state_dict(state)
+        self._scorers[key] = (module, state)  # the state is kept, so that its id is not reused
+        return module
+
+
+@cached(maxsize=4)
+def model_template(name: str, input_shape: tuple[int, int, int], num_classes: int,
+                   seed: int) -> ModelTemplate:
+    """The run's model template, built once per process."""
+    return ModelTemplate(build_model(name, tuple(input_shape), num_classes, seed=seed))

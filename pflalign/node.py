@@ -31,25 +31,22 @@ import time
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pflalign.caches import cached
 from pflalign.data import ClientData, Normalizer
-from pflalign.federation import DATA_KEYS, federated_dataset
+from pflalign.federation import federated_dataset
 from pflalign.options import ConfigError
 from pflalign.protocol import NUM_TEST, NUM_TRAIN, PARTITION_ID, UNSEEN
-from pflalign.state import Arrays, atomic_write
+from pflalign.settings import DATA_KEYS, DATA_LOCATION_KEYS, NON_RUN_KEYS
+from pflalign.state import State, atomic_write
 
 PARTITION_FORMAT = "pflalign-partition"
 STATE_FORMAT = "pflalign-state"
 FORMAT_VERSION = 1
-#: data keys that say where the data is read from, not which data it is
-LOCATION_KEYS = ("data-root", "download")
-#: keys that change no client's computation (left out of a run's state key)
-NON_LEARNING_KEYS = ("out-dir",)
 _SPLITS = ("train_x", "train_y", "test_x", "test_y")
 
 
@@ -59,8 +56,8 @@ def _digest(payload: object) -> str:
 
 def data_fingerprint(settings: Mapping[str, object]) -> str:
     """A short hash of the config keys that define every client's data (the keys of
-    :data:`~pflalign.federation.DATA_KEYS` except where the files are read from)."""
-    return _digest({k: settings[k] for k in DATA_KEYS if k not in LOCATION_KEYS})[:16]
+    :data:`~pflalign.settings.DATA_KEYS` except where the files are read from)."""
+    return _digest({k: settings[k] for k in DATA_KEYS if k not in DATA_LOCATION_KEYS})[:16]
 
 
 @dataclass(frozen=True)
@@ -107,7 +104,7 @@ def partition_metadata(settings: Mapping[str, object], node: NodeData) -> dict:
             "num-train": node.data.num_train, "num-test": node.data.num_test,
             "strides": {k: list(getattr(node.data, k).stride()) for k in _SPLITS},
             "fingerprint": data_fingerprint(settings),
-            "data-config": {k: settings[k] for k in DATA_KEYS if k not in LOCATION_KEYS}}
+            "data-config": {k: settings[k] for k in DATA_KEYS if k not in DATA_LOCATION_KEYS}}
 
 
 def write_partition(path: Path, node: NodeData, metadata: Mapping[str, object]) -> Path:
@@ -166,7 +163,7 @@ def _with_strides(tensor: torch.Tensor, strides: list[int] | None) -> torch.Tens
     return tensor.as_strided(tensor.shape, tuple(strides))
 
 
-@lru_cache(maxsize=4)
+@cached(maxsize=4)
 def _load_partition(path: str, mtime_ns: int, size: int) -> tuple[dict, NodeData]:
     meta = read_metadata(path)
     with np.load(path, allow_pickle=False) as archive:
@@ -199,7 +196,8 @@ def check_partition(meta: Mapping[str, object], path: str | Path,
     expected = data_fingerprint(settings)
     if meta["fingerprint"] != expected:
         theirs = dict(meta.get("data-config", {}))  # type: ignore[call-overload]
-        differ = [k for k in DATA_KEYS if k not in LOCATION_KEYS and theirs.get(k) != settings[k]]
+        differ = [k for k in DATA_KEYS
+                  if k not in DATA_LOCATION_KEYS and theirs.get(k) != settings[k]]
         detail = ", ".join(f"{k} = {theirs.get(k)!r} in the file, {settings[k]!r} in the run"
                            for k in differ) or "different data keys"
         raise ConfigError(f"The partition file '{path}' was made for another data config "
@@ -246,7 +244,7 @@ def cached_node_data(settings: Mapping[str, object], client_id: int,
 # --- state files -------------------------------------------------------------------------------
 def run_key(settings: Mapping[str, object]) -> str:
     """A hash of the run's settings, except those that change no client's computation."""
-    return _digest({k: v for k, v in settings.items() if k not in NON_LEARNING_KEYS})[:16]
+    return _digest({k: v for k, v in settings.items() if k not in NON_RUN_KEYS})[:16]
 
 
 class StateStore:
@@ -270,7 +268,7 @@ class StateStore:
         self.own = f"{self.PREFIX}client{self.client_id}-"
         self.path = self.dir / f"{self.own}{key}.npz"
 
-    def load(self) -> tuple[Arrays, dict] | None:
+    def load(self) -> tuple[State, dict] | None:
         """The saved state and its metadata, or None when there is none."""
         if not self.path.exists():
             return None
@@ -288,7 +286,7 @@ class StateStore:
             return None
         return arrays, meta
 
-    def save(self, arrays: Arrays, server_round: int) -> Path:
+    def save(self, arrays: State, server_round: int) -> Path:
         """Write the state atomically, then remove this directory's other state files."""
         names = list(arrays)
         meta = {"format": STATE_FORMAT, "version": FORMAT_VERSION, "run-id": self.run_id,

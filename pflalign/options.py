@@ -10,6 +10,13 @@ from dataclasses import dataclass
 
 Value = bool | int | float | str
 
+#: A key's scope: ``method`` (a method entry may set it: ``fedavg(lr=0.1)``), ``run`` (shared by
+#: every method of a run: the engine, the clients' resources, the faults), ``data`` (defines the
+#: data every client sees), ``data-location`` (where that data is read from, not which data it is)
+#: and ``output`` (changes nothing a run computes: where results go, how often checkpoints are
+#: written, how much client state stays in memory). Every scope but ``method`` is run-wide.
+SCOPES = ("method", "run", "data", "data-location", "output")
+
 
 class ConfigError(ValueError):
     """A configuration value, key or file is invalid; the message says which and how to fix it."""
@@ -28,6 +35,9 @@ class Option:
     maximum: float | None = None
     exclusive_minimum: bool = False
     exclusive_maximum: bool = False
+    #: what the key is for (:data:`SCOPES`): which keys a method entry may set, which define the
+    #: data, which change nothing a run computes
+    scope: str = "method"
 
     @property
     def type(self) -> type:

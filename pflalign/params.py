@@ -14,23 +14,26 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
-from pflalign.options import Option, Value
+from pflalign.options import SCOPES, Option, Value
 
 
 def param(default: Value, help: str, *, key: str | None = None,
           minimum: float | None = None, maximum: float | None = None,
           exclusive_minimum: bool = False, exclusive_maximum: bool = False,
           choices: tuple[str, ...] | None = None, group: str | None = None,
-          search: tuple[Value, ...] | None = None) -> Any:
+          search: tuple[Value, ...] | None = None, scope: str = "method") -> Any:
     """A hyperparameter field: its default (which fixes its type), help text and checks;
     ``key`` and ``group`` replace the derived config key and its class's group. ``search`` is
-    the small grid of values ``simulate.py --tune`` may try for it (None: never tuned)."""
+    the small grid of values ``simulate.py --tune`` may try for it (None: never tuned).
+    ``scope`` says what the key is for (:data:`~pflalign.options.SCOPES`)."""
     if search is not None and not search:
         raise ValueError("A search space needs at least one value.")
+    if scope not in SCOPES:
+        raise ValueError(f"param scope must be one of {', '.join(SCOPES)}, not {scope!r}.")
     return dataclasses.field(default=default, metadata={"search": search,
         "help": help, "key": key, "group": group, "minimum": minimum, "maximum": maximum,
         "exclusive_minimum": exclusive_minimum, "exclusive_maximum": exclusive_maximum,
-        "choices": choices})
+        "choices": choices, "scope": scope})
 
 
 class Params:
@@ -77,7 +80,8 @@ class Params:
                               choices=meta["choices"], minimum=meta["minimum"],
                               maximum=meta["maximum"],
                               exclusive_minimum=meta["exclusive_minimum"],
-                              exclusive_maximum=meta["exclusive_maximum"]))
+                              exclusive_maximum=meta["exclusive_maximum"],
+                              scope=meta["scope"]))
         return out
 
 

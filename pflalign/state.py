@@ -35,9 +35,10 @@ from typing import IO, ClassVar, Self
 import numpy as np
 import torch
 
-Arrays = dict[str, np.ndarray]
-TorchState = dict[str, torch.Tensor]
+#: a model state or a saved state as NumPy arrays (a state dict's entries, or flat named arrays)
 State = dict[str, np.ndarray]
+#: the same in torch tensors (what client rules compute with)
+TorchState = dict[str, torch.Tensor]
 
 _SEP = "/"
 
@@ -54,9 +55,9 @@ class ArrayState:
     #: values are torch tensors (client states) rather than NumPy arrays (server states)
     holds_tensors: ClassVar[bool] = True
 
-    def to_arrays(self) -> Arrays:
+    def to_arrays(self) -> State:
         """The state as one flat ``{name: ndarray}`` (copies; ``None`` fields are left out)."""
-        out: Arrays = {}
+        out: State = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if value is None:

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-from pflalign.state import Arrays
+from pflalign.state import State
 
 
-def arrays_bytes(arrays: Arrays) -> int:
+def arrays_bytes(arrays: State) -> int:
     return sum(np.asarray(a).nbytes for a in arrays.values())
 
 
-class ClientStateStore(MutableMapping[int, Arrays]):
+class ClientStateStore(MutableMapping[int, State]):
     """``client id -> saved state``, at most ``budget_bytes`` of it in memory (0: no cap); the
     rest in files under a private directory made in ``spill_root`` on the first spill, and
     removed with the store."""
@@ -37,7 +37,7 @@ class ClientStateStore(MutableMapping[int, Arrays]):
     def __init__(self, budget_bytes: int, spill_root: str | Path | None = None):
         self.budget = int(budget_bytes)
         self.spill_root = Path(spill_root) if spill_root is not None else None
-        self._memory: OrderedDict[int, Arrays] = OrderedDict()
+        self._memory: OrderedDict[int, State] = OrderedDict()
         self._sizes: dict[int, int] = {}
         self._disk: dict[int, Path] = {}
         self._dir: Path | None = None
@@ -48,7 +48,7 @@ class ClientStateStore(MutableMapping[int, Arrays]):
         self.peak_resident = 0
 
     # --- mapping ---------------------------------------------------------------------------
-    def __getitem__(self, client: int) -> Arrays:
+    def __getitem__(self, client: int) -> State:
         if client in self._memory:
             self._memory.move_to_end(client)
             return self._memory[client]
@@ -59,7 +59,7 @@ class ClientStateStore(MutableMapping[int, Arrays]):
                     for k, name in enumerate(names)}
         raise KeyError(client)
 
-    def __setitem__(self, client: int, arrays: Arrays) -> None:
+    def __setitem__(self, client: int, arrays: State) -> None:
         self._drop(client)
         size = arrays_bytes(arrays)
         self._memory[client] = arrays
@@ -105,7 +105,7 @@ class ClientStateStore(MutableMapping[int, Arrays]):
             self.resident -= self._sizes.pop(client)
             self._spill(client, arrays)
 
-    def _spill(self, client: int, arrays: Arrays) -> None:
+    def _spill(self, client: int, arrays: State) -> None:
         if self._dir is None:
             root = self.spill_root or Path(tempfile.gettempdir())
             root.mkdir(parents=True, exist_ok=True)

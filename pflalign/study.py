@@ -39,16 +39,20 @@ from pathlib import Path
 import numpy as np
 
 from pflalign.config import (
-    ConfigError,
     MethodChoice,
-    Settings,
+    build_settings,
     load_toml,
+    method_choices,
+    method_labels,
+    parse_methods,
     parse_override,
     toml_literal,
 )
 from pflalign.methods import METHODS
-from pflalign.options import Value
+from pflalign.options import ConfigError, Value
+from pflalign.report import setting_label
 from pflalign.results import Reporter, write_results
+from pflalign.settings import Settings
 
 #: the version of the results.json layout (a single run's and a study's)
 SCHEMA_VERSION = 2
@@ -122,10 +126,6 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.+-]+", "_", text).strip("_") or "default"
 
 
-def setting_label(setting: Mapping[str, Value]) -> str:
-    return ",".join(f"{k}={toml_literal(v)}" for k, v in setting.items())
-
-
 @dataclass
 class Plan:
     """What a study runs; saved as ``plan.json`` so that ``--resume`` runs the same."""
@@ -144,7 +144,7 @@ class Plan:
     def __post_init__(self) -> None:
         if not self.scenarios:
             raise ConfigError("A study needs at least one scenario.")
-        labels = self.settings(next(iter(self.scenarios))).methods
+        labels = method_labels(self.settings(next(iter(self.scenarios))))
         if self.reference is None:
             self.reference = "fedavg" if "fedavg" in labels else labels[0]
         if self.reference not in labels:
@@ -159,7 +159,7 @@ class Plan:
                                   "--tune-seeds.")
             if not self.tune_seeds:
                 raise ConfigError("--tune needs at least one tuning seed (--tune-seeds).")
-            searched = {k for c in self.settings(next(iter(self.scenarios))).method_choices
+            searched = {k for c in method_choices(self.settings(next(iter(self.scenarios))))
                         for k in METHODS[c.name].search_space}
             clash = sorted(searched & set(self.sweep))
             if clash:
@@ -174,7 +174,7 @@ class Plan:
                 and not self.tune)
 
     def settings(self, scenario: str) -> Settings:
-        return Settings(self.scenarios[scenario], source=f"scenario '{scenario}'"
+        return build_settings(self.scenarios[scenario], source=f"scenario '{scenario}'"
                         if scenario else "the config")
 
     def settings_list(self) -> list[dict[str, Value]]:
@@ -225,7 +225,7 @@ class Plan:
 def scenario_values(name: str, overrides: Sequence[str],
                     extra: Mapping[str, object]) -> dict[str, Value]:
     """A scenario's full config values: its file, then ``--set`` overrides, then ``extra``."""
-    base = Settings(load_toml(scenario_file(name)), source=f"scenario '{name}'")
+    base = build_settings(load_toml(scenario_file(name)), source=f"scenario '{name}'")
     changes: dict[str, object] = dict(parse_override(text) for text in overrides)
     changes.update(extra)
     return (base.replace(changes, source="the command line") if changes else base).to_dict()
@@ -262,8 +262,6 @@ def entry(choice: MethodChoice, params: Mapping[str, Value]) -> str:
 
 def entry_label(choice: MethodChoice, params: Mapping[str, Value]) -> str:
     """The label :func:`pflalign.config.parse_methods` gives :func:`entry`'s text."""
-    from pflalign.config import parse_methods
-
     return parse_methods(entry(choice, params))[0].label
 
 
@@ -322,19 +320,19 @@ class Study:
         self.reporter = reporter or Reporter()
         self.resume = resume
         self.out = Path(plan.out_dir)
-        per_group = len(plan.settings(next(iter(plan.scenarios))).method_choices)
+        per_group = len(method_choices(plan.settings(next(iter(plan.scenarios)))))
         groups = len(plan.scenarios) * len(plan.settings_list()) * len(plan.seeds)
         tuning = 0
         if plan.tune:
             for name in plan.scenarios:
                 settings = plan.settings(name)
                 tuning += sum(len(trials(c, settings, plan.tune, plan.tune_seeds[0])[1])
-                              for c in settings.method_choices) * len(plan.tune_seeds)
+                              for c in method_choices(settings)) * len(plan.tune_seeds)
         self.progress = Progress(total=groups * per_group + tuning)
 
     # one group of cells ---------------------------------------------------------------------
     def group(self, settings: Settings, directory: Path, what: str) -> dict:
-        labels = settings.methods
+        labels = method_labels(settings)
         finished = _group_done(directory, labels)
         if finished is not None and self.resume:
             self.progress.done += len(labels)
@@ -363,7 +361,7 @@ class Study:
         runs = []
         for name in plan.scenarios:
             base = plan.settings(name)
-            methods = base.method_choices
+            methods = method_choices(base)
             chosen = tuned.get(name, {})
             if chosen:
                 base = base.replace({"methods": ",".join(
@@ -391,7 +389,7 @@ class Study:
             settings = plan.settings(name)
             table: dict[str, dict] = {}
             entries: list[str] = []
-            for choice in settings.method_choices:
+            for choice in method_choices(settings):
                 space, points = trials(choice, settings, plan.tune, plan.tune_seeds[0])
                 table[choice.label] = {
                     "space": {k: list(v) for k, v in space.items()},

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -13,8 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pflalign.data import Normalizer
-from pflalign.optim import GENIE
-from pflalign.params import Params, param
 
 # Independent random streams derived from (seed, round, client, stream).
 STREAM_TRAIN = 1
@@ -52,72 +49,6 @@ def num_local_steps(num_samples: int, batch_size: int, epochs: int, max_steps: i
     """Optimizer steps in one local round: ``ceil(n / B) * E``, capped by ``max_steps`` if > 0."""
     steps = math.ceil(num_samples / batch_size) * epochs
     return min(steps, max_steps) if max_steps > 0 else steps
-
-
-@dataclass(frozen=True)
-class LocalTraining(Params):
-    """The run's local training (mini-batches, steps, the local optimizer): run-wide keys that a
-    method entry may override, e.g. ``fedavg(lr=0.1)``."""
-
-    group: ClassVar[str] = "train"
-
-    batch_size: int = param(32, "Local mini-batch size.", minimum=1)
-    local_epochs: int = param(1, "Local epochs per round.", minimum=1)
-    local_steps: int = param(0, "If > 0, cap the local optimizer steps per round at this "
-                             "number.", minimum=0)
-    lr: float = param(0.05, "Local learning rate (SGD).", minimum=0.0, exclusive_minimum=True,
-                      search=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2))
-    momentum: float = param(0.0, "Local SGD momentum (0 is plain SGD, as in FedAvg).",
-                            minimum=0.0, maximum=1.0, exclusive_maximum=True)
-    weight_decay: float = param(0.0, "Local L2 weight decay.", minimum=0.0)
-    local_optimizer: str = param(
-        "sgd", "Local optimizer of the methods that train with a standard one: sgd (lr, "
-        "momentum), adam (adam-lr) or genie (genie-*); a new one every round. Methods with their "
-        "own local rule (scaffold, apfl, perfedavg, pfedme, pflalign) refuse anything but sgd; "
-        "pflalign-genie is pFLAlign with GENIE.", choices=("sgd", "adam", "genie"))
-    adam_lr: float = param(0.001, "Step size of local-optimizer = adam.", minimum=0.0,
-                           exclusive_minimum=True)
-    genie_lr: float = param(
-        0.3, "GENIE's step size (the paper's convergence rate eta, ALGORITHMS.md 2.5), for "
-        "local-optimizer = genie and pflalign-genie. The paper's 0.015 (pretrained ResNets) "
-        "trains a CNN from scratch too slowly; 0.3 was best of 0.015-1.0 on "
-        "configs/rotated.toml, seeds 0-1 (README).", minimum=0.0, exclusive_minimum=True,
-        group="genie")
-    genie_moving_avg: float = param(0.95, "GENIE's EMA decay beta.", minimum=0.0, maximum=1.0,
-                                    exclusive_maximum=True, group="genie")
-    genie_p: float = param(0.4, "GENIE's mask drop probability.", minimum=0.0, maximum=1.0,
-                           exclusive_maximum=True, group="genie")
-    genie_precondition: bool = param(True, "GENIE: apply the OSGR preconditioner r * tau "
-                                     "(false: step on the bias-corrected EMA mean).",
-                                     group="genie")
-    genie_noise: bool = param(True, "GENIE: add noise on low-confidence coordinates.",
-                              group="genie")
-    genie_mask: bool = param(True, "GENIE: inverted-dropout mask on the update.", group="genie")
-
-    def sgd(self, params: Iterable[torch.Tensor]) -> torch.optim.SGD:
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
-                               weight_decay=self.weight_decay)
-
-    def genie_options(self) -> dict:
-        """GENIE's keyword arguments from the ``genie-*`` keys (ALGORITHMS.md 2.5)."""
-        return dict(lr=self.genie_lr, moving_avg=self.genie_moving_avg, p=self.genie_p,
-                    weight_decay=self.weight_decay, precondition=self.genie_precondition,
-                    noise=self.genie_noise, mask=self.genie_mask)
-
-    def optimizer(self, params: Iterable[torch.Tensor],
-                  generator: torch.Generator | None = None) -> torch.optim.Optimizer:
-        """The ``local-optimizer``: ``sgd`` (``lr``, ``momentum``, ``weight-decay``), ``adam``
-        (``adam-lr``, ``weight-decay``) or ``genie`` (``genie-*``, ``weight-decay``; its mask and
-        noise drawn from ``generator``). A new one each round: its state does not outlive the
-        round."""
-        if self.local_optimizer == "sgd":
-            return self.sgd(params)
-        if self.local_optimizer == "adam":
-            return torch.optim.Adam(params, lr=self.adam_lr, weight_decay=self.weight_decay)
-        if self.local_optimizer == "genie":
-            return GENIE(params, **self.genie_options(), generator=generator)
-        raise ValueError(f"Unknown local-optimizer {self.local_optimizer!r}; choose sgd, adam "
-                         "or genie.")
 
 
 @dataclass(frozen=True)
@@ -179,6 +110,24 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: N
         seen += len(idx)
         steps += 1
     return TrainStats(loss=float(loss_sum) / max(seen, 1), steps=steps, samples=seen)
+
+
+@torch.no_grad()
+def head_inputs(model: nn.Module, head: nn.Module, batches: Iterable[torch.Tensor],
+                ) -> torch.Tensor:
+    """What ``head`` (a layer of ``model``) receives when ``model`` runs on each of ``batches``
+    in eval mode, concatenated (the model's mode is restored)."""
+    captured: list[torch.Tensor] = []
+    hook = head.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    was_training = model.training
+    try:
+        model.eval()
+        for batch in batches:
+            model(batch)
+    finally:
+        hook.remove()
+        model.train(was_training)
+    return torch.cat(captured)
 
 
 @torch.inference_mode()

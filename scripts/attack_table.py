@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pflalign.config import Settings  # noqa: E402
+from pflalign.config import build_settings  # noqa: E402
 from pflalign.faults import malicious_clients  # noqa: E402
 
 #: attack -> attack-scale used for it (the factor is unused by signflip, labelflip and hang)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         for attack in (None, *ATTACKS):
             results = run(args.out, args.config, extra, attack, args.malicious, entries, seed)
-            settings = Settings(dict(results["config"]))
+            settings = build_settings(dict(results["config"]))
             bad = malicious_clients(settings if attack else settings.replace(
                 {"malicious-clients": args.malicious, "attack": "signflip"}))
             row = rows.setdefault(attack or "clean", {})

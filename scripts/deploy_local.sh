@@ -372,13 +372,13 @@ cmd_run() {
     # `flwr run` exits 0 even when the ServerApp fails: results.json decides
     if ! python - "$rundir/run-config.toml" "$out/results.json" <<'EOF'
 import json, sys, tomllib
-from pflalign.config import Settings
-settings = Settings(tomllib.load(open(sys.argv[1], "rb")))
+from pflalign.config import build_settings, method_labels
+settings = build_settings(tomllib.load(open(sys.argv[1], "rb")))
 try:
     results = json.load(open(sys.argv[2]))
 except (OSError, ValueError) as err:
     sys.exit(f"no complete results.json ({err})")
-for label in settings.methods:
+for label in method_labels(settings):
     rounds = results.get("methods", {}).get(label, {}).get("rounds", [])
     if not rounds or rounds[-1].get("round") != settings.run.rounds:
         sys.exit(f"method {label!r} did not finish its {settings.run.rounds} rounds")

@@ -9,9 +9,11 @@ from collections.abc import Callable
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from pflalign.config import ConfigError, Settings
+from pflalign.config import build_settings
 from pflalign.engines import run_methods
+from pflalign.options import ConfigError
 from pflalign.results import Reporter
+from pflalign.settings import Settings
 from strategies.flower import FlowerEngine
 
 app = ServerApp()
@@ -28,7 +30,7 @@ def run_on_grid(grid: Grid, settings: Settings, reporter: Reporter | None = None
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    settings = Settings(dict(context.run_config), source="the run config")
+    settings = build_settings(dict(context.run_config), source="the run config")
     if settings.run.engine != "flower":
         raise ConfigError(f"engine = {settings.run.engine!r} runs with `python simulate.py`; "
                           "`flwr run` always uses the Flower engine (leave engine = 'flower').")

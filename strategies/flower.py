@@ -17,9 +17,9 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from pflalign.config import Settings
 from pflalign.federation import federated_dataset
 from pflalign.interrupt import check_stop
+from pflalign.messages import ClientInfo, Exchange, Outgoing, Reply
 from pflalign.protocol import (
     CONFIG,
     EVALUATE,
@@ -35,7 +35,7 @@ from pflalign.protocol import (
     UNSEEN,
 )
 from pflalign.results import Reporter
-from pflalign.server import ClientInfo, Exchange, Outgoing, Reply
+from pflalign.settings import Settings
 from pflalign.state import State
 
 #: a checkpoint's state query is a query routed to its own ClientApp function (``query.state``)

@@ -8,7 +8,7 @@ so that no process outlives the run.
 
 Ray is started here rather than by Flower's Ray backend (which skips its own ``ray.init`` when
 Ray is already up), with the same arguments, for three reasons: a local Ray listens on
-127.0.0.1 only (:func:`pflalign.runtime.bind_ray_to_loopback`); ``ray_address`` joins an
+127.0.0.1 only (:func:`pflalign.flower_process.bind_ray_to_loopback`); ``ray_address`` joins an
 existing cluster instead, with a one-line error when it cannot be reached; and ``ray.init``
 replaces the process's SIGTERM handler, which must be given back to
 :mod:`pflalign.interrupt` afterwards.
@@ -31,22 +31,23 @@ import signal
 import socket
 import sys
 
-from pflalign.config import ConfigError, Settings
 from pflalign.engines import check_resources
 from pflalign.federation import federated_dataset
+from pflalign.flower_process import (
+    bind_ray_to_loopback,
+    make_run_dir,
+    set_flower_environment,
+    terminate_children,
+)
 from pflalign.interrupt import (
     check_stop,
     cleanup_on_forced_exit,
     reinstall_handlers,
     request_stop,
 )
+from pflalign.options import ConfigError
 from pflalign.results import Reporter
-from pflalign.runtime import (
-    bind_ray_to_loopback,
-    make_run_dir,
-    set_flower_environment,
-    terminate_children,
-)
+from pflalign.settings import Settings
 
 
 class _DropDeprecation(logging.Filter):

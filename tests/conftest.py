@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pflalign.data import DEBIAN_FASHION_MNIST  # noqa: E402
-from pflalign.runtime import set_flower_environment  # noqa: E402
+from pflalign.flower_process import set_flower_environment  # noqa: E402
 
 set_flower_environment()
 

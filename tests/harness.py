@@ -1,7 +1,9 @@
 """Test helpers: a method's client and server rules run by hand, state kept as the engines keep it.
 
 A client's state goes through ``to_arrays`` / ``from_arrays`` between calls, exactly as the
-engines persist it (:mod:`pflalign.engines.host`), so a test sees what survives between rounds.
+engines persist it (:mod:`pflalign.engines.host`), so a test sees what survives between rounds;
+a rule's local runs are executed on the client one after another, as every engine but the
+batched one's vmap backend executes them (:func:`run_rule`).
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from pflalign.client import ClientRuntime, Received, Upload
-from pflalign.config import Settings
+from pflalign.client import ClientRuntime
+from pflalign.config import build_settings
 from pflalign.engines import initial_model, template_model
+from pflalign.local import Rule, complete
+from pflalign.messages import ClientInfo, Received, Upload
 from pflalign.method import Method
 from pflalign.methods import METHODS
-from pflalign.server import ClientInfo, ServerRuntime
+from pflalign.server import ServerRuntime
+from pflalign.settings import Settings
 from pflalign.state import ArrayState
 
 CPU = torch.device("cpu")
@@ -24,7 +29,7 @@ CPU = torch.device("cpu")
 
 def method_settings(name: str, base: Mapping[str, object], **changes: object) -> Settings:
     """``base`` with ``changes``, and the keys a registered variant fixes."""
-    settings = Settings({**base, **changes})
+    settings = build_settings({**base, **changes})
     overrides = dict(METHODS[name].overrides)
     return settings.replace(overrides) if overrides else settings
 
@@ -41,14 +46,20 @@ def persist(state: ArrayState) -> ArrayState:
     return type(state).from_arrays(state.to_arrays())
 
 
+def run_rule(rule: Rule, client: ClientRuntime, server_round: int) -> object:
+    """A client rule's result, its local runs executed on ``client``."""
+    return complete(rule, lambda run: client.execute(run, server_round))
+
+
 def train(method: Method, client: ClientRuntime, server_round: int,
           arrays: Mapping[str, Mapping[str, torch.Tensor]], state: ArrayState | None = None,
           config: Mapping[str, object] | None = None) -> tuple[Upload, ArrayState]:
     """One training action; ``state`` None is a client that has none yet. Returns the upload and
     the client's new state as it would be loaded for its next action."""
     state = method.ClientState() if state is None else persist(state)
-    upload, new = method.train(client, Received(server_round, dict(arrays), dict(config or {})),
-                               state)
+    upload, new = run_rule(method.train(client, Received(server_round, dict(arrays),
+                                                         dict(config or {})), state),
+                           client, server_round)
     return upload, persist(new)
 
 
@@ -57,7 +68,9 @@ def evaluate(method: Method, client: ClientRuntime, server_round: int,
              config: Mapping[str, object] | None = None) -> dict:
     """One evaluation action on ``state`` as given (None: a client without state)."""
     state = method.ClientState() if state is None else state
-    return method.evaluate(client, Received(server_round, dict(arrays), dict(config or {})), state)
+    return run_rule(method.evaluate(client, Received(server_round, dict(arrays),
+                                                     dict(config or {})), state),
+                    client, server_round)
 
 
 def global_state(client: ClientRuntime, shift: float = 0.0) -> dict[str, torch.Tensor]:
@@ -80,7 +93,8 @@ def server(name: str, settings: Settings, num_clients: int,
     else:
         model, names = dict(initial), tuple(trainable)
         template = lambda: None  # noqa: E731  (a hand-made model has no layers to look up)
-    runtime = ServerRuntime(settings, method, name, model, names, template)
+    runtime = ServerRuntime(settings, name, model, names, template)
+    runtime.keep_personal(method.personal_keys(runtime))
     runtime.clients = {c: ClientInfo(id=c, num_train=num_train(c), num_test=5, unseen=False)
                        for c in range(num_clients)}
     return method, runtime, model

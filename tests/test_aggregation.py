@@ -4,10 +4,12 @@ from flwr.app import ArrayRecord, Error, Message, Metadata, MetricRecord, Record
 from flwr.serverapp.strategy import FedAvg
 
 from pflalign.aggregation import FlatSpec, fedavg, weighted_average
-from pflalign.config import Settings
+from pflalign.config import build_settings
+from pflalign.messages import ClientInfo, Exchange
 from pflalign.methods import METHODS
 from pflalign.results import Reporter
-from pflalign.server import ClientInfo, Exchange, Federation, ServerRuntime
+from pflalign.rounds import RoundLoop
+from pflalign.server import ServerRuntime
 from strategies.flower import FlowerEngine, to_record
 
 
@@ -87,19 +89,20 @@ def _train_reply(node: int, cid: int, state: dict, n: int, loss: float = 0.5) ->
 
 def _federation(initial: dict, replies: list[Message], num_clients: int = 3,
                 answers: dict[int, int] | None = None, sizes: tuple[int, ...] = (),
-                test_sizes: tuple[int, ...] = (), **changes) -> Federation:
+                test_sizes: tuple[int, ...] = (), **changes) -> RoundLoop:
     """FedAvg's round loop over the Flower engine, with clients 0..n-1 on nodes 100..100+n-1,
     discovered with ``sizes`` training and ``test_sizes`` test samples (10 and 5 by default)."""
-    settings = Settings({"num-clients": num_clients, "methods": "fedavg", **changes})
-    server = ServerRuntime(settings, METHODS["fedavg"].build(settings), "fedavg", initial,
-                           tuple(initial), template=lambda: None)
+    settings = build_settings({"num-clients": num_clients, "methods": "fedavg", **changes})
+    server = ServerRuntime(settings, "fedavg", initial, tuple(initial), template=lambda: None)
     server.clients = {i: ClientInfo(i, sizes[i] if sizes else 10,
                                     test_sizes[i] if test_sizes else 5, False)
                       for i in range(num_clients)}
     flower = FlowerEngine(None, settings, Reporter(quiet=True))
     flower.node_of = {i: 100 + i for i in range(num_clients)}
-    federation = Federation(server, _Replies(flower, replies, answers), Reporter(quiet=True))
-    federation.state = server.method.init_server(server, initial)
+    method = METHODS["fedavg"].build(settings)
+    federation = RoundLoop(server, method, _Replies(flower, replies, answers),
+                           Reporter(quiet=True))
+    federation.state = method.init_server(server, initial)
     return federation
 
 

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from conftest import needs_fashion_mnist
 from harness import build, evaluate, global_state, persist, server, train
 
-from pflalign.client import Received
-from pflalign.config import ConfigError, Settings
-from pflalign.method import Update
+from pflalign.config import ConfigError, build_settings
+from pflalign.local import LocalRun
+from pflalign.messages import Exchange, Received, Reply, Update
 from pflalign.methods import METHODS, method_overrides
 from pflalign.methods.apfl import APFLClientState
 from pflalign.methods.ditto import DittoClientState
@@ -17,7 +17,7 @@ from pflalign.methods.scaffold import CONTROL, CONTROL_DELTA, ScaffoldClientStat
 from pflalign.models import batch_norm_keys, head_keys
 from pflalign.protocol import MODEL
 from pflalign.results import Reporter
-from pflalign.server import Exchange, Federation, Reply
+from pflalign.rounds import RoundLoop
 from pflalign.train import STREAM_PERSONAL
 
 pytestmark = needs_fashion_mnist
@@ -101,10 +101,13 @@ def test_scaffold_step_and_control_update_with_nonzero_variates_by_hand():
                                    atol=1e-4)
 
 
-def test_scaffold_refuses_momentum():
-    method, client = _build("scaffold", momentum=0.9)
-    with pytest.raises(ValueError, match="plain SGD"):
-        train(method, client, 1, {MODEL: global_state(client)})
+def test_scaffold_and_apfl_refuse_momentum_before_any_data_is_read():
+    for entry in ("scaffold(momentum=0.9)", "scaffold(weight-decay=0.01)"):
+        with pytest.raises(ConfigError, match="plain SGD"):
+            build_settings({"methods": f"fedavg,{entry}"})
+    with pytest.raises(ConfigError, match="apfl updates its personal model by plain SGD"):
+        build_settings({"methods": "apfl", "momentum": 0.5})
+    build_settings({"methods": "fedavg(momentum=0.9),scaffold,apfl(weight-decay=0.01)"})
 
 
 def test_ditto_uploads_the_fedavg_model_and_a_large_lambda_pulls_the_personal_model_on():
@@ -146,7 +149,7 @@ def test_ditto_new_client_fits_a_personal_model_at_evaluation():
 def test_fedper_keeps_the_head_and_uploads_the_body():
     method, client = _build("fedper")
     full = global_state(client)
-    head = head_keys(client.template())
+    head = head_keys(client.layout)
     body = {k: v for k, v in full.items() if k not in head}
     out, state = train(method, client, 1, {MODEL: body})
     assert set(out.model) == set(body)
@@ -156,48 +159,45 @@ def test_fedper_keeps_the_head_and_uploads_the_body():
     method, client = _build("fedper")
     state = persist(state)
     had = state.personal is not None
-    model = method._model(client, Received(2, {MODEL: body}), state)
+    model = client.new_model(method._start(client.initial_state(), Received(2, {MODEL: body}),
+                                           state))
     assert had and torch.equal(model.state_dict()["fc.weight"], kept["fc.weight"])
     assert torch.equal(model.state_dict()["fc1.1.weight"], body["fc1.1.weight"])
 
 
 def test_fedrep_head_training_on_cached_features_equals_training_through_the_frozen_body():
     method, client = _build("fedrep", **{"local-steps": 0})
-    head = head_keys(client.template())
-    fast, slow = client.new_model(), client.new_model()
-    assert client.last_layer_owning(fast, head) is not None  # the cached-features path is taken
-    method.train_part(client, fast, head, 1, stream=3, epochs=2)
+    head = head_keys(client.layout)
+    run = LocalRun(client.initial_state(), trainable=head, stream=3, epochs=2)
+    assert client.last_layer_owning(client.new_model(), head) is not None  # the features path
+    fast = client.execute(run, 1).model
     client.last_layer_owning = lambda model, keys: None  # force the generic path
-    method.train_part(client, slow, head, 1, stream=3, epochs=2)
-    for key, value in fast.state_dict().items():
-        torch.testing.assert_close(value, slow.state_dict()[key], rtol=1e-4, atol=1e-5)
-    assert not torch.equal(fast.state_dict()["fc.weight"], client.new_model().state_dict()[
-        "fc.weight"])
-    assert torch.equal(fast.state_dict()["fc1.1.weight"],
-                       client.new_model().state_dict()["fc1.1.weight"])  # body frozen
+    slow = client.execute(run, 1).model
+    for key, value in fast.items():
+        torch.testing.assert_close(value, slow[key], rtol=1e-4, atol=1e-5)
+    initial = client.initial_state()
+    assert not torch.equal(fast["fc.weight"], initial["fc.weight"])
+    assert torch.equal(fast["fc1.1.weight"], initial["fc1.1.weight"])  # body frozen
 
 
 def test_fedrep_body_phase_leaves_the_head_alone():
     method, client = _build("fedrep")
-    model = client.new_model()
-    head = head_keys(model)
-    body = tuple(n for n, _ in model.named_parameters() if n not in head)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    method.train_part(client, model, body, 1, stream=1, epochs=1)
-    after = model.state_dict()
+    head = head_keys(client.layout)
+    body = tuple(n for n, _ in client.layout.named_parameters() if n not in head)
+    before = client.initial_state()
+    after = client.execute(LocalRun(before, trainable=body, stream=1, epochs=1), 1).model
     assert all(torch.equal(after[k], before[k]) for k in head)
     assert not torch.equal(after["fc1.1.weight"], before["fc1.1.weight"])
-    assert all(p.requires_grad for p in model.parameters())  # unfrozen again
 
 
 def test_fedbn_runs_on_cnn_bn_and_keeps_every_batch_norm_entry_local():
-    settings = Settings(SMALL)
+    settings = build_settings(SMALL)
     overrides = method_overrides(METHODS["fedbn"], settings, {})
     assert overrides == {"model": "cnn-bn"}
     with pytest.raises(ConfigError, match="batch norm"):
-        method_overrides(METHODS["fedbn"], Settings({**SMALL, "model": "mlp"}), {})
+        method_overrides(METHODS["fedbn"], build_settings({**SMALL, "model": "mlp"}), {})
     method, client = _build("fedbn", model="cnn-bn")
-    bn = batch_norm_keys(client.template())
+    bn = batch_norm_keys(client.layout)
     shared = {k: v for k, v in global_state(client).items() if k not in bn}
     out, state = train(method, client, 1, {MODEL: shared})
     assert set(out.model) == set(shared)
@@ -243,12 +243,6 @@ def test_apfl_one_step_by_hand():
     alpha = state.alpha
     assert alpha == pytest.approx(min(1.0, max(0.0, 0.3 - 0.5 * alpha_grad)), abs=1e-6)
     assert alpha != pytest.approx(0.3)
-
-
-def test_apfl_refuses_momentum():
-    method, client = _build("apfl", momentum=0.5)
-    with pytest.raises(ValueError, match="momentum"):
-        train(method, client, 1, {MODEL: global_state(client)})
 
 
 def test_apfl_learns_alpha_within_the_unit_interval():
@@ -347,7 +341,7 @@ def test_fedala_merges_the_top_layer_with_learned_weights_and_takes_the_global_b
 
 # --- server rules ------------------------------------------------------------------------------
 def _server(name, num_clients=4, num_train=lambda c: 10, **changes):
-    settings = Settings({**SMALL, "num-clients": num_clients, **changes})
+    settings = build_settings({**SMALL, "num-clients": num_clients, **changes})
     method, runtime, model = server(name, settings, num_clients, num_train=num_train)
     return method, runtime, method.init_server(runtime, model)
 
@@ -402,7 +396,7 @@ def test_scaffold_server_sends_c_and_updates_it_from_the_control_deltas():
     delta = {k: np.full_like(x[k], 2.0) for k in runtime.trainable}
     y1 = {k: v + 1.0 for k, v in x.items()}
     y2 = {k: v + 3.0 for k, v in x.items()}
-    federation = Federation(runtime, _Replies([
+    federation = RoundLoop(runtime, method, _Replies([
         _reply(0, y1, examples=30, **{CONTROL_DELTA: delta}),
         _reply(1, y2, examples=10, **{CONTROL_DELTA: delta}),
         _reply(2, y1)]), Reporter(quiet=True))  # no control-delta: rejected, the rest aggregated

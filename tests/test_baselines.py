@@ -6,8 +6,6 @@ import torch
 
 from pflalign.aggregation import fedavg
 from pflalign.baselines import (
-    add_control_variates_,
-    add_proximal_,
     ala_converged,
     ala_merge,
     ala_weight_step_,
@@ -20,6 +18,7 @@ from pflalign.baselines import (
     scaffold_client_control,
     scaffold_server_update,
 )
+from pflalign.local import ControlVariates, Proximal
 
 
 def _param(values, grad=None) -> torch.Tensor:
@@ -30,27 +29,32 @@ def _param(values, grad=None) -> torch.Tensor:
 
 
 def test_proximal_term_adds_mu_times_the_distance_to_the_anchor():
-    p = _param([1.0, 2.0], grad=[0.1, 0.2])
-    add_proximal_([p], [torch.tensor([0.5, 0.5])], mu=0.5)
-    torch.testing.assert_close(p.grad, torch.tensor([0.35, 0.95]))
+    grad = torch.tensor([0.1, 0.2])
+    Proximal({"w": torch.tensor([0.5, 0.5])}, mu=0.5).apply_([grad], [torch.tensor([1.0, 2.0])],
+                                                            ["w"])
+    torch.testing.assert_close(grad, torch.tensor([0.35, 0.95]))
 
 
 def test_proximal_term_with_mu_zero_leaves_the_gradient_bit_for_bit():
     g = torch.randn(5, generator=torch.Generator().manual_seed(0))
-    p = _param(torch.randn(5).tolist(), grad=g.tolist())
-    add_proximal_([p], [torch.randn(5)], mu=0.0)
-    assert torch.equal(p.grad, g)
+    grad = g.clone()
+    Proximal({"w": torch.randn(5)}, mu=0.0).apply_([grad], [torch.randn(5)], ["w"])
+    assert torch.equal(grad, g)
 
 
-def test_proximal_term_needs_gradients():
-    with pytest.raises(ValueError, match="backward"):
-        add_proximal_([_param([1.0])], [torch.zeros(1)], mu=1.0)
+def test_a_correction_reads_its_tensors_by_entry_name():
+    grads = [torch.zeros(2), torch.zeros(1)]
+    anchor = {"b": torch.tensor([1.0]), "a": torch.tensor([1.0, 2.0])}
+    Proximal(anchor, mu=1.0).apply_(grads, [torch.zeros(2), torch.zeros(1)], ["a", "b"])
+    torch.testing.assert_close(grads[0], torch.tensor([-1.0, -2.0]))
+    torch.testing.assert_close(grads[1], torch.tensor([-1.0]))
 
 
 def test_scaffold_corrected_gradient_is_g_minus_ci_plus_c():
-    p = _param([0.0, 0.0], grad=[1.0, -1.0])
-    add_control_variates_([p], [torch.tensor([0.5, 0.25])], [torch.tensor([0.25, 1.0])])
-    torch.testing.assert_close(p.grad, torch.tensor([1.25, -1.75]))
+    grad = torch.tensor([1.0, -1.0])
+    ControlVariates({"w": torch.tensor([0.5, 0.25])}, {"w": torch.tensor([0.25, 1.0])}).apply_(
+        [grad], [torch.zeros(2)], ["w"])
+    torch.testing.assert_close(grad, torch.tensor([1.25, -1.75]))
 
 
 def test_scaffold_option_two_control_variate():

@@ -16,7 +16,7 @@ from scripts.compare_results import compare
 pytestmark = needs_fashion_mnist
 
 BASELINES = ["fedprox", "scaffold", "ditto", "fedper", "fedrep", "fedbn", "apfl", "perfedavg",
-             "pfedme", "fedala", "feddyn", "fedcp"]
+             "pfedme", "fedala", "feddyn", "fedcp", "gpfl", "feddbe"]
 INVARIANTS = ["fedprox(fedprox-mu=0.0)", "apfl(apfl-alpha=0.0,apfl-adaptive=false)"]
 #: entries beyond the registry's names that take other paths through the engines: server-held
 #: state, the GGA warm start (a query round), other local optimizers, local batch norm

@@ -17,7 +17,7 @@ from conftest import ROOT, needs_fashion_mnist
 
 from pflalign import interrupt
 from pflalign.checkpoint import Checkpoint, Snapshot, checkpoint_path, entry_fingerprint, slug
-from pflalign.config import ConfigError, Settings
+from pflalign.config import ConfigError, build_settings
 from pflalign.engines import run_methods
 from pflalign.engines.sequential import SequentialEngine
 from pflalign.interrupt import Interrupted, request_stop
@@ -31,10 +31,10 @@ TINY = {"engine": "sequential", "num-clients": 6, "max-samples": 1500, "rounds":
 
 #: runs ``simulate`` on the sequential engine: argv = settings as JSON, then "resume" or not
 DRIVER = ("import json, sys\n"
-          "from pflalign.config import Settings\n"
+          "from pflalign.config import build_settings\n"
           "from pflalign.engines.sequential import simulate\n"
           "from pflalign.results import Reporter\n"
-          "simulate(Settings(json.loads(sys.argv[1])), Reporter(quiet=False),\n"
+          "simulate(build_settings(json.loads(sys.argv[1])), Reporter(quiet=False),\n"
           "         resume=sys.argv[2] == 'resume')\n")
 
 
@@ -89,7 +89,7 @@ def test_slugs_are_safe_distinct_file_names_and_checkpoints_fall_on_every_nth_ro
 
 
 def test_a_snapshot_round_trips_exactly_and_a_foreign_one_is_refused(tmp_path):
-    settings = Settings({**TINY, "methods": "ditto"})
+    settings = build_settings({**TINY, "methods": "ditto"})
     path = tmp_path / "checkpoints" / "ditto.npz"
     checkpoint = Checkpoint(path, "ditto", entry_fingerprint(settings, "ditto"), 1, 4)
     rng = np.random.default_rng(0)
@@ -125,7 +125,7 @@ def test_a_snapshot_round_trips_exactly_and_a_foreign_one_is_refused(tmp_path):
 
 @needs_fashion_mnist
 def test_a_results_json_or_checkpoint_of_another_config_is_refused(tmp_path):
-    settings = Settings({**TINY, "rounds": 3, "checkpoint-every": 1, "methods": "fedavg",
+    settings = build_settings({**TINY, "rounds": 3, "checkpoint-every": 1, "methods": "fedavg",
                          "out-dir": str(tmp_path)})
     with pytest.raises(Interrupted):
         run_methods(settings, SequentialEngine, _StopAt("[fedavg] round   2/3"))
@@ -163,7 +163,7 @@ def test_a_run_killed_in_every_entry_and_resumed_gives_exactly_the_uninterrupted
     methods = ",".join(METHODS)
     killed = {**TINY, "methods": methods, "checkpoint-every": 2, "out-dir": str(tmp_path / "k")}
     # the reference: an uninterrupted run without checkpoints, in this process
-    run_methods(Settings({**killed, "checkpoint-every": 0, "out-dir": str(tmp_path / "ref")}),
+    run_methods(build_settings({**killed, "checkpoint-every": 0, "out-dir": str(tmp_path / "ref")}),
                 SequentialEngine, Reporter(quiet=True))
     for i, label in enumerate(METHODS):
         # run (resuming the previous entry killed after its round 2), then kill this entry
@@ -260,7 +260,7 @@ def test_the_flower_engines_state_query_and_restore_round_trip_through_the_clien
             "checkpoint-every": 1}
 
     def run(out: str, grid: _InProcessGrid, reporter: Reporter, resume: bool = False) -> dict:
-        settings = Settings({**base, "out-dir": str(tmp_path / out)})
+        settings = build_settings({**base, "out-dir": str(tmp_path / out)})
         return run_methods(settings, lambda s: FlowerEngine(grid, s, reporter), reporter,
                            resume=resume)
 

@@ -9,9 +9,11 @@ from conftest import ROOT
 from pflalign.config import (
     OPTIONS,
     ConfigError,
-    Settings,
+    build_settings,
     defaults,
     format_settings,
+    method_choices,
+    method_labels,
     parse_override,
     resolve,
 )
@@ -19,14 +21,14 @@ from pflalign.methods import METHODS
 
 
 def test_defaults_are_valid_and_complete():
-    settings = Settings()
+    settings = build_settings()
     assert settings.to_dict() == defaults()
     assert len(settings) == len(OPTIONS)
 
 
 def test_unknown_key_suggests_the_closest():
     with pytest.raises(ConfigError, match="Unknown config key 'dirichlet-alfa'.*dirichlet-alpha"):
-        Settings({"dirichlet-alfa": 0.5})
+        build_settings({"dirichlet-alfa": 0.5})
 
 
 @pytest.mark.parametrize("key,value,match", [
@@ -50,11 +52,12 @@ def test_unknown_key_suggests_the_closest():
 ])
 def test_bad_values_raise_clear_errors(key, value, match):
     with pytest.raises(ConfigError, match=match):
-        Settings({key: value})
+        build_settings({key: value})
 
 
 def test_int_is_accepted_for_float_keys():
-    assert Settings({"lr": 1})["lr"] == 1.0 and isinstance(Settings({"lr": 1})["lr"], float)
+    lr = build_settings({"lr": 1})["lr"]
+    assert lr == 1.0 and isinstance(lr, float)
 
 
 def test_overrides_parse_toml_literals_and_raw_strings():
@@ -91,14 +94,14 @@ def test_config_file_errors(tmp_path):
 
 
 def test_all_methods_expand_to_the_registry_without_ablation_variants():
-    names = Settings({"methods": "all"}).methods
+    names = method_labels(build_settings({"methods": "all"}))
     assert names == [n for n, spec in METHODS.items() if spec.variant_of is None]
     assert "pflalign" in names and "pflalign-sgd" not in names
 
 
 def test_format_settings_round_trips_through_toml():
-    s = Settings({"rounds": 3, "data-root": 'a "quoted" dir', "download": True})
-    assert Settings(tomllib.loads(format_settings(s))) == s
+    s = build_settings({"rounds": 3, "data-root": 'a "quoted" dir', "download": True})
+    assert build_settings(tomllib.loads(format_settings(s))) == s
 
 
 def test_pyproject_app_config_matches_the_schema_defaults():
@@ -155,8 +158,9 @@ def test_asking_for_a_gpu_without_one_fails_before_ray():
 
 
 def test_method_entries_carry_their_own_overrides():
-    choices = Settings({"methods": "fedavg, pflalign(pflalign-lr=2, pflalign-gamma=one),"
-                                   "pflalign(pflalign-lr=0.5)"}).method_choices
+    choices = method_choices(build_settings({
+        "methods": "fedavg, pflalign(pflalign-lr=2, pflalign-gamma=one),"
+                   "pflalign(pflalign-lr=0.5)"}))
     assert [c.name for c in choices] == ["fedavg", "pflalign", "pflalign"]
     assert choices[1].overrides == (("pflalign-lr", 2.0), ("pflalign-gamma", "one"))
     assert choices[1].label == 'pflalign(pflalign-lr=2.0,pflalign-gamma="one")'
@@ -173,4 +177,4 @@ def test_method_entries_carry_their_own_overrides():
 ])
 def test_bad_method_entries_are_clear_errors(methods, match):
     with pytest.raises(ConfigError, match=match):
-        Settings({"methods": methods})
+        build_settings({"methods": methods})

@@ -4,6 +4,7 @@ import struct
 import numpy as np
 import pytest
 
+from pflalign import caches
 from pflalign.config import ConfigError
 from pflalign.data import _read_idx, load_dataset
 
@@ -71,9 +72,9 @@ def test_missing_debian_fashion_mnist_says_apt_get(monkeypatch, tmp_path):
     import pflalign.data as data
 
     monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST", tmp_path / "nowhere")
-    data.load_dataset.cache_clear()
+    caches.reset()
     try:
         with pytest.raises(ConfigError, match="apt-get install dataset-fashion-mnist"):
             data.load_dataset("fashion-mnist")
     finally:
-        data.load_dataset.cache_clear()
+        caches.reset()

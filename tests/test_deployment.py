@@ -88,11 +88,11 @@ def _reference_run(run_config: Path, out: Path, missed: set[int]) -> dict:
     import tomllib
 
     import pflalign.engines.sequential as sequential
-    from pflalign.config import Settings
+    from pflalign.config import build_settings
     from pflalign.engines import run_methods
     from pflalign.results import Reporter
 
-    settings = Settings({**tomllib.loads(run_config.read_text()), "out-dir": str(out),
+    settings = build_settings({**tomllib.loads(run_config.read_text()), "out-dir": str(out),
                          "engine": "sequential"})
     real_handle = sequential.handle
 

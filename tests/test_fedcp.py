@@ -10,18 +10,17 @@ from conftest import needs_fashion_mnist
 from harness import build, evaluate, global_state, server, train
 from torch import nn
 
-from pflalign.config import Settings
-from pflalign.method import Update
+from pflalign.config import build_settings
+from pflalign.messages import Update
 from pflalign.methods.fedcp import (
     CPN,
     ConditionalPolicy,
     client_vector,
     fedcp_logits,
-    head_of,
     mmd2,
     new_policy,
-    without_head,
 )
+from pflalign.models import head_of, without_head
 from pflalign.protocol import MODEL
 
 SMALL = {"num-clients": 2, "max-samples": 400, "local-steps": 3, "batch-size": 16, "seed": 1}
@@ -153,7 +152,7 @@ def test_a_client_without_a_personal_head_uses_the_runs_initial_head():
 
 
 def test_server_sends_model_and_policy_and_averages_both_by_sample_count():
-    settings = Settings({"num-clients": 2, "methods": "fedcp", "max-samples": 400})
+    settings = build_settings({"num-clients": 2, "methods": "fedcp", "max-samples": 400})
     method, runtime, model = server("fedcp", settings, 2)
     state = method.init_server(runtime, model)
     again = method.init_server(runtime, model)

@@ -109,11 +109,11 @@ class _StopAfter(Reporter):
 
 @needs_fashion_mnist
 def test_an_interrupted_run_keeps_its_finished_entries_and_rounds(tmp_path):
-    from pflalign.config import Settings
+    from pflalign.config import build_settings
     from pflalign.engines import run_methods
     from pflalign.engines.sequential import SequentialEngine
 
-    settings = Settings({"num-clients": 3, "max-samples": 600, "rounds": 3, "eval-every": 1,
+    settings = build_settings({"num-clients": 3, "max-samples": 600, "rounds": 3, "eval-every": 1,
                          "fraction-train": 1.0, "local-steps": 2, "engine": "sequential",
                          "methods": "fedavg,local,fedprox", "out-dir": str(tmp_path)})
     with pytest.raises(Interrupted) as caught:

@@ -5,26 +5,29 @@ import torch
 from conftest import needs_fashion_mnist
 from harness import build, train
 
-from pflalign.config import ConfigError, Settings
+from pflalign.config import ConfigError, build_settings
+from pflalign.local import local_optimizer
 from pflalign.optim import GENIE
 from pflalign.protocol import MODEL
-from pflalign.train import LocalTraining
+from pflalign.settings import LocalTraining
 
 SMALL = {"num-clients": 2, "max-samples": 400, "local-steps": 4, "batch-size": 16, "seed": 1,
          "methods": "fedavg"}
 
 
 def _optimizer(params, settings):
-    return LocalTraining.from_settings(settings).optimizer(params)
+    return local_optimizer(LocalTraining.from_settings(settings), params)
 
 
 def test_local_training_optimizer_reads_its_own_keys():
     params = [torch.zeros(3, requires_grad=True)]
-    sgd = _optimizer(params, Settings({"lr": 0.2, "momentum": 0.5}))
+    sgd = _optimizer(params, build_settings({"lr": 0.2, "momentum": 0.5}))
     assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.5
-    adam = _optimizer(params, Settings({**SMALL, "local-optimizer": "adam", "adam-lr": 0.003}))
+    adam = _optimizer(params, build_settings({**SMALL, "local-optimizer": "adam",
+                                              "adam-lr": 0.003}))
     assert isinstance(adam, torch.optim.Adam) and adam.param_groups[0]["lr"] == 0.003
-    genie = _optimizer(params, Settings({**SMALL, "local-optimizer": "genie", "genie-lr": 0.02,
+    genie = _optimizer(params, build_settings({**SMALL, "local-optimizer": "genie",
+                                               "genie-lr": 0.02,
                                          "genie-p": 0.3, "genie-noise": False}))
     group = genie.param_groups[0]
     assert isinstance(genie, GENIE) and (group["lr"], group["p"], group["noise"]) == (
@@ -32,9 +35,9 @@ def test_local_training_optimizer_reads_its_own_keys():
 
 
 def test_methods_with_their_own_rule_refuse_another_local_optimizer():
-    with pytest.raises(ConfigError, match="scaffold, pflalign"):
-        Settings({"methods": "fedavg,scaffold,pflalign", "local-optimizer": "genie"})
-    Settings({"methods": "fedavg(local-optimizer=genie),scaffold,pflalign-genie"})
+    with pytest.raises(ConfigError, match="does not apply to scaffold"):
+        build_settings({"methods": "fedavg,scaffold,pflalign", "local-optimizer": "genie"})
+    build_settings({"methods": "fedavg(local-optimizer=genie),scaffold,pflalign-genie"})
 
 
 def _train(name, server_round, theta, state=None, **changes):

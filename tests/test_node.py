@@ -18,7 +18,7 @@ from conftest import needs_fashion_mnist
 
 import pflalign.client
 import pflalign.engines.sequential as sequential
-from pflalign.config import ConfigError, Settings
+from pflalign.config import ConfigError, build_settings
 from pflalign.engines import run_methods
 from pflalign.federation import federated_dataset
 from pflalign.node import (
@@ -32,6 +32,7 @@ from pflalign.node import (
     read_metadata,
 )
 from pflalign.protocol import CONFIG, HAD_STATE, LABEL, METHOD, METRICS, MODEL, ROUND, RUN_CONFIG
+from pflalign.settings import Settings
 
 pytestmark = needs_fashion_mnist
 
@@ -50,7 +51,7 @@ def _timing_free(value):
 
 
 def test_partition_files_hold_exactly_the_pooled_splits(tmp_path):
-    settings = Settings(SMALL)
+    settings = build_settings(SMALL)
     paths = export_partitions(settings, tmp_path)
     federation = federated_dataset(settings)
     assert [p.name for p in paths] == [f"client-{i}.npz" for i in range(5)]
@@ -77,7 +78,8 @@ def test_partition_files_hold_exactly_the_pooled_splits(tmp_path):
 def test_handle_from_the_partition_file_is_bit_identical(tmp_path, monkeypatch):
     """Two sequential runs of every action (discovery, GGA queries, train, evaluate, state): the
     clients reading only their partition files give the same metrics as the pooled path."""
-    settings = Settings({**SMALL, "methods": "fedavg-ft,pflalign", "gga": True, "gga-start": 1,
+    settings = build_settings({**SMALL, "methods": "fedavg-ft,pflalign", "gga": True,
+                               "gga-start": 1,
                          "gga-end": 1, "gga-candidates": 2, "out-dir": str(tmp_path / "pool")})
     pooled = run_methods(settings, sequential.SequentialEngine)
 
@@ -107,7 +109,7 @@ def test_handle_from_the_partition_file_is_bit_identical(tmp_path, monkeypatch):
 
 
 def test_a_partition_file_for_another_config_or_client_is_refused(tmp_path):
-    settings = Settings(SMALL)
+    settings = build_settings(SMALL)
     path = export_partitions(settings, tmp_path, clients=[1])[0]
     assert node_data_from_file(path, settings, 1).client_id == 1
     with pytest.raises(ConfigError, match="dirichlet-alpha = 0.1 in the file, 0.5 in the run"):
@@ -124,7 +126,7 @@ def test_a_partition_file_for_another_config_or_client_is_refused(tmp_path):
 
 
 def test_the_partition_cache_is_written_once_then_read(tmp_path, monkeypatch):
-    settings = Settings(SMALL)
+    settings = build_settings(SMALL)
     first = cached_node_data(settings, 2, tmp_path)
     files = list((tmp_path / "partitions").rglob("client-2.npz"))
     assert len(files) == 1 and files[0].parent.name == data_fingerprint(settings)
@@ -140,7 +142,7 @@ def test_the_partition_cache_is_written_once_then_read(tmp_path, monkeypatch):
 
 
 def test_state_store_round_trips_exactly_and_is_scoped_to_run_and_entry(tmp_path):
-    settings = Settings(SMALL)
+    settings = build_settings(SMALL)
     arrays = {"model/conv.weight": np.random.default_rng(0).standard_normal((3, 2, 2)),
               "fit_count": np.array(7), "seen": np.array([1, 4], dtype=np.int64),
               "#odd/name": np.array(1.5, dtype=np.float32)}
@@ -200,7 +202,7 @@ def test_a_restarted_node_resumes_its_state_exactly(tmp_path):
     from clients import app as client_app
     from pflalign.engines import initial_model
 
-    settings = Settings({**SMALL, "methods": "pflalign"})
+    settings = build_settings({**SMALL, "methods": "pflalign"})
     model, _ = initial_model(settings)
     node_config = {"partition-id": 1, "num-partitions": 5, "state-dir": str(tmp_path / "state")}
 
@@ -243,7 +245,7 @@ def test_a_restarted_node_resumes_its_state_exactly(tmp_path):
 def test_a_node_with_data_path_reads_only_its_file(tmp_path, monkeypatch):
     from clients import app as client_app
 
-    settings = Settings({**SMALL, "methods": "pflalign"})
+    settings = build_settings({**SMALL, "methods": "pflalign"})
     path = export_partitions(settings, tmp_path, clients=[3])[0]
     context = _context({"partition-id": 3, "data-path": str(path)})
     monkeypatch.setattr("pflalign.node.federated_dataset", None)  # any pool access would fail
@@ -259,7 +261,7 @@ def test_a_node_with_data_path_reads_only_its_file(tmp_path, monkeypatch):
 def test_a_partition_id_outside_the_run_is_refused_at_discovery(value):
     from clients import app as client_app
 
-    settings = Settings(SMALL)
+    settings = build_settings(SMALL)
     msg = _message(_run_config_only(settings), "query")
     with pytest.raises(ValueError, match=f"{value} is outside"):
         client_app.query(msg, _context({"partition-id": value, "num-partitions": 5}))

@@ -172,10 +172,10 @@ def test_rotated_partition_holds_out_groups_for_the_unseen_clients(labels_10k):
 def test_rotated_clients_see_rotated_images_and_the_config_is_checked():
     import torch
 
-    from pflalign.config import Settings
+    from pflalign.config import build_settings
     from pflalign.federation import federated_dataset
 
-    settings = Settings({"partition": "rotated", "num-clients": 3, "num-unseen-clients": 1,
+    settings = build_settings({"partition": "rotated", "num-clients": 3, "num-unseen-clients": 1,
                          "rotation-angles": "0,180,90", "max-samples": 2000})
     fed = federated_dataset(settings)
     assert fed.partition.rotations == (0.0, 180.0, 0.0, 90.0)
@@ -186,7 +186,7 @@ def test_rotated_clients_see_rotated_images_and_the_config_is_checked():
     assert torch.equal(rotated.train_y, plain.train_y)
     assert fed.summary()["clients"][3]["rotation"] == 90.0
     with pytest.raises(ConfigError, match="leaves no angle"):
-        Settings({"partition": "rotated", "num-unseen-clients": 1, "rotation-angles": "0",
+        build_settings({"partition": "rotated", "num-unseen-clients": 1, "rotation-angles": "0",
                   "rotation-unseen-groups": 1})
     with pytest.raises(ConfigError, match="numbers of degrees"):
-        Settings({"partition": "rotated", "rotation-angles": "0,ninety"})
+        build_settings({"partition": "rotated", "rotation-angles": "0,ninety"})

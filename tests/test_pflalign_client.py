@@ -9,8 +9,8 @@ import torch
 from conftest import needs_fashion_mnist
 from harness import build, evaluate, global_state, persist, server, train
 
-from pflalign.config import Settings
-from pflalign.method import Update
+from pflalign.config import build_settings
+from pflalign.messages import Update
 from pflalign.methods.pflalign import EVALUATE_AFTER_FIT, OFFSET, PERSONAL, PFLAlignClientState
 from pflalign.protocol import MODEL
 
@@ -95,7 +95,7 @@ def test_evaluation_reports_post_local_next_and_global_models():
 
 # --- the server rules -------------------------------------------------------------------------
 def _server(mode: str, **changes):
-    settings = Settings({"methods": "pflalign", "num-clients": 4, "pflalign-state": mode,
+    settings = build_settings({"methods": "pflalign", "num-clients": 4, "pflalign-state": mode,
                          **changes})
     rng = np.random.default_rng(0)
     initial = {"w": rng.normal(size=(3, 2)).astype(np.float32),
@@ -158,16 +158,22 @@ def test_local_batch_norm_keeps_the_clients_own_buffers():
     assert set(buffers) == {k for k in theta_g if "running" in k or "num_batches" in k}
     torch.testing.assert_close(buffers["features.1.running_mean"],
                                out.model["features.1.running_mean"])
-    # next round: the model uses the client's buffers, not the global model's
+    # next round: the model starts from the client's buffers, not the global model's
     fresh_global = {k: (torch.zeros_like(v) if "running_mean" in k else v)
                     for k, v in theta_g.items()}
+
+    def round_two_start(method, client, state) -> dict:
+        starts, execute = [], client.execute
+        client.execute = lambda run, r: starts.append(dict(run.start)) or execute(run, r)
+        train(method, client, 2, {MODEL: fresh_global}, state)
+        return starts[0]
+
     method, client = _build(**kwargs)
-    model = method._model(client, fresh_global, state)
-    torch.testing.assert_close(model.state_dict()["features.1.running_mean"],
-                               buffers["features.1.running_mean"])
+    torch.testing.assert_close(round_two_start(method, client, state)[
+        "features.1.running_mean"], buffers["features.1.running_mean"])
     # with global BN (the default, A6) the buffers come from the global model
     glob, glob_client = _build(model="cnn-bn")
     _, glob_state = train(glob, glob_client, 1, {MODEL: theta_g})
     assert glob_state.buffers is None
-    assert torch.count_nonzero(glob._model(glob_client, fresh_global, glob_state).state_dict()[
+    assert torch.count_nonzero(round_two_start(glob, glob_client, glob_state)[
         "features.1.running_mean"]) == 0

@@ -21,15 +21,17 @@ from pflalign.aggregation import (
     trimmed_mean,
     weighted_average,
 )
-from pflalign.config import ConfigError, Settings
+from pflalign.config import ConfigError, build_settings
 from pflalign.engines import initial_model, template_model
 from pflalign.engines.sequential import SequentialEngine
 from pflalign.faults import injected_fault, malicious_clients
-from pflalign.method import Update
+from pflalign.messages import Update
 from pflalign.methods import METHODS
 from pflalign.results import Reporter
-from pflalign.server import Federation, ServerRuntime, non_finite
+from pflalign.rounds import RoundLoop
+from pflalign.server import ServerRuntime
 from pflalign.state import ServerState
+from pflalign.validation import non_finite
 
 # --- the rules, by hand ----------------------------------------------------------------------
 
@@ -70,24 +72,24 @@ def test_non_finite_names_the_entry():
 
 def test_robust_aggregation_is_refused_where_it_is_not_an_average():
     with pytest.raises(ConfigError, match="scaffold"):
-        Settings({"methods": "fedavg,scaffold", "aggregation": "median"})
-    Settings({"methods": "fedavg,scaffold(aggregation=mean)", "aggregation": "median"})
+        build_settings({"methods": "fedavg,scaffold", "aggregation": "median"})
+    build_settings({"methods": "fedavg,scaffold(aggregation=mean)", "aggregation": "median"})
 
 
 def test_fault_keys_are_checked_together():
     with pytest.raises(ConfigError, match="do not go together"):
-        Settings({"attack": "signflip"})
+        build_settings({"attack": "signflip"})
     with pytest.raises(ConfigError, match="exceeds num-clients"):
-        Settings({"num-clients": 3, "malicious-clients": 4, "attack": "signflip"})
+        build_settings({"num-clients": 3, "malicious-clients": 4, "attack": "signflip"})
     with pytest.raises(ConfigError, match="below 1"):
-        Settings({"client-failure-rate": 0.6, "client-dropout-rate": 0.4})
+        build_settings({"client-failure-rate": 0.6, "client-dropout-rate": 0.4})
 
 
 def test_faults_are_seeded_and_at_the_requested_rate():
-    settings = Settings({"num-clients": 50, "malicious-clients": 5, "attack": "scale",
+    settings = build_settings({"num-clients": 50, "malicious-clients": 5, "attack": "scale",
                          "client-failure-rate": 0.3})
     chosen = malicious_clients(settings)
-    assert len(chosen) == 5 and chosen == malicious_clients(Settings(settings.to_dict()))
+    assert len(chosen) == 5 and chosen == malicious_clients(build_settings(settings.to_dict()))
     assert chosen != malicious_clients(settings.replace({"seed": 1}))
     draws = [injected_fault(settings, c, r) for c in range(50) for r in range(1, 41)]
     assert set(draws) == {None, "failure"}
@@ -115,11 +117,11 @@ class _RecordModels:
 def _run(method: str = "fedavg", **changes) -> tuple[dict, list[dict]]:
     """One method's run on the sequential engine: its results and the global model after each
     round."""
-    settings = Settings({**BASE, "methods": method, **changes})
+    settings = build_settings({**BASE, "methods": method, **changes})
     model, trainable = initial_model(settings)
-    server = ServerRuntime(settings, METHODS[method].build(settings), method, model, trainable,
-                           template_model(settings))
-    federation = Federation(server, SequentialEngine(settings), Reporter(quiet=True))
+    server = ServerRuntime(settings, method, model, trainable, template_model(settings))
+    federation = RoundLoop(server, METHODS[method].build(settings), SequentialEngine(settings),
+                           Reporter(quiet=True))
     recorder = _RecordModels()
     federation.hooks.append(recorder)
     result = federation.run(model)
@@ -158,7 +160,7 @@ def test_a_rejected_attacker_leaves_the_global_model_of_the_honest_replies(
 def test_faked_evaluation_is_rejected_and_the_table_says_so():
     clean, _ = _run()
     faked, _ = _run(**{"malicious-clients": 1, "attack": "fake-eval", "attack-scale": 1e6})
-    attacker = next(iter(malicious_clients(Settings({**BASE, "malicious-clients": 1,
+    attacker = next(iter(malicious_clients(build_settings({**BASE, "malicious-clients": 1,
                                                      "attack": "fake-eval"}))))
     final = faked["final"]
     assert (final["evaluated"], final["eval-clients"], final["eval-rejected"]) == (5, 6, 1)
@@ -180,7 +182,7 @@ def test_a_poisoned_aggregate_is_rolled_back_when_evaluation_turns_non_finite(me
     rows = result["rounds"]
     assert [r.get("rolled-back") for r in rows] == [1, 1]
     assert all(np.isfinite(r["personal-acc"]) and r["evaluated"] == 6 for r in rows)
-    initial, _ = initial_model(Settings({**BASE}))
+    initial, _ = initial_model(build_settings({**BASE}))
     # both rounds were rolled back to the initial model
     assert all(np.array_equal(models[-1][k], initial[k]) for k in initial)
     if method == "fedavg":  # both evaluations scored the initial model
@@ -196,9 +198,9 @@ def test_a_reply_array_of_another_dtype_is_rejected():
 @needs_fashion_mnist
 def test_buffers_and_extra_records_are_norm_bounded_too():
     """A x1e30 batch-norm statistic or control-variate record is refused like a huge update."""
-    settings = Settings({**BASE, "model": "cnn-bn", "methods": "fedavg"})
+    settings = build_settings({**BASE, "model": "cnn-bn", "methods": "fedavg"})
     method, runtime, model = server("fedavg", settings, 6)
-    federation = Federation(runtime, None, Reporter(quiet=True))
+    federation = RoundLoop(runtime, method, None, Reporter(quiet=True))
     federation.state = method.init_server(runtime, model)
     rng = np.random.default_rng(0)
 
@@ -213,7 +215,7 @@ def test_buffers_and_extra_records_are_norm_bounded_too():
     updates[4].arrays["delta"]["c"] = updates[4].arrays["delta"]["c"] * 1e20
     warnings = []
     federation.reporter.warn = warnings.append
-    kept, refused = federation.bound_updates(updates)
+    kept, refused = federation.validator.bound_updates(updates, federation.state.model)
     assert refused == 2 and [u.client for u in kept] == [0, 2, 3, 5]
     assert "client 1's buffer update norm" in warnings[0]
     assert "client 4's 'delta' record norm" in warnings[1]
@@ -233,7 +235,7 @@ def test_flower_engine_counts_injected_failures_and_a_hanging_client_exactly(tmp
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())["methods"]["fedavg"]
-    settings = Settings({**changes, "methods": "fedavg"})
+    settings = build_settings({**changes, "methods": "fedavg"})
     hanging = malicious_clients(settings)
     for row in result["rounds"]:
         failed = {c for c in range(6) if c not in hanging
@@ -260,11 +262,11 @@ class _ForgetfulEngine(SequentialEngine):
 
 @needs_fashion_mnist
 def test_a_client_that_comes_back_without_its_state_is_warned_about(capsys):
-    settings = Settings({**BASE, "methods": "pflalign"})
+    settings = build_settings({**BASE, "methods": "pflalign"})
     model, trainable = initial_model(settings)
-    server = ServerRuntime(settings, METHODS["pflalign"].build(settings), "pflalign", model,
-                           trainable, template_model(settings))
-    Federation(server, _ForgetfulEngine(settings), Reporter(quiet=True)).run(model)
+    server = ServerRuntime(settings, "pflalign", model, trainable, template_model(settings))
+    RoundLoop(server, METHODS["pflalign"].build(settings), _ForgetfulEngine(settings),
+              Reporter(quiet=True)).run(model)
     warnings = [line for line in capsys.readouterr().err.splitlines()
                 if "came back without it" in line]
     assert len(warnings) == 6
@@ -295,7 +297,7 @@ def test_the_flower_engine_names_the_clients_it_waits_for_and_gives_up_at_the_ti
     lines = []
     reporter = Reporter(quiet=True)
     reporter.info = lines.append
-    engine = FlowerEngine(_SilentGrid(), Settings({"round-timeout": 0.5}), reporter)
+    engine = FlowerEngine(_SilentGrid(), build_settings({"round-timeout": 0.5}), reporter)
     engine.notice_every = 0.2
     started = time.monotonic()
     replies, silent = engine.send({c: SimpleNamespace(metadata=SimpleNamespace(message_id=""))
@@ -347,7 +349,7 @@ def test_discovery_takes_sizes_from_the_partition_not_from_what_a_node_declares(
     # outgoing messages need a running Flower run; the grid here only reads their destination
     monkeypatch.setattr(flower, "Message", lambda **kw: SimpleNamespace(
         metadata=SimpleNamespace(message_id=""), **kw))
-    settings = Settings({"num-clients": 3, "max-samples": 3000})
+    settings = build_settings({"num-clients": 3, "max-samples": 3000})
     partition = federated_dataset(settings).partition
     warnings = []
     reporter = Reporter(quiet=True)

@@ -10,13 +10,21 @@ import numpy as np
 import pytest
 from conftest import needs_fashion_mnist
 
-from pflalign import federation
-from pflalign.config import ConfigError, MethodChoice, Settings, parse_methods, resolve
+from pflalign import caches, federation
+from pflalign.config import (
+    ConfigError,
+    MethodChoice,
+    build_settings,
+    method_choices,
+    parse_methods,
+    resolve,
+)
 from pflalign.engines.sequential import simulate as simulate_sequential
 from pflalign.federation import federated_dataset, validation_partition
 from pflalign.interrupt import Interrupted, request_stop, reset
 from pflalign.methods import METHODS
 from pflalign.results import Reporter
+from pflalign.settings import DATA_KEYS, Settings
 from pflalign.study import (
     Plan,
     Study,
@@ -39,7 +47,7 @@ def run_group(settings: Settings, reporter: Reporter, resume: bool) -> dict:
 
 
 def tiny_plan(tmp_path, **changes) -> Plan:
-    values = Settings(TINY).to_dict()
+    values = build_settings(TINY).to_dict()
     values["out-dir"] = str(tmp_path)
     fields = {"scenarios": {"": values}, "seeds": (0, 1), "out_dir": str(tmp_path)}
     fields.update(changes)
@@ -92,8 +100,8 @@ def test_tuning_and_evaluation_seeds_must_be_disjoint(tmp_path):
 
 # --- trials -------------------------------------------------------------------------------------
 def test_trials_start_at_the_defaults_then_draw_without_replacement():
-    settings = Settings({"methods": "fedprox"})
-    choice = settings.method_choices[0]
+    settings = build_settings({"methods": "fedprox"})
+    choice = method_choices(settings)[0]
     space, points = trials(choice, settings, 5, seed=100)
     assert space == {"lr": (0.005, 0.01, 0.02, 0.05, 0.1, 0.2),
                      "fedprox-mu": (0.001, 0.01, 0.1, 1.0)}
@@ -102,13 +110,14 @@ def test_trials_start_at_the_defaults_then_draw_without_replacement():
     assert trials(choice, settings, 5, seed=100)[1] == points  # seeded
     assert trials(choice, settings, 5, seed=101)[1] != points
     # a grid smaller than the budget is run whole
-    _, whole = trials(Settings({"methods": "fedavg"}).method_choices[0], settings, 50, seed=0)
+    _, whole = trials(method_choices(build_settings({"methods": "fedavg"}))[0], settings, 50,
+                      seed=0)
     assert sorted(p["lr"] for p in whole) == [0.005, 0.01, 0.02, 0.05, 0.1, 0.2]
 
 
 def test_an_entrys_own_settings_are_not_searched_and_survive_in_its_trials():
-    settings = Settings({"methods": "fedprox(fedprox-mu=0.5)"})
-    choice = settings.method_choices[0]
+    settings = build_settings({"methods": "fedprox(fedprox-mu=0.5)"})
+    choice = method_choices(settings)[0]
     space, points = trials(choice, settings, 3, seed=0)
     assert list(space) == ["lr"]
     text = entry(choice, points[1])
@@ -151,7 +160,7 @@ def test_tuning_never_reads_test_data(tmp_path, monkeypatch):
 
     def poisoned(key: tuple) -> federation.FederatedDataset:
         built = real_build(key)
-        cfg = dict(zip(federation.DATA_KEYS, key, strict=True))
+        cfg = dict(zip(DATA_KEYS, key, strict=True))
         test_key = tuple("test" if k == "evaluate-on" else v for k, v in cfg.items())
         test_split = real_build(test_key)
         images = built.dataset.images.copy()
@@ -162,14 +171,14 @@ def test_tuning_never_reads_test_data(tmp_path, monkeypatch):
         return dataclasses.replace(built, dataset=dataclasses.replace(built.dataset,
                                                                       images=images))
 
-    federation._build.cache_clear()
+    caches.reset()
     monkeypatch.setattr(federation, "_build", poisoned)
     try:
         dirty = Study(tiny_plan(tmp_path / "dirty", **plan_args), run_group,
                       Reporter(quiet=True)).run()
     finally:
         monkeypatch.undo()
-        federation._build.cache_clear()
+        caches.reset()
     tuned, poisoned_tuned = clean["protocol"]["tune"], dirty["protocol"]["tune"]
     assert tuned["methods"] == poisoned_tuned["methods"]
     for label in ("fedavg", "pflalign"):
@@ -189,7 +198,7 @@ def test_a_study_over_seeds_and_a_sweep_and_its_resume_after_a_stop(tmp_path, mo
     assert [(r["setting"]["lr"], r["seed"]) for r in whole["runs"]] == [
         (0.02, 0), (0.02, 1), (0.05, 0), (0.05, 1)]
     # the runs are the plain runs of each seed and setting
-    plain = simulate_sequential(Settings({**TINY, "lr": 0.05, "seed": 1,
+    plain = simulate_sequential(build_settings({**TINY, "lr": 0.05, "seed": 1,
                                           "out-dir": str(tmp_path / "plain")}),
                                 Reporter(quiet=True))
     assert (whole["runs"][3]["methods"]["pflalign"]["final"]["personal-acc"]

@@ -1,14 +1,16 @@
 """Engines run methods; they hold no learning logic.
 
-An engine is how a :class:`~pflalign.server.Federation` reaches its clients
-(:class:`~pflalign.server.Engine`: discover them, exchange one round of messages). Two exist:
+An engine is how a :class:`~pflalign.rounds.RoundLoop` reaches its clients
+(:class:`~pflalign.rounds.Engine`: discover them, exchange one round of messages). Three exist:
 
 - ``flower``: Flower messages through a Grid, in a simulation on Ray or a real deployment
   (``strategies/`` and ``clients/``, the only code that imports flwr);
 - ``sequential``: the clients' rules called one after another in this process
-  (:mod:`pflalign.engines.sequential`), for tests, benchmarks and machines without Ray.
+  (:mod:`pflalign.engines.sequential`), for tests, benchmarks and machines without Ray;
+- ``batched``: the sequential engine whose ``vmap`` backend runs a cohort's local runs together,
+  stacked (:mod:`pflalign.engines.batched`, :mod:`pflalign.vectorised`).
 
-Both run the same methods through the same round loop and the same client-side handler
+All three run the same methods through the same round loop and the same client-side handler
 (:mod:`pflalign.engines.host`), so they give the same metrics. :func:`run_methods` runs a
 config's method entries one after another over whichever engine it is given, checkpointing each
 (:mod:`pflalign.checkpoint`) and, with ``resume``, continuing a killed run where it stopped.
@@ -26,13 +28,16 @@ import torch
 
 from pflalign.annealing import AnnealedWarmStart
 from pflalign.checkpoint import Checkpoint, comparable
-from pflalign.config import ConfigError, Settings
+from pflalign.config import method_choices
 from pflalign.federation import federated_dataset
 from pflalign.interrupt import Interrupted, check_stop
 from pflalign.methods import METHODS, method_overrides
 from pflalign.models import build_model
+from pflalign.options import ConfigError
 from pflalign.results import Reporter, comparison_table, new_results, write_results
-from pflalign.server import Engine, Federation, ServerRuntime
+from pflalign.rounds import Engine, RoundLoop
+from pflalign.server import ServerRuntime
+from pflalign.settings import Settings
 from pflalign.state import State
 
 
@@ -116,7 +121,7 @@ def run_methods(settings: Settings, make_engine: Callable[[Settings], Engine],
     check_stop()
     federation_data = federated_dataset(settings)
     results = new_results(settings.to_dict(), federation_data.summary())
-    choices = list(settings.method_choices)
+    choices = method_choices(settings)
     previous = previous_results(settings) if resume else None
     kept = {c.label: previous["methods"][c.label] for c in choices
             if previous is not None and c.label in previous["methods"]
@@ -126,7 +131,7 @@ def run_methods(settings: Settings, make_engine: Callable[[Settings], Engine],
     if resume and previous is None:
         reporter.info(f"Resuming in {settings.run.out_dir}: no results.json there yet; every "
                       "method entry runs, from its checkpoint where it has one.")
-    running: tuple[str, str, dict, Federation | None] | None = None
+    running: tuple[str, str, dict, RoundLoop | None] | None = None
     path = None
     try:
         for choice in choices:
@@ -150,17 +155,21 @@ def run_methods(settings: Settings, make_engine: Callable[[Settings], Engine],
                 reporter.info(f"[{choice.label}] runs on model {method_settings.run.model} (the "
                               "method needs batch norm).")
             model, trainable = initial_model(method_settings)
-            server = ServerRuntime(method_settings, spec.build(method_settings), choice.label,
-                                   model, trainable, template_model(method_settings))
-            federation = Federation(server, make_engine(method_settings), reporter)
-            running = (choice.label, spec.name, overrides, federation)
+            server = ServerRuntime(method_settings, choice.label, model, trainable,
+                                   template_model(method_settings))
+            loop = RoundLoop(server, spec.build(method_settings), make_engine(method_settings),
+                             reporter)
+            running = (choice.label, spec.name, overrides, loop)
             if method_settings.gga.enabled:
-                federation.hooks.append(AnnealedWarmStart(method_settings.gga, federation))
-            entry = {**federation.run(model, checkpoint), "method": spec.name,
+                loop.hooks.append(AnnealedWarmStart(method_settings.gga, loop))
+            entry = {**loop.run(model, checkpoint), "method": spec.name,
                      "overrides": overrides}
-            note = getattr(federation.engine, "memory_note", None)
+            note = getattr(loop.engine, "memory_note", None)
             if callable(note) and note():
                 reporter.info(f"[{choice.label}] {note()}.")
+            close = getattr(loop.engine, "close", None)
+            if callable(close):  # what the engine keeps on disk (spilled client state) goes now
+                close()
             done = {**results["methods"], choice.label: entry}
             results["methods"] = {c.label: done[c.label] for c in choices if c.label in done}
             running = None
@@ -179,17 +188,17 @@ def run_methods(settings: Settings, make_engine: Callable[[Settings], Engine],
 
 
 def _write_interrupted(settings: Settings, results: dict, choices: list,
-                       running: tuple[str, str, dict, Federation | None] | None,
+                       running: tuple[str, str, dict, RoundLoop | None] | None,
                        started: float, stop: Interrupted) -> None:
     """Write the finished entries of an interrupted run, and record where in ``stop``."""
     finished = list(results["methods"])
     results["interrupted"] = True
     results["unfinished"] = [c.label for c in choices if c.label not in results["methods"]]
     if running is not None and running[3] is not None and running[3].rounds:
-        label, name, overrides, federation = running
+        label, name, overrides, loop = running
         results["partial"] = {"label": label, "method": name, "overrides": overrides,
-                              "rounds": list(federation.rounds)}
-        stop.partial_rounds = len(federation.rounds)
+                              "rounds": list(loop.rounds)}
+        stop.partial_rounds = len(loop.rounds)
     results["seconds"] = time.perf_counter() - started
     stop.results_path = write_results(settings.run.out_dir, results).resolve()
     stop.finished, stop.unfinished = finished, results["unfinished"]

@@ -1,148 +1,202 @@
-"""The batched engine: a round's sampled clients trained together, in this process.
+"""The batched engine: the sequential engine, whose ``vmap`` backend trains a cohort together.
 
 ``engine = batched`` delivers the same messages as the sequential engine
-(:mod:`pflalign.engines.sequential`), counts the same bytes and keeps each client's state the same
-way, but hands a method's clients to its batched rules (:meth:`~pflalign.method.Method.
-train_cohort`, :meth:`~pflalign.method.Method.evaluate_cohort`) in cohorts of ``cohort-size``:
-their models stacked, their data gathered from the pooled array on the device, their training in
-lockstep (:mod:`pflalign.cohort`). ``batched-backend`` chooses how a step's gradients are computed
-(``loop``: per client, the sequential engine's metrics bit for bit; ``vmap``: one call for the
-cohort; ``auto``: vmap on a GPU, loop on the CPU). The device is the GPU when
-``client-resources-num-gpus`` > 0 and one is visible.
+(:mod:`pflalign.engines.sequential`), counts the same bytes and keeps each client's state the
+same way (in memory up to ``memory-budget-gb``, spilled beyond it). It runs every method's one
+client rule; ``batched-backend`` chooses how the rule's local runs are executed:
 
-A method without batched rules, or a run the cohort cannot serve (rotated images, fault
-injection, batch norm), runs one client at a time, as on the sequential engine, and the run says
-so once. A batched rule that raises fails its cohort's clients, each with an error reply naming
-the exception, which the round loop skips with a warning (as under Flower). Needs neither Ray nor
-flwr.
+- ``loop``: client by client, each rule to its end, exactly as the sequential engine does (the
+  sequential engine's metrics bit for bit; on the CPU, where training is compute-bound, nothing
+  is faster);
+- ``vmap``: the clients of a cohort (``cohort-size`` of them) step through their rules
+  together. Each time they yield a local run, the runs that can go together are executed
+  stacked, in lockstep, with one vectorised gradient call per step for the whole cohort
+  (:mod:`pflalign.vectorised`; equal to ``loop`` within float32 rounding);
+- ``auto``: vmap on a GPU, loop on the CPU.
+
+On either backend a record sent to many clients (the global model) is converted to torch once
+per exchange and shared by them. The device is the GPU when ``client-resources-num-gpus`` > 0
+and one is visible. A method whose
+local training is a loop of its own (a rule that yields no local runs), and a run that cannot be
+stacked (a model with batch norm), runs client by client under vmap too, and the run says so
+once. A rule or a stacked run that raises fails its clients, each with an error reply naming
+the exception, which the round loop skips with a warning (as under Flower). Needs neither Ray
+nor flwr.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from pflalign import cohort as cohorts
-from pflalign.client import Received
-from pflalign.config import Settings
 from pflalign.engines import check_resources, run_methods
-from pflalign.engines.host import counted, method_of, state_to_keep, train_reply
-from pflalign.engines.sequential import (
-    SequentialEngine,
-    failure_reply,
-    numpy_records,
-    payload_bytes,
-    sent_bytes,
-    sent_records,
-)
+from pflalign.engines.host import Call, begin, finish, method_of, to_torch
+from pflalign.engines.sequential import SequentialEngine, failure_reply
+from pflalign.faults import ClientDropout
 from pflalign.federation import federated_dataset
-from pflalign.protocol import (
-    EVALUATE,
-    METHOD,
-    PARTITION_ID,
-    RESTORE,
-    ROUND,
-    TRAIN,
-)
+from pflalign.local import LocalRun, RunResult, is_generator_rule
+from pflalign.messages import Exchange, Outgoing, Reply
+from pflalign.protocol import EVALUATE, METHOD, RESTORE, TRAIN
 from pflalign.results import Reporter
-from pflalign.server import Exchange, Outgoing, Reply
-from pflalign.train import configure_threads, pick_device
+from pflalign.settings import Settings
+from pflalign.train import pick_device
+from pflalign.vectorised import cohort_key, execute_together, unstackable
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto``: ``vmap`` on a GPU, ``loop`` on the CPU (measured there: vmap's grouped
+    convolutions run slower than one client at a time, the CPU being compute-bound)."""
+    if backend == "auto":
+        return "vmap" if device.type == "cuda" else "loop"
+    return backend
 
 
 class BatchedEngine(SequentialEngine):
-    """Cohorts of clients trained and evaluated together; other methods one client at a time."""
+    """The sequential engine, with cohorts of clients executed together under ``vmap``."""
 
     def __init__(self, settings: Settings, reporter: Reporter | None = None):
         super().__init__(settings)
         self.reporter = reporter or Reporter()
         run = settings.run
-        self.device = pick_device(run.client_resources_num_gpus)
-        self.backend = cohorts.resolve_backend(run.batched_backend, self.device)
+        self.backend = resolve_backend(run.batched_backend,
+                                       pick_device(run.client_resources_num_gpus))
         self.cohort_size = run.cohort_size
-        self._said: set[str] = set()
-        self._unsupported = cohorts.unsupported(settings)  # the run's: the same every round
+        self._said: set[tuple[str, str]] = set()
 
-    def _fallback_reason(self, method_name: str) -> str | None:
-        return self._unsupported or method_of(self.settings, method_name).cohort_unsupported()
+    def received(self, sent: Mapping[str, Mapping[str, np.ndarray]], exchange: dict,
+                 ) -> dict[str, dict[str, torch.Tensor]]:
+        """What a client receives of ``sent``: one torch copy of each distinct record per
+        exchange, shared by the clients it is sent to (the global model sent to a thousand
+        clients is converted once; client rules never change what they received). The arrays
+        are kept with their copy, so that no id in a key is reused while the exchange runs."""
+        out = {}
+        for name, record in sent.items():
+            if not len(record):
+                continue
+            if name == RESTORE:  # a resumed client's own state
+                out[name] = to_torch({name: record})[name]
+                continue
+            key = tuple(id(v) for v in record.values())
+            if key not in exchange:
+                exchange[key] = (list(record.values()), to_torch({name: record})[name])
+            out[name] = exchange[key][1]
+        return out
+
+    def say_once(self, name: str, reason: str) -> None:
+        if (name, reason) not in self._said:
+            self._said.add((name, reason))
+            self.reporter.info(f"[{name}] engine = batched: its clients run one at a time, "
+                               f"because {reason}.")
 
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
-        if action not in (TRAIN, EVALUATE) or not messages:
+        if self.backend == "loop" or action not in (TRAIN, EVALUATE) or not messages:
             return super().exchange(action, messages)
         name = str(messages[0].config[METHOD])
-        reason = self._fallback_reason(name)
-        if reason is not None:
-            if name not in self._said:
-                self._said.add(name)
-                self.reporter.info(f"[{name}] engine = batched: its clients run one at a time "
-                                   f"(sequentially), because {reason}.")
-            return super().exchange(action, messages)
-        configure_threads(self.settings.run.client_resources_num_cpus)
         method = method_of(self.settings, name)
-        converted: dict[tuple[int, ...], tuple[list, dict[str, torch.Tensor]]] = {}
+        rule = type(method).train if action == TRAIN else type(method).evaluate
+        if not is_generator_rule(rule):
+            self.say_once(name, "its local training is a loop of its own")
+            return super().exchange(action, messages)
         replies: list[Reply] = []
         down = up = 0
         for start in range(0, len(messages), self.cohort_size):
-            chunk = messages[start:start + self.cohort_size]
-            received = []
-            for message in chunk:
-                sent = sent_records(message.payload.arrays)
-                down += sent_bytes(sent)
-                if RESTORE in sent:  # a resumed client's state: it replaces the saved one
-                    self.states[message.client] = sent[RESTORE]
-                received.append(Received(int(message.config[ROUND]), {
-                    record_name: self._torch(record, converted)
-                    for record_name, record in sent.items()
-                    if record_name != RESTORE and len(record)}, dict(message.config)))
-            cohort_replies, cohort_up = self._run_cohort(action, method, chunk, received)
-            replies.extend(cohort_replies)
-            up += cohort_up
+            chunk_replies, chunk_down, chunk_up = self._cohort(
+                action, name, messages[start:start + self.cohort_size])
+            replies.extend(chunk_replies)
+            down, up = down + chunk_down, up + chunk_up
         return Exchange(replies, down, up)
 
-    def _torch(self, record: Mapping[str, np.ndarray],
-               converted: dict[tuple[int, ...], tuple[list, dict[str, torch.Tensor]]],
-               ) -> dict[str, torch.Tensor]:
-        """A received record as torch tensors on the device: one copy per distinct record in an
-        exchange (the global model sent to a thousand clients is converted once). The arrays
-        are kept with their copy, so that no id in a key is reused while the exchange runs."""
-        key = tuple(id(v) for v in record.values())
-        if key not in converted:
-            converted[key] = (list(record.values()), {
-                k: torch.from_numpy(np.array(v, copy=True)).to(self.device)
-                for k, v in record.items()})
-        return converted[key][1]
+    def _cohort(self, action: str, name: str, messages: Sequence[Outgoing],
+                ) -> tuple[list[Reply], int, int]:
+        """One cohort's messages: each client's rule begun, the rules driven together, each
+        client's reply finished, in message order."""
+        down = up = 0
+        calls: dict[int, Call] = {}
+        replies: dict[int, Reply] = {}
+        shared: dict = {}
+        for message in messages:
+            cid = message.client
+            size, arrays = self.arrive(message, shared)
+            down += size
+            try:
+                calls[cid] = begin(action, self.settings, cid, message.config, arrays,
+                                   self.states.get(cid))
+            except ClientDropout:
+                replies[cid] = self.dropout_reply(cid)
+            except Exception as err:
+                replies[cid] = failure_reply(cid, err)
+        results = self._drive(name, calls)
+        for cid, call in calls.items():
+            try:
+                if isinstance(results[cid], Exception):
+                    raise results[cid]
+                metrics, reply, state = finish(call, results[cid])
+            except Exception as err:
+                replies[cid] = failure_reply(cid, err)
+                continue
+            replies[cid], size = self.answer(cid, metrics, reply, state)
+            up += size
+        return [replies[m.client] for m in messages], down, up
 
-    def _run_cohort(self, action: str, method, chunk: Sequence[Outgoing],
-                    received: list[Received]) -> tuple[list[Reply], int]:
-        clients = [m.client for m in chunk]
-        saved = [self.states.get(c) for c in clients]
-        states = [method.ClientState.from_arrays(s or {}) for s in saved]
-        started = time.perf_counter()
-        try:
-            cohort = cohorts.Cohort(self.settings, clients, self.device, self.backend)
-            if action == EVALUATE:
-                results = method.evaluate_cohort(cohort, received, states)
-            else:
-                results = method.train_cohort(cohort, received, states)
-        except Exception as err:  # the cohort's clients fail, as failing clients do under Flower
-            return [failure_reply(c, err) for c in clients], 0
-        seconds = (time.perf_counter() - started) / len(clients)
-        if action == EVALUATE:
-            return [Reply(c, f"client {c}", metrics={PARTITION_ID: c, **metrics})
-                    for c, metrics in zip(clients, results, strict=True)], 0
-        replies, up = [], 0
-        for i, (c, (upload, new_state)) in enumerate(zip(clients, results, strict=True)):
-            kept = state_to_keep(new_state, None)
-            if kept is not None:
-                self.states[c] = kept
-            metrics, reply = train_reply(c, counted(upload, cohort.num_train(i)), saved[i], kept,
-                                         seconds)
-            arrays = numpy_records(reply)
-            up += payload_bytes(arrays.values())
-            replies.append(Reply(c, f"client {c}", metrics=metrics, arrays=arrays))
-        return replies, up
+    def _drive(self, name: str, calls: Mapping[int, Call]) -> dict[int, object]:
+        """Every call's rule to its end, in lockstep: each tick, every rule still running is
+        advanced to its next local run, and the runs are executed together where they can be.
+        Returns each client's rule result, or the exception that failed it."""
+        results: dict[int, object] = {}
+        running = {}
+        for cid, call in calls.items():
+            try:
+                rule = call.rule()
+            except Exception as err:
+                results[cid] = err
+                continue
+            running[cid] = rule
+        sent: dict[int, RunResult | None] = dict.fromkeys(running)
+        while running:
+            runs: dict[int, LocalRun] = {}
+            for cid, rule in list(running.items()):
+                try:
+                    runs[cid] = rule.send(sent[cid])
+                except StopIteration as done:
+                    results[cid] = done.value
+                    del running[cid]
+                except Exception as err:
+                    results[cid] = err
+                    del running[cid]
+            for group in self._groups(name, calls, runs):
+                clients = [calls[cid].client for cid in group]
+                server_round = calls[group[0]].received.server_round
+                try:
+                    if len(group) == 1 or unstackable(clients[0], runs[group[0]]):
+                        outcome = [c.execute(runs[cid], server_round)
+                                   for c, cid in zip(clients, group, strict=True)]
+                    else:
+                        outcome = execute_together(clients, [runs[cid] for cid in group],
+                                                   server_round)
+                except Exception as err:  # the group's clients fail together
+                    for cid in group:
+                        results[cid] = err
+                        running.pop(cid).close()
+                    continue
+                sent.update(zip(group, outcome, strict=True))
+        return results
+
+    def _groups(self, name: str, calls: Mapping[int, Call],
+                runs: Mapping[int, LocalRun]) -> list[list[int]]:
+        """The clients whose runs go together (one group per :func:`cohort_key`); a run that
+        cannot be stacked is a group of its own, said once."""
+        groups: dict[object, list[int]] = {}
+        for cid, run in runs.items():
+            reason = unstackable(calls[cid].client, run)
+            if reason is not None:
+                self.say_once(name, reason)
+                groups[("alone", cid)] = [cid]
+                continue
+            groups.setdefault(cohort_key(calls[cid].client, run), []).append(cid)
+        return list(groups.values())
+
 
 def simulate(settings: Settings, reporter: Reporter | None = None, resume: bool = False) -> dict:
     """Validate the data and resources, run every method of ``settings`` on the batched engine,

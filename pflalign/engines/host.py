@@ -2,9 +2,11 @@
 
 :func:`handle` takes what an engine delivered to a client (the action, the message config, the
 array records as NumPy state dicts, and the client's saved state as flat arrays), runs the
-method's rule on a :class:`~pflalign.client.ClientRuntime`, and returns the reply's metrics and
+method's rule on a :class:`~pflalign.client.ClientRuntime` (its local runs one after another on
+that client), and returns the reply's metrics and
 array records and the client's new saved state. The Flower ClientApp and the sequential engine
-both call it, so a method behaves the same under each.
+both call it, so a method behaves the same under each; the batched engine calls its two halves,
+:func:`begin` and :func:`finish`, around rules it runs together.
 
 Two records serve checkpoints (:mod:`pflalign.checkpoint`): a :data:`~pflalign.protocol.STATE`
 action returns the client's saved state as it is, changing nothing; and a message carrying a
@@ -16,17 +18,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import replace
-from functools import lru_cache
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from pflalign import faults
 from pflalign.annealing import GGA_ACTION, client_answer
-from pflalign.client import ClientRuntime, Received, Upload
-from pflalign.config import Settings
+from pflalign.caches import cached
+from pflalign.client import ClientRuntime
 from pflalign.federation import federated_dataset
+from pflalign.local import Rule, complete
+from pflalign.messages import Received, Upload
 from pflalign.method import Method
 from pflalign.methods import METHODS
 from pflalign.node import NodeData
@@ -51,14 +54,15 @@ from pflalign.protocol import (
     TRAIN,
     UNSEEN,
 )
-from pflalign.state import Arrays, ArrayState
+from pflalign.settings import Settings
+from pflalign.state import ArrayState, State
 from pflalign.train import configure_threads, pick_device
 
 Metrics = dict[str, float | int]
 ReplyArrays = dict[str, Mapping[str, torch.Tensor]]
 
 
-@lru_cache(maxsize=8)
+@cached(maxsize=8)
 def method_of(settings: Settings, name: str) -> Method:
     """The registered method ``name`` with its Params read from ``settings`` (cached per run)."""
     return METHODS[name].build(settings)
@@ -87,10 +91,32 @@ def to_torch(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict[s
             for name, record in arrays.items() if len(record)}
 
 
+@dataclass
+class Call:
+    """One train or evaluate action of a client, ready to run: the method, the client's runtime,
+    what it received and its state (:func:`begin`), and what :func:`finish` needs afterwards."""
+
+    action: str
+    settings: Settings
+    method: Method
+    client: ClientRuntime
+    received: Received
+    state: ArrayState
+    saved: State | None
+    restored: State | None
+    started: float
+
+    def rule(self) -> Rule:
+        """The method's client rule for this action (a generator of local runs, or its
+        result)."""
+        rule = self.method.train if self.action == TRAIN else self.method.evaluate
+        return rule(self.client, self.received, self.state)
+
+
 def handle(action: str, settings: Settings, client_id: int,
            config: Mapping[str, Value], arrays: Mapping[str, Mapping[str, torch.Tensor]],
-           saved: Arrays | None, node: NodeData | None = None,
-           ) -> tuple[Metrics, ReplyArrays, Arrays | None]:
+           saved: State | None, node: NodeData | None = None,
+           ) -> tuple[Metrics, ReplyArrays, State | None]:
     """Run one action of the method named in ``config`` for ``client_id``.
 
     ``arrays`` are the received records as torch state dicts, ``saved`` the client's state as
@@ -101,7 +127,22 @@ def handle(action: str, settings: Settings, client_id: int,
     A :data:`~pflalign.protocol.STATE` action replies with ``saved`` as the record
     :data:`~pflalign.protocol.CLIENT_STATE` (no fault is injected, nothing changes). A
     :data:`~pflalign.protocol.RESTORE` record in ``arrays`` replaces ``saved`` and is returned as
-    the new saved state unless the action saves another (a resumed client keeps it)."""
+    the new saved state unless the action saves another (a resumed client keeps it). The
+    method's rule runs to its end here, its local runs one after another on this client."""
+    call = begin(action, settings, client_id, config, arrays, saved, node)
+    if not isinstance(call, Call):
+        return call
+    server_round = call.received.server_round
+    return finish(call, complete(call.rule(), lambda run: call.client.execute(run,
+                                                                             server_round)))
+
+
+def begin(action: str, settings: Settings, client_id: int, config: Mapping[str, Value],
+          arrays: Mapping[str, Mapping[str, torch.Tensor]], saved: State | None,
+          node: NodeData | None = None,
+          ) -> Call | tuple[Metrics, ReplyArrays, State | None]:
+    """Everything :func:`handle` does before the method's rule runs: the :class:`Call`, or,
+    for an action that runs no rule (a state query, an annealing round), its reply."""
     if action == STATE:
         return ({PARTITION_ID: client_id},
                 {CLIENT_STATE: {k: torch.from_numpy(np.array(v, order="C", copy=True))
@@ -126,21 +167,29 @@ def handle(action: str, settings: Settings, client_id: int,
             raise ValueError(f"Unknown query action {config.get(ACTION)!r}.")
         metrics, reply = client_answer(client, received, settings.gga)
         return {PARTITION_ID: client_id, **metrics}, reply, restored
-    state = method.ClientState.from_arrays(saved or {})
-    if action == EVALUATE:
-        metrics = {PARTITION_ID: client_id, **method.evaluate(client, received, state)}
-        return faults.attacked_evaluation(settings, client_id, metrics), {}, restored
-    if action != TRAIN:
+    if action not in (TRAIN, EVALUATE):
         raise ValueError(f"Unknown action {action!r}.")
-    upload, new_state = method.train(client, received, state)
-    kept = state_to_keep(new_state, restored)
-    upload = faults.attacked_upload(settings, client_id, received.server_round, received.model,
-                                    counted(upload, client.data.num_train))
-    metrics, reply = train_reply(client_id, upload, saved, kept, time.perf_counter() - started)
+    state = method.ClientState.from_arrays(saved or {})
+    return Call(action, settings, method, client, received, state, saved, restored, started)
+
+
+def finish(call: Call, result: object) -> tuple[Metrics, ReplyArrays, State | None]:
+    """The reply and the state to keep from a :class:`Call`'s rule result."""
+    settings, client_id = call.settings, call.client.client_id
+    if call.action == EVALUATE:
+        metrics = {PARTITION_ID: client_id, **result}  # type: ignore[dict-item]
+        return faults.attacked_evaluation(settings, client_id, metrics), {}, call.restored
+    upload, new_state = result  # type: ignore[misc]
+    kept = state_to_keep(new_state, call.restored)
+    upload = faults.attacked_upload(settings, client_id, call.received.server_round,
+                                    call.received.model,
+                                    counted(upload, call.client.data.num_train))
+    metrics, reply = train_reply(client_id, upload, call.saved, kept,
+                                 time.perf_counter() - call.started)
     return metrics, reply, kept
 
 
-def state_to_keep(new_state: ArrayState, fallback: Arrays | None) -> Arrays | None:
+def state_to_keep(new_state: ArrayState, fallback: State | None) -> State | None:
     """The flat state a client saves after training: ``new_state``'s arrays, or ``fallback``
     when any of its floats is not finite (never save a broken state)."""
     kept = new_state.to_arrays()
@@ -154,7 +203,7 @@ def counted(upload: Upload, num_train: int) -> Upload:
     return replace(upload, metrics={NUM_EXAMPLES: num_train, **upload.metrics})
 
 
-def train_reply(client_id: int, upload: Upload, saved: Arrays | None, kept: Arrays | None,
+def train_reply(client_id: int, upload: Upload, saved: State | None, kept: State | None,
                 seconds: float) -> tuple[Metrics, ReplyArrays]:
     """A training reply's metrics and array records (the model first) from a client's upload,
     the state it had (``saved``) and the state it keeps (``kept``; None: ``saved``)."""

@@ -15,23 +15,24 @@ from __future__ import annotations
 import io
 import traceback
 from collections.abc import Iterable, Mapping, Sequence
-from functools import lru_cache
 
 import numpy as np
 import torch
 
-from pflalign.config import Settings
+from pflalign.caches import cached
 from pflalign.engines import check_resources, run_methods
 from pflalign.engines.host import discovery, handle, to_torch
 from pflalign.faults import ClientDropout
 from pflalign.federation import federated_dataset
+from pflalign.messages import ClientInfo, Exchange, Outgoing, Reply
 from pflalign.protocol import NUM_TEST, NUM_TRAIN, RESTORE, UNSEEN
 from pflalign.results import Reporter
-from pflalign.server import ClientInfo, Exchange, Outgoing, Reply
+from pflalign.settings import Settings
+from pflalign.state import State
 from pflalign.store import ClientStateStore
 
 
-@lru_cache(maxsize=256)
+@cached(maxsize=256)
 def _npy_header_bytes(dtype: str, shape: tuple[int, ...]) -> int:
     buffer = io.BytesIO()
     header = {"descr": dtype, "fortran_order": False, "shape": shape}
@@ -94,6 +95,15 @@ class SequentialEngine:
         """What the client-state store spilled to disk (None: nothing)."""
         return self.states.describe()
 
+    def close(self) -> None:
+        """Remove the client-state files spilled beyond memory-budget-gb."""
+        self.states.close()
+
+    def dropout_reply(self, cid: int) -> Reply:
+        """What the server gets from a client that stays silent: nothing before its deadline."""
+        return Reply(cid, f"client {cid}", timed_out=True, error=(
+            f"did not reply within round-timeout = {self.settings.run.round_timeout:g} s"))
+
     def discover(self) -> dict[int, ClientInfo]:
         partition = federated_dataset(self.settings).partition
         clients = {}
@@ -103,28 +113,46 @@ class SequentialEngine:
                                       num_test=int(m[NUM_TEST]), unseen=bool(m[UNSEEN]))
         return clients
 
+    def received(self, sent: Mapping[str, Mapping[str, np.ndarray]], exchange: dict,
+                 ) -> dict[str, dict[str, torch.Tensor]]:
+        """What a client receives of ``sent``, as torch tensors: its own copy, as each Flower
+        client deserializes its own (``exchange``: a dict that lives for one exchange, for an
+        engine that shares what its clients receive)."""
+        return to_torch(sent)
+
+    def arrive(self, message: Outgoing, shared: dict) -> tuple[int, dict[str, dict]]:
+        """The bytes ``message`` carries down, and its records as the client receives them."""
+        sent = sent_records(message.payload.arrays)
+        return sent_bytes(sent), self.received(sent, shared)
+
+    def answer(self, cid: int, metrics: dict, arrays: dict, state: State | None,
+               ) -> tuple[Reply, int]:
+        """A client's reply as the server receives it, and its bytes up; its new state kept."""
+        if state is not None:
+            self.states[cid] = state
+        reply_arrays = numpy_records(arrays)
+        return (Reply(cid, f"client {cid}", metrics=metrics, arrays=reply_arrays),
+                payload_bytes(reply_arrays.values()))
+
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
         replies, down, up = [], 0, 0
+        shared: dict = {}
         for message in messages:
-            sent = sent_records(message.payload.arrays)
-            down += sent_bytes(sent)
             cid = message.client
+            size, arrays = self.arrive(message, shared)
+            down += size
             try:
-                metrics, arrays, state = handle(action, self.settings, cid, message.config,
-                                                to_torch(sent), self.states.get(cid))
+                metrics, reply, state = handle(action, self.settings, cid, message.config,
+                                               arrays, self.states.get(cid))
             except ClientDropout:  # silent: the round's deadline passes without its reply
-                replies.append(Reply(cid, f"client {cid}", timed_out=True, error=(
-                    "did not reply within round-timeout = "
-                    f"{self.settings.run.round_timeout:g} s")))
+                replies.append(self.dropout_reply(cid))
                 continue
             except Exception as err:  # a failing client is an error reply, as under Flower
                 replies.append(failure_reply(cid, err))
                 continue
-            if state is not None:
-                self.states[cid] = state
-            reply_arrays = numpy_records(arrays)
-            up += payload_bytes(reply_arrays.values())
-            replies.append(Reply(cid, f"client {cid}", metrics=metrics, arrays=reply_arrays))
+            answer, size = self.answer(cid, metrics, reply, state)
+            replies.append(answer)
+            up += size
         return Exchange(replies, down, up)
 
 

@@ -39,10 +39,12 @@ from pflalign.methods.fedavg import FedAvg
 from pflalign.methods.fedavg_ft import FedAvgFineTune
 from pflalign.methods.fedbn import FedBN
 from pflalign.methods.fedcp import FedCP
+from pflalign.methods.feddbe import FedDBE
 from pflalign.methods.feddyn import FedDyn
 from pflalign.methods.fedper import FedPer
 from pflalign.methods.fedprox import FedProx
 from pflalign.methods.fedrep import FedRep
+from pflalign.methods.gpfl import GPFL
 from pflalign.methods.local import Local
 from pflalign.methods.perfedavg import PerFedAvg
 from pflalign.methods.pfedme import PFedMe
@@ -119,6 +121,8 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     method(FedALA),
     method(FedDyn),
     method(FedCP),
+    method(GPFL),
+    method(FedDBE),
     method(PFLAlignMethod),
     variant("pflalign-noprecond", PFLAlignMethod, "pFLAlign without the preconditioner (raw "
             "gradient, SGD rate 'lr').", precondition=False),

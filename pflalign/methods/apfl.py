@@ -19,22 +19,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pflalign.baselines import apfl_alpha_grad, apfl_alpha_step, grads_of, lerp_models
-from pflalign.client import ClientRuntime, Received, Upload
+from pflalign.client import ClientRuntime
+from pflalign.messages import Received, Upload
 from pflalign.method import Method
+from pflalign.options import ConfigError
 from pflalign.params import Params, param
 from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
+from pflalign.settings import Settings
 from pflalign.state import ArrayState, TorchState
-from pflalign.train import STREAM_TRAIN, LocalTraining
-
-if TYPE_CHECKING:
-    from pflalign.cohort import Cohort
 
 
 @dataclass(frozen=True)
@@ -75,11 +73,13 @@ class APFL(Method):
     def _alpha(self, state: APFLClientState) -> float:
         return self.params.alpha if state.alpha is None else state.alpha
 
-    @staticmethod
-    def _check(t: LocalTraining) -> None:
-        if t.momentum:
-            raise ValueError("apfl updates its personal model by plain SGD (Algorithm 1); set "
-                             "momentum = 0 for it, so that both of its models use the same rule.")
+    @classmethod
+    def check(cls, settings: Settings) -> None:
+        super().check(settings)
+        if settings.training.momentum:
+            raise ConfigError("apfl updates its personal model by plain SGD (Algorithm 1); set "
+                              "momentum = 0 for it, so that both of its models use the same "
+                              "rule.")
 
     @staticmethod
     @torch.no_grad()
@@ -110,7 +110,6 @@ class APFL(Method):
     def train(self, client: ClientRuntime, received: Received, state: APFLClientState,
               ) -> tuple[Upload, APFLClientState]:
         t = client.training
-        self._check(t)
         model = client.new_model(received.model)
         personal = client.new_model(state.personal or received.model)
         mixed = client.new_model(received.model)
@@ -139,52 +138,6 @@ class APFL(Method):
         upload = Upload(model.state_dict(), self._metrics(loss_sum, mixed_sum, seen, steps, alpha))
         return upload, APFLClientState(personal.state_dict(), alpha)
 
-    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
-                     states: Sequence[APFLClientState],
-                     ) -> list[tuple[Upload, APFLClientState]]:
-        """:meth:`train` for every client in lockstep: ``w``, ``v`` and the mixture stacked, one
-        mini-batch per client per step, each client's the one :meth:`train` draws."""
-        t = cohort.training
-        self._check(t)
-        server_round = received[0].server_round
-        names = tuple(cohort.names)
-        starts = [s.personal or r.model for r, s in zip(received, states, strict=True)]
-        w_all = cohort.stack([r.model for r in received])
-        v_all = cohort.stack(starts)
-        bar_all = {n: q.clone() for n, q in w_all.items()}
-        n = len(cohort)
-        w = [cohort.views(w_all, i) for i in range(n)]
-        v = [cohort.views(v_all, i) for i in range(n)]
-        w_bar = [cohort.views(bar_all, i) for i in range(n)]
-        optimizers = [t.sgd(w[i]) for i in range(n)]
-        alphas = [self._alpha(s) for s in states]
-        loss_sum, mixed_sum, seen, steps = [0.0] * n, [0.0] * n, [0] * n, [0] * n
-        grads = cohort.grads
-        orders = cohort.orders(server_round, STREAM_TRAIN, None)
-        cohort.module.train()
-        for batch, active in cohort.lockstep(orders):
-            for i in active:
-                self._mix_(w_bar[i], w[i], v[i], alphas[i])
-            g_bar, mixed_losses = grads(bar_all, names, batch, active)
-            g_w, losses = grads(w_all, names, batch, active)
-            for i in active:
-                alpha_grad = self._alpha_grad(v[i], w[i], g_bar[i])
-                for view, g in zip(w[i], g_w[i], strict=True):
-                    view.grad = g
-                optimizers[i].step()
-                for view in w[i]:
-                    view.grad = None
-                alphas[i] = self._personal_step_(v[i], g_bar[i], alphas[i], alpha_grad, t.lr)
-                size = len(batch[i])
-                loss_sum[i] += float(losses[i]) * size
-                mixed_sum[i] += float(mixed_losses[i]) * size
-                seen[i] += size
-                steps[i] += 1
-        return [(Upload(cohort.state_dict(w_all, i, r.model),
-                        self._metrics(loss_sum[i], mixed_sum[i], seen[i], steps[i], alphas[i])),
-                 APFLClientState(cohort.state_dict(v_all, i, starts[i]), alphas[i]))
-                for i, r in enumerate(received)]
-
     def _mixture(self, global_: TorchState, state: APFLClientState, names: Sequence[str],
                  device: torch.device) -> list[torch.Tensor]:
         """The evaluated mixture's trainable entries ``names``: ``alpha v + (1 - alpha) w_g``."""
@@ -204,18 +157,3 @@ class APFL(Method):
             torch._foreach_copy_([q for _, q in named], self._mixture(
                 global_model.state_dict(), state, [k for k, _ in named], client.device))
         return client.eval_metrics(client.test(mixed), global_result)
-
-    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
-                        states: Sequence[APFLClientState]) -> list[dict]:
-        out = []
-        for i, (r, state) in enumerate(zip(received, states, strict=True)):
-            global_result = cohort.test(cohort.model(r.model, "global"), i)
-            if state.personal is None:
-                out.append(cohort.eval_metrics(global_result, global_result))
-                continue
-            mixed = dict(zip(cohort.names, self._mixture(r.model, state, cohort.names,
-                                                         cohort.device), strict=True))
-            weights = {k: mixed.get(k, q) for k, q in r.model.items()}
-            out.append(cohort.eval_metrics(cohort.test(cohort.model(weights, "mixed"), i),
-                                           global_result))
-        return out

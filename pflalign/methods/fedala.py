@@ -19,34 +19,30 @@ the merge of the current ``Theta`` into its ``theta_i`` (as in the reference imp
 every client adapts the new global model before evaluation; here the evaluation's adaptation is
 not stored); for clients that never trained that is ``Theta``. ``global-acc`` scores ``Theta``.
 
-Batched engine (:mod:`pflalign.cohort`): each client's adaptation runs by itself (its own subset,
-number of passes and stopping rule; :meth:`FedALA._adapt`, shared with the per-client rule, reads
-the client's rows of the cohort's pooled data), then the merged models train together in
-lockstep (:meth:`~pflalign.cohort.Cohort.local_train`).
+The adaptation is a loop of the client's own (its subset, number of passes and stopping rule);
+the merged model's training is a local run (:class:`~pflalign.local.LocalRun`), which the
+batched engine can run with other clients'.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pflalign.baselines import ala_converged, ala_merge, ala_weight_step_, grads_of
-from pflalign.client import ClientRuntime, Received, Upload
+from pflalign.client import ClientRuntime
+from pflalign.local import LocalRun, Rule
+from pflalign.messages import Received
 from pflalign.method import Method
+from pflalign.methods.fedavg import trained_upload
 from pflalign.models import head_keys
 from pflalign.params import Params, param
-from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
 from pflalign.state import ArrayState, TorchState
 from pflalign.train import STREAM_ADAPT, batch_indices
-
-if TYPE_CHECKING:
-    from pflalign.cohort import Cohort
 
 MAX_FIRST_EPOCHS = 50
 
@@ -89,22 +85,10 @@ class FedALA(Method):
               ) -> tuple[nn.Module, dict[str, torch.Tensor], int]:
         """The merged model, the learned weights ``W`` and the number of passes spent learning
         them. Buffers (batch-norm statistics) are the received model's."""
-        data = client.data
-        return self._adapt(client.new_model(received), own, received, saved,
-                           _TrainSplit(data.num_train,
-                                       lambda rows: (data.normalize(data.train_x[rows]),
-                                                     data.train_y[rows]),
-                                       client.head_inputs),
-                           client.generator(server_round, STREAM_ADAPT),
-                           client.training.batch_size, client.device)
-
-    def _adapt(self, model: nn.Module, own: TorchState, received: TorchState,
-               saved: TorchState | None, data: _TrainSplit, generator: torch.Generator,
-               batch_size: int, device: torch.device,
-               ) -> tuple[nn.Module, dict[str, torch.Tensor], int]:
-        """:meth:`adapt` on ``model`` (loaded with ``received``), the client's train split read
-        through ``data`` (a client's runtime, or its row of a cohort)."""
         p = self.params
+        model = client.new_model(received)
+        data, device = client.data, client.device
+        generator = client.generator(server_round, STREAM_ADAPT)
         higher = [k for k in head_keys(model, p.layers) if k in dict(model.named_parameters())]
         params = dict(model.named_parameters())
         top = [params[k] for k in higher]
@@ -118,17 +102,18 @@ class FedALA(Method):
         subset = torch.randperm(data.num_train, generator=generator)[:count].to(device)
         # lower layers are fixed while W learns
         head = ClientRuntime.last_layer_owning(model, higher)
-        features = None if head is None else data.head_inputs(model, head, subset)
+        features = None if head is None else client.head_inputs(model, head, subset)
         losses: list[float] = []
         passes = 0
         model.train()
         while True:
             passes += 1
-            for idx in batch_indices(count, batch_size, 1, 0, generator, device):
+            for idx in batch_indices(count, client.training.batch_size, 1, 0, generator, device):
                 with torch.no_grad():
                     torch._foreach_copy_(top, ala_merge(local, global_, weights))
                 model.zero_grad(set_to_none=True)
-                x, y = data.batch(subset[idx])
+                rows = subset[idx]
+                x, y = data.normalize(data.train_x[rows]), data.train_y[rows]
                 outputs = model(x) if features is None else head(features[idx])
                 loss = F.cross_entropy(outputs, y)
                 loss.backward()
@@ -145,88 +130,22 @@ class FedALA(Method):
                               strict=False)  # undo what the adaptation passes did to buffers
         return model, dict(zip(higher, weights, strict=True)), passes
 
-    def _adapt_in_cohort(self, cohort: Cohort, i: int, own: TorchState, received: Received,
-                         saved: TorchState | None,
-                         ) -> tuple[nn.Module, dict[str, torch.Tensor], int]:
-        """:meth:`adapt` for client ``i`` of ``cohort``: the same draws, batches and steps."""
-        return self._adapt(cohort.new_model(received.model), own, received.model, saved,
-                           _TrainSplit(cohort.num_train(i),
-                                       lambda rows: cohort.batch(i, rows),
-                                       lambda m, head, rows: cohort.head_inputs(
-                                           i, m, head, rows)),
-                           cohort.generator(i, received.server_round, STREAM_ADAPT),
-                           cohort.training.batch_size, cohort.device)
-
     def train(self, client: ClientRuntime, received: Received, state: FedALAClientState,
-              ) -> tuple[Upload, FedALAClientState]:
-        passes, weights = 0, state.weights
-        if state.model is None:
-            model = client.new_model(received.model)
-        else:
+              ) -> Rule:
+        passes, weights, start = 0, state.weights, received.model
+        if state.model is not None:  # the client's own loop: adapt, then train as FedAvg
             model, weights, passes = self.adapt(client, state.model, received.model,
                                                 state.weights, received.server_round)
-        stats = client.local_train(model, received.server_round)
-        trained = model.state_dict()
-        upload = Upload(trained, {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps,
-                                  "ala-passes": passes})
-        return upload, FedALAClientState(trained, weights)
+            start = model.state_dict()
+        result = yield LocalRun(start)
+        return (trained_upload(result, **{"ala-passes": passes}),
+                FedALAClientState(result.model, weights))
 
     def evaluate(self, client: ClientRuntime, received: Received,
-                 state: FedALAClientState) -> dict:
-        global_result = client.test(client.new_model(received.model))
+                 state: FedALAClientState) -> Rule:
+        global_result = client.test(received.model)
         if state.model is None:
             return client.eval_metrics(global_result, global_result)
         merged, _, _ = self.adapt(client, state.model, received.model, state.weights,
                                   received.server_round)
         return client.eval_metrics(client.test(merged), global_result)
-
-    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
-                     states: Sequence[FedALAClientState],
-                     ) -> list[tuple[Upload, FedALAClientState]]:
-        server_round = received[0].server_round
-        starts: list[TorchState] = []
-        weights: list[TorchState | None] = []
-        passes: list[int] = []
-        for i, (r, state) in enumerate(zip(received, states, strict=True)):
-            if state.model is None:  # the merge is the identity
-                starts.append(r.model)
-                weights.append(state.weights)
-                passes.append(0)
-            else:  # one client at a time: each its own subset, passes and stopping rule
-                model, w, n = self._adapt_in_cohort(cohort, i, state.model, r, state.weights)
-                starts.append(model.state_dict())
-                weights.append(w)
-                passes.append(n)
-        params = cohort.stack(starts)
-        stats = cohort.local_train(params, server_round, cohort.optimizers(params, server_round))
-        out = []
-        for i, s in enumerate(stats):
-            trained = cohort.state_dict(params, i, starts[i])
-            upload = Upload(trained, {TRAIN_LOSS: s.loss, LOCAL_STEPS: s.steps,
-                                      "ala-passes": passes[i]})
-            out.append((upload, FedALAClientState(trained, weights[i])))
-        return out
-
-    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
-                        states: Sequence[FedALAClientState]) -> list[dict]:
-        out = []
-        for i, (r, state) in enumerate(zip(received, states, strict=True)):
-            global_result = cohort.test(cohort.model(r.model, "global"), i)
-            if state.model is None:
-                out.append(cohort.eval_metrics(global_result, global_result))
-                continue
-            merged, _, _ = self._adapt_in_cohort(cohort, i, state.model, r, state.weights)
-            out.append(cohort.eval_metrics(cohort.test(merged, i), global_result))
-        return out
-
-
-@dataclass
-class _TrainSplit:
-    """A client's train split as the adaptation reads it: its size, ``batch(rows)`` (normalised
-    inputs and labels of those rows) and ``head_inputs(model, head, rows)`` (what the model's
-    last layer receives for them, as :meth:`ClientRuntime.head_inputs` computes it)."""
-
-    num_train: int
-    batch: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    head_inputs: Callable[[nn.Module, nn.Module, torch.Tensor], torch.Tensor]
-

@@ -8,7 +8,7 @@ its dynamically regularized loss
 
 where ``g_k`` (the client's state, zeros at first; the paper's ``grad L_k(theta_k^{t-1})``) is the
 linear term: every mini-batch gradient becomes ``grad L_k - g_k + alpha (theta - theta^{t-1})``
-(:func:`add_dynamic_regularizer_`) under the run's local optimizer. After training, the
+(:class:`~pflalign.local.DynamicRegularizer`) under the run's local optimizer. After training, the
 first-order condition of that minimization updates the linear term,
 ``g_k <- g_k - alpha (theta_k^t - theta^{t-1})`` (:func:`linear_term_update`), and the client
 uploads ``theta_k^t``. With ``g_k = 0`` (a client's first round) the local update is FedProx's with
@@ -30,36 +30,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pflalign.aggregation import State, fedavg
-from pflalign.client import ClientRuntime, Received, Upload
-from pflalign.method import Update
-from pflalign.methods.fedavg import FedAvg
+from pflalign.aggregation import fedavg
+from pflalign.client import ClientRuntime
+from pflalign.local import DynamicRegularizer, LocalRun, Rule
+from pflalign.messages import Received, Update
+from pflalign.methods.fedavg import FedAvg, trained_upload
 from pflalign.params import Params, param
-from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
 from pflalign.server import ServerRuntime
-from pflalign.state import ArrayState, ServerState, TorchState
+from pflalign.state import ArrayState, ServerState, State, TorchState
 
 Tensors = Sequence[torch.Tensor]
-
-if TYPE_CHECKING:
-    from pflalign.cohort import Cohort
-
-
-@torch.no_grad()
-def add_dynamic_regularizer_(params: Tensors, anchor: Tensors, linear: Tensors,
-                             alpha: float) -> None:
-    """``grad += alpha (theta - theta^{t-1}) - g_k``: the gradient of FedDyn's two extra terms,
-    in place on ``.grad``."""
-    grads = [p.grad for p in params]
-    if any(g is None for g in grads):
-        raise ValueError("add_dynamic_regularizer_ needs every gradient; call backward() first.")
-    torch._foreach_add_(grads, torch._foreach_sub(list(params), list(anchor)), alpha=alpha)
-    torch._foreach_sub_(grads, list(linear))
 
 
 @torch.no_grad()
@@ -115,45 +99,17 @@ class FedDyn(FedAvg):
     robust_aggregation = False  # its server step is corrected by the running h
 
     def train(self, client: ClientRuntime, received: Received, state: FedDynClientState,
-              ) -> tuple[Upload, FedDynClientState]:
+              ) -> Rule:
         alpha = self.params.alpha
-        model = client.new_model(received.model)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        params = [p for _, p in named]
-        anchor = [p.detach().clone() for p in params]
-        linear = ([state.linear[n].to(client.device) for n, _ in named] if state.linear
-                  else [torch.zeros_like(p) for p in params])
-        stats = client.local_train(
-            model, received.server_round,
-            before_step=lambda: add_dynamic_regularizer_(params, anchor, linear, alpha))
-        new_linear = linear_term_update(linear, params, anchor, alpha)
-        upload = Upload(model.state_dict(), {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps})
-        return upload, FedDynClientState(dict(zip([n for n, _ in named], new_linear,
-                                                  strict=True)))
-
-    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
-                     states: Sequence[FedDynClientState],
-                     ) -> list[tuple[Upload, FedDynClientState]]:
-        alpha = self.params.alpha
-        server_round = received[0].server_round
-        names = cohort.names
-        params = cohort.stack([r.model for r in received])
-        anchors = {n: p.clone() for n, p in params.items()}
-        optimizers = cohort.optimizers(params, server_round)
-        views = [cohort.optimized(opt) for opt in optimizers]
-        linear = [[state.linear[n].to(cohort.device) for n in names] if state.linear
-                  else [torch.zeros_like(p) for p in views[i]]
-                  for i, state in enumerate(states)]
-        stats = cohort.local_train(params, server_round, optimizers, before_step=lambda i:
-                                   add_dynamic_regularizer_(views[i], cohort.views(anchors, i),
-                                                            linear[i], alpha))
-        out = []
-        for i, r in enumerate(received):
-            new_linear = linear_term_update(linear[i], views[i], cohort.views(anchors, i), alpha)
-            out.append((Upload(cohort.state_dict(params, i, r.model),
-                               {TRAIN_LOSS: stats[i].loss, LOCAL_STEPS: stats[i].steps}),
-                        FedDynClientState(dict(zip(names, new_linear, strict=True)))))
-        return out
+        start = received.model
+        names = client.template.trainable
+        linear = state.linear or {n: torch.zeros_like(start[n]) for n in names}
+        result = yield LocalRun(start, correction=DynamicRegularizer(start, linear, alpha))
+        new_linear = linear_term_update([linear[n].to(client.device) for n in names],
+                                        [result.model[n] for n in names],
+                                        [start[n].to(client.device) for n in names], alpha)
+        return trained_upload(result), FedDynClientState(dict(zip(names, new_linear,
+                                                                  strict=True)))
 
     def init_server(self, server: ServerRuntime, model: State) -> FedDynServerState:
         return FedDynServerState(model=model, h=np.zeros(server.trainable_spec.size,

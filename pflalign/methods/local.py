@@ -12,18 +12,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from torch import nn
-
-from pflalign.client import ClientRuntime, Received, Upload
-from pflalign.method import Method, Payload, Update
+from pflalign.client import ClientRuntime
+from pflalign.local import LocalRun, Rule
+from pflalign.messages import Payload, Received, Update, Upload
+from pflalign.method import Method
 from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS
 from pflalign.server import ServerRuntime
 from pflalign.state import ArrayState, ServerState, TorchState
-
-if TYPE_CHECKING:
-    from pflalign.cohort import Cohort
 
 
 @dataclass
@@ -47,36 +43,14 @@ class Local(Method):
     has_global_model = False
     uploads_model = False
 
-    def _model(self, client: ClientRuntime, received: Received,
-               state: LocalClientState) -> nn.Module:
-        return client.new_model(state.model or received.model)
-
-    def train(self, client: ClientRuntime, received: Received, state: LocalClientState,
-              ) -> tuple[Upload, LocalClientState]:
-        model = self._model(client, received, state)
-        stats = client.local_train(model, received.server_round)
-        return (Upload(None, {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps}),
-                LocalClientState(model=model.state_dict()))
+    def train(self, client: ClientRuntime, received: Received, state: LocalClientState) -> Rule:
+        result = yield LocalRun(state.model or received.model)
+        return (Upload(None, {TRAIN_LOSS: result.stats.loss, LOCAL_STEPS: result.stats.steps}),
+                LocalClientState(model=result.model))
 
     def evaluate(self, client: ClientRuntime, received: Received,
-                 state: LocalClientState) -> dict:
-        return client.eval_metrics(client.test(self._model(client, received, state)))
-
-    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
-                     states: Sequence[LocalClientState],
-                     ) -> list[tuple[Upload, LocalClientState]]:
-        server_round = received[0].server_round
-        starts = [s.model or r.model for r, s in zip(received, states, strict=True)]
-        params = cohort.stack(starts)
-        stats = cohort.local_train(params, server_round, cohort.optimizers(params, server_round))
-        return [(Upload(None, {TRAIN_LOSS: s.loss, LOCAL_STEPS: s.steps}),
-                 LocalClientState(model=cohort.state_dict(params, i, starts[i])))
-                for i, s in enumerate(stats)]
-
-    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
-                        states: Sequence[LocalClientState]) -> list[dict]:
-        return [cohort.eval_metrics(cohort.test(cohort.model(s.model or r.model), i))
-                for i, (r, s) in enumerate(zip(received, states, strict=True))]
+                 state: LocalClientState) -> Rule:
+        return client.eval_metrics(client.test(state.model or received.model))
 
     def train_payload(self, server: ServerRuntime, state: LocalServerState, client: int,
                       server_round: int) -> Payload:

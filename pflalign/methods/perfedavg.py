@@ -16,22 +16,19 @@ scores the adapted model, ``global-acc`` the meta-model.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from pflalign.client import ClientRuntime, Received, Upload
+from pflalign.client import ClientRuntime
+from pflalign.messages import Received, Upload
 from pflalign.method import Method
 from pflalign.params import Params, param
 from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
 from pflalign.state import NoClientState
-from pflalign.train import STREAM_FINETUNE, STREAM_TRAIN
-
-if TYPE_CHECKING:
-    from pflalign.cohort import Cohort
+from pflalign.train import STREAM_FINETUNE
 
 T = TypeVar("T")
 
@@ -103,36 +100,6 @@ class PerFedAvg(Method):
         return Upload(model.state_dict(), {TRAIN_LOSS: loss_sum / max(seen, 1),
                                            LOCAL_STEPS: len(pairs)}), state
 
-    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
-                     states: Sequence[NoClientState]) -> list[tuple[Upload, NoClientState]]:
-        """:meth:`train` for every client in lockstep: one meta-step (two mini-batches, each
-        client's own) per client per step."""
-        alpha, beta = self.params.alpha, self.params.beta
-        server_round = received[0].server_round
-        names = tuple(cohort.names)
-        params = cohort.stack([r.model for r in received])
-        n = len(cohort)
-        views = [cohort.views(params, i) for i in range(n)]
-        pairs = [_pairs(list(order))
-                 for order in cohort.orders(server_round, STREAM_TRAIN, None)]
-        grads = cohort.grads
-        loss_sum, seen = [0.0] * n, [0] * n
-        cohort.module.train()
-        for step in range(max(len(p) for p in pairs)):
-            active = [i for i in range(n) if step < len(pairs[i])]
-            first = [pairs[i][step][0] if step < len(pairs[i]) else None for i in range(n)]
-            second = [pairs[i][step][1] if step < len(pairs[i]) else None for i in range(n)]
-            g1, losses = grads(params, names, first, active)
-            saved = {i: _adapt_(views[i], g1[i], alpha) for i in active}
-            g2, _ = grads(params, names, second, active)
-            for i in active:
-                _meta_step_(views[i], saved[i], g2[i], beta)
-                loss_sum[i] += float(losses[i]) * len(first[i])
-                seen[i] += len(first[i])
-        return [(Upload(cohort.state_dict(params, i, r.model),
-                        {TRAIN_LOSS: loss_sum[i] / max(seen[i], 1), LOCAL_STEPS: len(pairs[i])}),
-                 states[i]) for i, r in enumerate(received)]
-
     def personalize(self, client: ClientRuntime, received: Received) -> torch.nn.Module:
         """``perfedavg-eval-steps`` SGD steps at rate ``perfedavg-alpha`` from the global model."""
         model = client.new_model(received.model)
@@ -147,40 +114,6 @@ class PerFedAvg(Method):
             optimizer.step()
         return model
 
-    def personalize_cohort(self, cohort: Cohort, received: Sequence[Received],
-                           ) -> dict[str, torch.Tensor]:
-        """:meth:`personalize` for every client of ``cohort`` in lockstep: the adapted models,
-        stacked."""
-        server_round = received[0].server_round
-        names = tuple(cohort.names)
-        params = cohort.stack([r.model for r in received])
-        n = len(cohort)
-        views = [cohort.views(params, i) for i in range(n)]
-        optimizers = [torch.optim.SGD(views[i], lr=self.params.alpha) for i in range(n)]
-        steps = self.params.eval_steps
-        orders = [itertools.islice(order, steps)
-                  for order in cohort.orders(server_round, STREAM_FINETUNE, steps)]
-        grads = cohort.grads
-        cohort.module.train()
-        for batch, active in cohort.lockstep(orders):
-            g, _ = grads(params, names, batch, active)
-            for i in active:
-                for view, grad in zip(views[i], g[i], strict=True):
-                    view.grad = grad
-                optimizers[i].step()
-                for view in views[i]:
-                    view.grad = None
-        return params
-
     def evaluate(self, client: ClientRuntime, received: Received, state: NoClientState) -> dict:
-        global_result = client.test(client.new_model(received.model))
+        global_result = client.test(received.model)
         return client.eval_metrics(client.test(self.personalize(client, received)), global_result)
-
-    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
-                        states: Sequence[NoClientState]) -> list[dict]:
-        global_results = [cohort.test(cohort.model(r.model, "global"), i)
-                          for i, r in enumerate(received)]
-        adapted = self.personalize_cohort(cohort, received)
-        return [cohort.eval_metrics(cohort.test(
-            cohort.model(cohort.state_dict(adapted, i, r.model), "adapted"), i), global_results[i])
-            for i, r in enumerate(received)]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,16 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pflalign.baselines import pfedme_inner_step_, pfedme_outer_step_, pfedme_server_update
-from pflalign.client import ClientRuntime, Received, Upload
-from pflalign.method import Method, Update
+from pflalign.client import ClientRuntime
+from pflalign.messages import Received, Update, Upload
+from pflalign.method import Method
 from pflalign.params import Params, param
 from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
 from pflalign.server import ServerRuntime
 from pflalign.state import ArrayState, ServerState, TorchState
 from pflalign.train import STREAM_FINETUNE, STREAM_TRAIN
-
-if TYPE_CHECKING:
-    from pflalign.cohort import Cohort, Stacked
 
 
 @dataclass(frozen=True)
@@ -95,38 +92,6 @@ class PFedMe(Method):
             steps += 1
         return loss_sum / max(seen, 1), steps
 
-    def _solve_cohort(self, cohort: Cohort, theta: Stacked, local: Stacked, server_round: int,
-                      stream: int, epochs: int | None, move_local: bool,
-                      ) -> list[tuple[float, int]]:
-        """:meth:`_solve` for every client of ``cohort`` in lockstep (``theta`` and ``local``
-        stacked): each step, every client's own next mini-batch and its ``pfedme-k`` inner
-        steps."""
-        p = self.params
-        names = tuple(cohort.names)
-        n = len(cohort)
-        th = [cohort.views(theta, i) for i in range(n)]
-        w = [cohort.views(local, i) for i in range(n)]
-        grads = cohort.grads
-        orders = cohort.orders(server_round, stream, epochs)
-        loss_sum, seen, steps = [0.0] * n, [0] * n, [0] * n
-        cohort.module.train()
-        for batch, active in cohort.lockstep(orders):
-            for _ in range(p.k):
-                g, losses = grads(theta, names, batch, active)
-                for i in active:
-                    for view, grad in zip(th[i], g[i], strict=True):
-                        view.grad = grad
-                    self._inner_step_(th[i], w[i])
-                    for view in th[i]:
-                        view.grad = None
-            for i in active:
-                if move_local:
-                    pfedme_outer_step_(w[i], th[i], p.lambda_, cohort.training.lr)
-                loss_sum[i] += float(losses[i]) * len(batch[i])
-                seen[i] += len(batch[i])
-                steps[i] += 1
-        return [(loss_sum[i] / max(seen[i], 1), steps[i]) for i in range(n)]
-
     def train(self, client: ClientRuntime, received: Received, state: PFedMeClientState,
               ) -> tuple[Upload, PFedMeClientState]:
         local = client.new_model(received.model)
@@ -139,19 +104,6 @@ class PFedMe(Method):
         return (Upload(local.state_dict(), {TRAIN_LOSS: loss, LOCAL_STEPS: steps}),
                 PFedMeClientState(personal))
 
-    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
-                     states: Sequence[PFedMeClientState],
-                     ) -> list[tuple[Upload, PFedMeClientState]]:
-        # the cohort's models have no batch norm: theta's buffers are the received model's
-        local = cohort.stack([r.model for r in received])
-        theta = {n: q.clone() for n, q in local.items()}
-        solved = self._solve_cohort(cohort, theta, local, received[0].server_round, STREAM_TRAIN,
-                                    None, True)
-        return [(Upload(cohort.state_dict(local, i, r.model),
-                        {TRAIN_LOSS: solved[i][0], LOCAL_STEPS: solved[i][1]}),
-                 PFedMeClientState(cohort.state_dict(theta, i, r.model)))
-                for i, r in enumerate(received)]
-
     def evaluate(self, client: ClientRuntime, received: Received,
                  state: PFedMeClientState) -> dict:
         global_model = client.new_model(received.model)
@@ -163,18 +115,6 @@ class PFedMe(Method):
         else:
             theta = client.new_model(state.personal)
         return client.eval_metrics(client.test(theta), global_result)
-
-    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
-                        states: Sequence[PFedMeClientState]) -> list[dict]:
-        global_results = [cohort.test(cohort.model(r.model, "global"), i)
-                          for i, r in enumerate(received)]
-        # the new-client procedure: theta solved around the global model
-        personal = cohort.personal_models(
-            {i: s.personal for i, s in enumerate(states) if s.personal is not None}, received,
-            lambda part, theta, anchors: self._solve_cohort(
-                part, theta, anchors, received[0].server_round, STREAM_FINETUNE, 1, False))
-        return [cohort.eval_metrics(cohort.test(cohort.model(personal[i], "personal"), i),
-                                    global_results[i]) for i in range(len(cohort))]
 
     def aggregate(self, server: ServerRuntime, state: ServerState, server_round: int,
                   updates: Sequence[Update]) -> tuple[ServerState, dict[str, float]]:

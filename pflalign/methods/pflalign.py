@@ -5,7 +5,8 @@ Client, one round on client i (1.7, 1.8):
 
 1. ``theta <- theta_g + Delta_i`` (trainable parameters only; buffers come from ``theta_g``, or
    from the client's own copy with ``pflalign-bn = local``, 1.13 A6);
-2. ``T`` steps of :class:`pflalign.optim.PFLAlign` (``m`` reset; ``v``, ``P`` persistent);
+2. ``T`` steps of :class:`pflalign.optim.PFLAlign` (``m`` reset; ``v``, ``P`` persistent;
+   :class:`~pflalign.local.PFLAlignRule`);
 3. ``Delta_i <- theta_end - theta_g`` against the global model received this round.
 
 Where ``Delta_i`` lives is ``pflalign-state``: ``client`` keeps it in the client's state;
@@ -38,32 +39,23 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import nn
 
-from pflalign.aggregation import State, l2_norm, personal_offset, personalized_init
-from pflalign.client import ClientRuntime, Received, Upload
-from pflalign.method import Method, Payload, Update
-from pflalign.optim import GAMMA_MODES, GENIE, PFLAlign
+from pflalign.aggregation import l2_norm, personal_offset, personalized_init
+from pflalign.client import ClientRuntime
+from pflalign.local import LocalRun, OptimizerRule, PersistentGenie, PFLAlignRule, Rule
+from pflalign.messages import Payload, Received, Update, Upload
+from pflalign.method import Method
+from pflalign.optim import GAMMA_MODES
 from pflalign.options import Value
 from pflalign.params import Params, param
 from pflalign.protocol import LOCAL_STEPS, MODEL, NEXT_CORRECT, TRAIN_LOSS
 from pflalign.server import ServerRuntime
-from pflalign.state import ArrayState, ServerState, TorchState
-from pflalign.train import (
-    STREAM_OPTIMIZER,
-    STREAM_TRAIN,
-    EvalStats,
-    LocalTraining,
-    TrainStats,
-    num_local_steps,
-)
-
-if TYPE_CHECKING:
-    from pflalign.cohort import Cohort
+from pflalign.settings import LocalTraining
+from pflalign.state import ArrayState, ServerState, State, TorchState
+from pflalign.train import EvalStats, num_local_steps
 
 OFFSET, PERSONAL = "offset", "personal"
 #: the per-client config flag: score the model right after training (personal-acc)
@@ -136,8 +128,6 @@ class PFLAlignMethod(Method):
     def search_space(cls, fixed: Mapping[str, Value]) -> dict[str, tuple[Value, ...]]:
         space = super().search_space(fixed)
         if fixed.get("pflalign-precondition") is False:  # steps with the SGD rate 'lr'
-            from pflalign.train import LocalTraining
-
             space = {"lr": LocalTraining.search_space()["lr"],
                      **{k: v for k, v in space.items() if k != "pflalign-lr"}}
         return space
@@ -161,160 +151,50 @@ class PFLAlignMethod(Method):
             return None
         return received.arrays.get(OFFSET) if self.server_mode else state.offset
 
-    def _model(self, client: ClientRuntime, weights: TorchState | None,
-               state: PFLAlignClientState) -> nn.Module:
-        """A model loaded with ``weights``, with this client's own buffers in local-BN mode."""
-        model = client.new_model(weights)
-        if self.params.bn == "local" and state.buffers:
-            model.load_state_dict(state.buffers, strict=False)
-        return model
-
-    def _local_update(self, named: list[tuple[str, torch.Tensor]], training: LocalTraining,
-                      generator: torch.Generator, state: PFLAlignClientState,
-                      ) -> torch.optim.Optimizer:
-        """PFLAlign (or GENIE, its mask and noise drawn from ``generator``) over the trainable
-        entries ``named`` with this client's persisted state."""
-        p = self.params
-        saved = state.optimizer
+    def _rule(self, client: ClientRuntime, offset: TorchState | None,
+              state: PFLAlignClientState) -> OptimizerRule:
+        """The round's local update with this client's persisted state: PFLAlign (ALGORITHMS.md
+        1.4, 1.8) with the offset ``offset`` and the round's step count, or GENIE (4.2)."""
+        p, t = self.params, client.training
         if self.genie:
-            optimizer = GENIE([q for _, q in named], **training.genie_options(),
-                              generator=generator)
-            if saved:
-                for name, q in named:
-                    optimizer.state[q].update(step=int(saved[f"{name}.step"]),
-                                              m=saved[f"{name}.m"].to(q.device),
-                                              s=saved[f"{name}.s"].to(q.device))
-        else:
-            optimizer = PFLAlign([q for _, q in named],
-                                 lr=p.lr if p.precondition else training.lr,
-                                 beta=p.beta, eps=p.eps, precondition=p.precondition,
-                                 gamma=p.gamma)
-            if saved:  # freshly deserialized tensors: the optimizer may own them
-                for name, q in named:
-                    optimizer.state[q]["v"] = saved[f"{name}.v"].to(q.device)
-                    optimizer.state[q]["P"] = saved[f"{name}.P"].to(q.device)
-        return optimizer
-
-    def _begin(self, named: list[tuple[str, torch.Tensor]], offset: TorchState | None,
-               training: LocalTraining, generator: torch.Generator, num_train: int,
-               state: PFLAlignClientState, device: torch.device) -> torch.optim.Optimizer:
-        """Start a client's round on its trainable entries ``named`` (the received model): add
-        Delta_i (client-held state), build the local update, and begin its round."""
-        names = [n for n, _ in named]
-        optimizer = self._local_update(named, training, generator, state)
-        if offset and not self.server_mode:  # server mode receives theta_g + Delta already
-            with torch.no_grad():
-                torch._foreach_add_([q for _, q in named], [offset[n].to(device) for n in names])
-        if not self.genie:
-            steps = num_local_steps(num_train, training.batch_size, training.local_epochs,
-                                    training.local_steps)
-            optimizer.begin_round([offset[n] for n in names] if offset else None, steps)
-        return optimizer
-
-    def _end(self, named: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
-             start: TorchState, state: PFLAlignClientState, device: torch.device,
-             model_state: Mapping[str, torch.Tensor], stats: TrainStats,
-             ) -> tuple[PFLAlignClientState, dict]:
-        """A client's new state and metrics after its local training."""
-        names = [n for n, _ in named]
-        new = dataclasses.replace(state, optimizer=self._optimizer_state(optimizer, names))
-        if self.params.personalize and not self.server_mode:
-            with torch.no_grad():
-                new_offset = torch._foreach_sub([q for _, q in named],
-                                                [start[n].to(device) for n in names])
-            new.offset = dict(zip(names, new_offset, strict=True))
-        if self.params.bn == "local":
-            new.buffers = {k: v for k, v in model_state.items() if k not in set(names)}
-        metrics = {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps}
-        if not self.genie:
-            metrics.update({"mean-P": optimizer.mean_preconditioner(),
-                            "mean-gamma": optimizer.mean_gamma()})
-        return new, metrics
-
-    def _optimizer_state(self, optimizer: torch.optim.Optimizer, names: list[str]) -> TorchState:
-        params = [q for group in optimizer.param_groups for q in group["params"]]
-        record: TorchState = {}
-        for name, q in zip(names, params, strict=True):
-            s = optimizer.state[q]
-            if self.genie:
-                record.update({f"{name}.m": s["m"], f"{name}.s": s["s"],
-                               f"{name}.step": torch.tensor(s["step"])})
-            else:
-                record.update({f"{name}.v": s["v"], f"{name}.P": s["P"]})
-        return record
+            return PersistentGenie(t, state.optimizer)
+        return PFLAlignRule(lr=p.lr if p.precondition else t.lr, beta=p.beta, eps=p.eps,
+                            precondition=p.precondition, gamma=p.gamma,
+                            num_steps=num_local_steps(client.data.num_train, t.batch_size,
+                                                      t.local_epochs, t.local_steps),
+                            saved=state.optimizer, offsets=offset or None)
 
     def train(self, client: ClientRuntime, received: Received, state: PFLAlignClientState,
-              ) -> tuple[Upload, PFLAlignClientState]:
-        start = received.model
-        model = self._model(client, start, state)
-        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-        optimizer = self._begin(
-            named, self._offset(received, state), client.training,
-            client.generator(received.server_round, STREAM_OPTIMIZER, STREAM_TRAIN),
-            client.data.num_train, state, client.device)
-        stats = client.local_train(model, received.server_round, optimizer=optimizer)
-        new, metrics = self._end(named, optimizer, start, state, client.device,
-                                 model.state_dict(), stats)
-        if received.config.get(EVALUATE_AFTER_FIT):
-            result = client.test(model)
-            new.fit_correct, new.fit_count = result.correct, result.count
-            new.fit_loss_sum = result.loss_sum
-        return Upload(model.state_dict(), metrics), new
-
-    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
-                     states: Sequence[PFLAlignClientState],
-                     ) -> list[tuple[Upload, PFLAlignClientState]]:
-        server_round = received[0].server_round
-        params = cohort.stack([r.model for r in received])
-        named = [list(zip(cohort.names, cohort.views(params, i), strict=True))
-                 for i in range(len(cohort))]
-        optimizers = [self._begin(
-            named[i], self._offset(r, state), cohort.training,
-            cohort.generator(i, server_round, STREAM_OPTIMIZER, STREAM_TRAIN),
-            cohort.num_train(i), state, cohort.device)
-            for i, (r, state) in enumerate(zip(received, states, strict=True))]
-        stats = cohort.local_train(params, server_round, optimizers)
-        out = []
-        for i, (r, state) in enumerate(zip(received, states, strict=True)):
-            model_state = cohort.state_dict(params, i, r.model)
-            new, metrics = self._end(named[i], optimizers[i], r.model, state, cohort.device,
-                                     model_state, stats[i])
-            if r.config.get(EVALUATE_AFTER_FIT):
-                result = cohort.test(cohort.model(model_state), i)
-                new.fit_correct, new.fit_count = result.correct, result.count
-                new.fit_loss_sum = result.loss_sum
-            out.append((Upload(model_state, metrics), new))
-        return out
-
-    def _next_model(self, client: ClientRuntime, received: Received,
-                    state: PFLAlignClientState) -> nn.Module | None:
-        """theta_g + Delta_i, or None when it is the global model itself."""
-        if self.server_mode:
-            personal = received.arrays.get(PERSONAL)
-            return None if personal is None else self._model(client, personal, state)
+              ) -> Rule:
+        names = client.template.trainable
         offset = self._offset(received, state)
-        if not offset and not (self.params.bn == "local" and state.buffers):
-            return None
-        model = self._model(client, received.model, state)
-        if offset:
-            named = [(n, q) for n, q in model.named_parameters() if n in offset]
-            with torch.no_grad():
-                torch._foreach_add_([q for _, q in named],
-                                    [offset[n].to(client.device) for n, _ in named])
-        return model
-
-    def evaluate(self, client: ClientRuntime, received: Received,
-                 state: PFLAlignClientState) -> dict:
-        global_result = client.test(client.new_model(received.model))
-        next_model = self._next_model(client, received, state)
-        next_result = global_result if next_model is None else client.test(next_model)
-        personal = next_result if state.fit_count is None else EvalStats(
-            correct=state.fit_correct, loss_sum=state.fit_loss_sum, count=state.fit_count)
-        return {**client.eval_metrics(personal, global_result), NEXT_CORRECT: next_result.correct}
+        start = dict(received.model)
+        if self.params.bn == "local" and state.buffers:
+            start.update(state.buffers)
+        if offset and not self.server_mode:  # server mode receives theta_g + Delta already
+            start.update({n: start[n] + offset[n].to(start[n].device) for n in names})
+        result = yield LocalRun(start, optimizer=self._rule(client, offset, state))
+        outcome = result.optimizer
+        new = dataclasses.replace(state, optimizer=outcome if self.genie else outcome.state)
+        if self.params.personalize and not self.server_mode:
+            new.offset = dict(zip(names, torch._foreach_sub(
+                [result.model[n] for n in names],
+                [received.model[n].to(client.device) for n in names]), strict=True))
+        if self.params.bn == "local":
+            new.buffers = {k: v for k, v in result.model.items() if k not in set(names)}
+        metrics = {TRAIN_LOSS: result.stats.loss, LOCAL_STEPS: result.stats.steps}
+        if not self.genie:
+            metrics.update({"mean-P": outcome.mean_p, "mean-gamma": outcome.mean_gamma})
+        if received.config.get(EVALUATE_AFTER_FIT):
+            fit = client.test(result.model)
+            new.fit_correct, new.fit_count, new.fit_loss_sum = fit.correct, fit.count, \
+                fit.loss_sum
+        return Upload(result.model, metrics), new
 
     def _next_state(self, received: Received, state: PFLAlignClientState,
                     ) -> TorchState | None:
-        """:meth:`_next_model`'s weights: theta_g + Delta_i, or None for the global model."""
+        """theta_g + Delta_i (with the client's own buffers in local-BN mode), or None when it
+        is the global model itself."""
         buffers = state.buffers if self.params.bn == "local" and state.buffers else {}
         if self.server_mode:
             personal = received.arrays.get(PERSONAL)
@@ -327,19 +207,14 @@ class PFLAlignMethod(Method):
             weights[n] = weights[n] + delta.to(weights[n].device)
         return weights
 
-    def evaluate_cohort(self, cohort: Cohort, received: Sequence[Received],
-                        states: Sequence[PFLAlignClientState]) -> list[dict]:
-        out = []
-        for i, (r, state) in enumerate(zip(received, states, strict=True)):
-            global_result = cohort.test(cohort.model(r.model, "global"), i)
-            weights = self._next_state(r, state)
-            next_result = (global_result if weights is None
-                           else cohort.test(cohort.model(weights, "next"), i))
-            personal = next_result if state.fit_count is None else EvalStats(
-                correct=state.fit_correct, loss_sum=state.fit_loss_sum, count=state.fit_count)
-            out.append({**cohort.eval_metrics(personal, global_result),
-                        NEXT_CORRECT: next_result.correct})
-        return out
+    def evaluate(self, client: ClientRuntime, received: Received,
+                 state: PFLAlignClientState) -> dict:
+        global_result = client.test(received.model)
+        weights = self._next_state(received, state)
+        next_result = global_result if weights is None else client.test(weights)
+        personal = next_result if state.fit_count is None else EvalStats(
+            correct=state.fit_correct, loss_sum=state.fit_loss_sum, count=state.fit_count)
+        return {**client.eval_metrics(personal, global_result), NEXT_CORRECT: next_result.correct}
 
     # --- server --------------------------------------------------------------------------------
     def train_payload(self, server: ServerRuntime, state: PFLAlignServerState, client: int,

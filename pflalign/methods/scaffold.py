@@ -5,7 +5,7 @@ Client: each step uses the corrected gradient ``g(y) - c_i + c`` (plain SGD at r
 ``K`` steps the client's control variate becomes ``c_i+ = c_i - c + (x - y) / (K lr)``; the client
 keeps ``c_i+`` and uploads its model ``y`` with ``dc = c_i+ - c_i`` (record ``control-delta``). A
 client that has not trained yet has ``c_i = 0``. Option II's estimate assumes plain SGD: with
-``momentum`` or ``weight-decay`` the step is no longer ``lr g``, so the client refuses them.
+``momentum`` or ``weight-decay`` the step is no longer ``lr g``, so the config refuses them.
 
 Server (lines 16-17): it keeps ``c`` (trainable entries, zeros at start) and sends it as the record
 ``control`` beside the global model; it steps ``x <- x + eta_g sum_i p_i (y_i - x)`` (sample
@@ -18,29 +18,24 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pflalign.aggregation import FlatSpec, fedavg
-from pflalign.baselines import (
-    add_control_variates_,
-    scaffold_client_control,
-    scaffold_server_update,
-)
-from pflalign.client import ClientRuntime, Received, Upload
-from pflalign.method import Payload, Update
-from pflalign.methods.fedavg import FedAvg
+from pflalign.baselines import scaffold_client_control, scaffold_server_update
+from pflalign.client import ClientRuntime
+from pflalign.local import ControlVariates, LocalRun, Rule
+from pflalign.messages import Payload, Received, Update
+from pflalign.methods.fedavg import FedAvg, trained_upload
+from pflalign.options import ConfigError
 from pflalign.params import Params, param
-from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS
+from pflalign.protocol import MODEL
 from pflalign.server import ServerRuntime
+from pflalign.settings import Settings
 from pflalign.state import ArrayState, ServerState, State, TorchState
 
 CONTROL, CONTROL_DELTA = "control", "control-delta"
-
-if TYPE_CHECKING:
-    from pflalign.cohort import Cohort
 
 
 @dataclass(frozen=True)
@@ -79,62 +74,34 @@ class Scaffold(FedAvg):
         super().__init__(params)
         self._unpacked: tuple[np.ndarray, State] | None = None
 
+    @classmethod
+    def check(cls, settings: Settings) -> None:
+        super().check(settings)
+        t = settings.training
+        if t.momentum or t.weight_decay:
+            raise ConfigError("scaffold's control variates (option II) assume plain SGD; set "
+                              "momentum = 0 and weight-decay = 0 for it.")
+
     # --- client --------------------------------------------------------------------------------
     def train(self, client: ClientRuntime, received: Received, state: ScaffoldClientState,
-              ) -> tuple[Upload, ScaffoldClientState]:
-        t = client.training
-        if t.momentum or t.weight_decay:
-            raise ValueError("scaffold's control variates (option II) assume plain SGD; set "
-                             "momentum = 0 and weight-decay = 0 for it.")
-        model = client.new_model(received.model)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        params = [p for _, p in named]
-        start = [p.detach().clone() for p in params]
-        zeros = [torch.zeros_like(p) for p in params]
-        server = received.arrays.get(CONTROL)
-        c = [server[n].to(client.device) for n, _ in named] if server else zeros
-        c_i = [state.control[n].to(client.device) for n, _ in named] if state.control else zeros
-        stats = client.local_train(model, received.server_round,
-                                   before_step=lambda: add_control_variates_(params, c, c_i))
-        new_c_i = scaffold_client_control(c_i, c, start, params, stats.steps, t.lr)
-        names = [n for n, _ in named]
-        delta = torch._foreach_sub(new_c_i, c_i)
-        upload = Upload(model.state_dict(), {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps},
-                        arrays={CONTROL_DELTA: dict(zip(names, delta, strict=True))})
+              ) -> Rule:
+        start = received.model
+        names = client.template.trainable
+        zeros = {n: torch.zeros_like(start[n]) for n in names}
+        c = received.arrays.get(CONTROL) or zeros
+        c_i = state.control or zeros
+        result = yield LocalRun(start, correction=ControlVariates(c, c_i))
+        steps = result.stats.steps
+        c_list = [c[n].to(client.device) for n in names]
+        c_i_list = [c_i[n].to(client.device) for n in names]
+        new_c_i = scaffold_client_control(c_i_list, c_list, [start[n].to(client.device)
+                                                            for n in names],
+                                          [result.model[n] for n in names], steps,
+                                          client.training.lr)
+        delta = torch._foreach_sub(new_c_i, c_i_list)
+        upload = trained_upload(result)
+        upload.arrays[CONTROL_DELTA] = dict(zip(names, delta, strict=True))
         return upload, ScaffoldClientState(dict(zip(names, new_c_i, strict=True)))
-
-    def train_cohort(self, cohort: Cohort, received: Sequence[Received],
-                     states: Sequence[ScaffoldClientState],
-                     ) -> list[tuple[Upload, ScaffoldClientState]]:
-        t = cohort.training
-        if t.momentum or t.weight_decay:
-            raise ValueError("scaffold's control variates (option II) assume plain SGD; set "
-                             "momentum = 0 and weight-decay = 0 for it.")
-        server_round = received[0].server_round
-        names = cohort.names
-        params = cohort.stack([r.model for r in received])
-        start = {n: p.clone() for n, p in params.items()}
-        optimizers = cohort.optimizers(params, server_round)
-        views = [cohort.optimized(opt) for opt in optimizers]
-        c, c_i = [], []
-        for i, (r, state) in enumerate(zip(received, states, strict=True)):
-            zeros = [torch.zeros_like(p) for p in views[i]]
-            server = r.arrays.get(CONTROL)
-            c.append([server[n].to(cohort.device) for n in names] if server else zeros)
-            c_i.append([state.control[n].to(cohort.device) for n in names] if state.control
-                       else zeros)
-        stats = cohort.local_train(params, server_round, optimizers, before_step=lambda i:
-                                   add_control_variates_(views[i], c[i], c_i[i]))
-        out = []
-        for i, r in enumerate(received):
-            new_c_i = scaffold_client_control(c_i[i], c[i], cohort.views(start, i), views[i],
-                                              stats[i].steps, t.lr)
-            delta = torch._foreach_sub(new_c_i, c_i[i])
-            upload = Upload(cohort.state_dict(params, i, r.model),
-                            {TRAIN_LOSS: stats[i].loss, LOCAL_STEPS: stats[i].steps},
-                            arrays={CONTROL_DELTA: dict(zip(names, delta, strict=True))})
-            out.append((upload, ScaffoldClientState(dict(zip(names, new_c_i, strict=True)))))
-        return out
 
     # --- server --------------------------------------------------------------------------------
     def init_server(self, server: ServerRuntime, model: State) -> ScaffoldServerState:

@@ -1,0 +1,178 @@
+"""Reply validation: what the round loop accepts from a client, as a policy it calls.
+
+Every reply is checked against what its client declared at discovery (its id and sample
+counts), the model's keys, shapes and dtypes, finiteness, the range of every count and loss,
+and an update-norm bound against the round's median; a reply that fails is skipped with one
+warning naming the client (:class:`ReplyValidator`). :func:`non_finite` tells the round loop
+when an aggregate must be rolled back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from pflalign.aggregation import FlatSpec, update_norms
+from pflalign.messages import Reply, Update
+from pflalign.protocol import (
+    CORRECT_COUNTS,
+    LOSSES,
+    MODEL,
+    NUM_EXAMPLES,
+    NUM_TEST,
+    PARTITION_ID,
+)
+from pflalign.server import ServerRuntime
+from pflalign.state import ServerState, State
+
+
+class ClientFailure(Exception):
+    """A reply that cannot be used; the message says which client and why. ``nonfinite_loss``:
+    it was refused because a loss it reported is NaN or infinite."""
+
+    def __init__(self, text: str, nonfinite_loss: bool = False):
+        super().__init__(text)
+        self.nonfinite_loss = nonfinite_loss
+
+
+@dataclass
+class Collected:
+    """The usable replies of one exchange, sorted by client id, and how many were not usable:
+    ``failed`` (the client raised or did not reply in time; ``timed_out`` of them the latter)
+    and ``rejected`` (the reply failed validation)."""
+
+    good: list[tuple[dict[str, float], dict[str, State]]]
+    failed: int = 0
+    timed_out: int = 0
+    rejected: int = 0
+    nonfinite_loss: int = 0
+
+
+class ReplyValidator:
+    """The checks every reply meets, for one method entry's server; ``warn`` reports each
+    skipped reply in one line naming the client."""
+
+    def __init__(self, server: ServerRuntime, warn: Callable[[str], None]):
+        self.server = server
+        self.warn = warn
+
+    def validate(self, reply: Reply, arrays: Mapping[str, FlatSpec], required: tuple[str, ...],
+                 ) -> tuple[dict[str, float], dict[str, State]]:
+        """The reply's metrics and array records, checked against what the client declared at
+        discovery; :class:`ClientFailure` otherwise."""
+        who = reply.who
+        if reply.error is not None:
+            raise ClientFailure(f"{who} {reply.error}")
+        metrics = reply.metrics
+        for key in (PARTITION_ID, *required):
+            if key not in metrics:
+                raise ClientFailure(f"{who} replied without the metric '{key}'")
+        for key, value in metrics.items():
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise ClientFailure(f"{who} reported a non-finite or non-scalar '{key}': {value!r}",
+                                    nonfinite_loss=key in LOSSES)
+        if reply.sender != int(metrics[PARTITION_ID]):
+            raise ClientFailure(f"{who} reported partition-id {metrics[PARTITION_ID]}, which "
+                                "is not the id it was discovered with")
+        info = self.server.clients.get(reply.sender)
+        declared = {NUM_EXAMPLES: info.num_train, NUM_TEST: info.num_test} if info else {}
+        for key, value in declared.items():
+            if key in metrics and metrics[key] != value:
+                raise ClientFailure(f"{who} reported {key} = {metrics[key]:g}, but declared "
+                                    f"{value} at discovery")
+        for key in required:
+            if key.startswith("num-") and metrics[key] <= 0:
+                raise ClientFailure(f"{who} reported {key} = {metrics[key]}, expected > 0")
+        for key in LOSSES:
+            if key in metrics and metrics[key] < 0:
+                raise ClientFailure(f"{who} reported {key} = {metrics[key]}, expected >= 0")
+        for key in CORRECT_COUNTS:
+            if key in metrics and not 0 <= metrics[key] <= metrics.get(NUM_TEST, 0):
+                raise ClientFailure(f"{who} reported {key} = {metrics[key]} for "
+                                    f"{metrics.get(NUM_TEST)} test samples")
+        checked: dict[str, State] = {}
+        for name, spec in arrays.items():
+            if name not in reply.arrays:
+                what = "its model arrays" if name == MODEL else f"the array record '{name}'"
+                raise ClientFailure(f"{who} replied without {what}")
+            problem = spec.problem_with(reply.arrays[name])
+            if problem:
+                what = "update" if name == MODEL else f"'{name}' record"
+                raise ClientFailure(f"{who}'s {what} was rejected: {problem}")
+            checked[name] = reply.arrays[name]
+        return metrics, checked  # type: ignore[return-value]
+
+    def collect(self, replies: Iterable[Reply], arrays: Mapping[str, FlatSpec],
+                required: tuple[str, ...]) -> Collected:
+        """The validated (metrics, array records) pairs sorted by client id, and the counts of
+        failed and rejected replies; each unusable reply is warned about by client id."""
+        collected = Collected(good=[])
+        for reply in replies:
+            try:
+                collected.good.append(self.validate(reply, arrays, required))
+            except ClientFailure as failure:
+                self.warn(f"{failure}; the reply is skipped.")
+                if reply.error is not None:
+                    collected.failed += 1
+                    collected.timed_out += reply.timed_out
+                else:
+                    collected.rejected += 1
+                    collected.nonfinite_loss += failure.nonfinite_loss
+        collected.good.sort(key=lambda pair: int(pair[0][PARTITION_ID]))
+        return collected
+
+
+    def bound_updates(self, updates: list[Update], global_model: State,
+                      ) -> tuple[list[Update], int]:
+        """The updates whose every part is at most ``update-norm-bound`` times the round's
+        median; the others are warned about by client id and dropped. The parts: the update of
+        the trainable exchanged entries (uploaded minus global), that of the other floating-point
+        entries (batch-norm statistics), and the norm of every further record (SCAFFOLD's
+        control-variate change, FedCP's policy network). Returns the kept updates and how many
+        were not."""
+        bound = self.server.settings.run.update_norm_bound
+        if bound <= 0 or len(updates) < 3:  # a median of fewer than three says nothing
+            return updates, 0
+        parts: dict[str, list[float]] = {}
+        if all(u.model is not None for u in updates):
+            for part, spec in (("update", self.server.trainable_shared),
+                               ("buffer update", self.server.buffer_spec)):
+                if spec.size:
+                    parts[part] = list(update_norms([u.model for u in updates], global_model,
+                                                    spec))
+        for name in sorted(set.intersection(*(set(u.arrays) for u in updates))):
+            spec = float_spec(updates[0].arrays[name])
+            if spec.size:
+                parts[f"'{name}' record"] = [float(np.linalg.norm(spec.flatten(
+                    u.arrays[name], np.float64))) for u in updates]
+        refused: dict[int, str] = {}
+        for part, norms in parts.items():
+            median = float(np.median(norms))
+            if median <= 0:  # most clients left this part unchanged: nothing to compare with
+                continue
+            for update, norm in zip(updates, norms, strict=True):
+                if update.client not in refused and norm > bound * median:
+                    refused[update.client] = (
+                        f"client {update.client}'s {part} norm {norm:.4g} is "
+                        f"{norm / median:.3g}x the round's median {median:.4g} "
+                        f"(update-norm-bound = {bound:g}); the reply is skipped.")
+        for text in refused.values():
+            self.warn(text)
+        return [u for u in updates if u.client not in refused], len(refused)
+
+
+def float_spec(state: Mapping[str, np.ndarray]) -> FlatSpec:
+    """The floating-point entries of ``state``."""
+    return FlatSpec.of({k: v for k, v in state.items() if np.asarray(v).dtype.kind == "f"})
+
+
+def non_finite(state: ServerState) -> str | None:
+    """Where ``state`` holds a NaN or infinite value (None when it holds none)."""
+    for key, value in state.to_arrays().items():
+        value = np.asarray(value)
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            return f"'{key}' holds NaN or infinite values"
+    return None
