@@ -88,12 +88,13 @@ class ClientRuntime:
         return make_generator(self.seed, server_round, self.client_id, *streams)
 
     def execute(self, run: LocalRun, server_round: int) -> RunResult:
-        """Run ``run`` on this client (:class:`~pflalign.local.LocalRun`): a module loaded with
-        its start, its optimizer over the trained parameters, and at every step ``backward``, the
-        correction on their ``.grad``, ``step``. When only the model's last layer trains and the
-        rest is deterministic in training, the layer trains on the body's features computed once
-        (the same batches and updates at the cost of one forward pass of the body)."""
-        model = self.new_model(run.start)
+        """Run ``run`` on this client (:class:`~pflalign.local.LocalRun`): the template's reused
+        training module loaded with its start, its optimizer over the trained parameters, and at
+        every step ``backward``, the correction on their ``.grad``, ``step``. When only the
+        model's last layer trains and the rest is deterministic in training, the layer trains on
+        the body's features computed once (the same batches and updates at the cost of one
+        forward pass of the body)."""
+        model = self.template.trainer(run.start, self.device)
         named = dict(model.named_parameters())
         names = [n for n, p in named.items()
                  if (p.requires_grad if run.trainable is None else n in set(run.trainable))]
@@ -123,7 +124,8 @@ class ClientRuntime:
                     server_round, STREAM_OPTIMIZER, run.stream))
                 stats = self.local_train(model, server_round, run.stream, run.epochs, optimizer,
                                          before_step)
-        return RunResult(model.state_dict(), stats, rule.outcome(optimizer, names))
+        trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return RunResult(trained, stats, rule.outcome(optimizer, names))
 
     @staticmethod
     @contextmanager

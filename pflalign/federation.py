@@ -103,4 +103,5 @@ def validation_partition(partition: Partition, labels: np.ndarray, fraction: flo
 
 def federated_dataset(settings: Mapping[str, object]) -> FederatedDataset:
     """The run's federated dataset, cached per process (no re-reading or re-partitioning)."""
-    return _build(tuple(settings[k] for k in DATA_KEYS))
+    key = getattr(settings, "data_key", None)
+    return _build(key if key is not None else tuple(settings[k] for k in DATA_KEYS))

@@ -140,8 +140,8 @@ class OptimizerRule:
     run, :meth:`outcome` is what the rule returns about it (a persistent state, diagnostics).
     Rules of one class describe the same optimizer; a cohort may differ only in their state."""
 
-    #: the vectorised executor can step a cohort with this rule
-    stackable: ClassVar[bool] = True
+    #: the vectorised executor can step a cohort with this rule (:meth:`stacked`)
+    stackable: ClassVar[bool] = False
 
     def build(self, params: list[torch.Tensor], names: Sequence[str],
               generator: torch.Generator) -> torch.optim.Optimizer:
@@ -165,7 +165,9 @@ class OptimizerRule:
 @dataclass(frozen=True)
 class LocalOptimizer(OptimizerRule):
     """The run's ``local-optimizer`` (sgd, adam or genie), a new one each run
-    (:meth:`~pflalign.settings.LocalTraining.optimizer`)."""
+    (:func:`local_optimizer`)."""
+
+    stackable: ClassVar[bool] = True
 
     training: LocalTraining
 
@@ -208,6 +210,8 @@ class PFLAlignRule(OptimizerRule):
     PFLAlign`, ALGORITHMS.md 1.4 and 1.8): ``v`` and ``P`` from ``saved`` (``<entry>.v``,
     ``<entry>.P``; zeros when None), the offset ``offsets`` (None: no correction) and the round's
     ``num_steps``. Its outcome is the new ``v`` and ``P`` and the round's mean P and gamma."""
+
+    stackable: ClassVar[bool] = True
 
     lr: float
     beta: float
@@ -263,6 +267,8 @@ class PersistentGenie(OptimizerRule):
     """GENIE with its state kept by the client across rounds (pFLAlign's GENIE variant,
     ALGORITHMS.md 4.2): ``m``, ``s`` and the step count from ``saved`` (``<entry>.m``,
     ``<entry>.s``, ``<entry>.step``; fresh when None); the outcome is the new state."""
+
+    stackable: ClassVar[bool] = True
 
     training: LocalTraining
     saved: Entries | None = None

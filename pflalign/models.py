@@ -151,7 +151,8 @@ class ModelTemplate:
     every client of a process and changed by none: it is never handed out. :meth:`new` gives a
     copy to train, :meth:`initial_state` a copy of its values, :attr:`layout` a copy on the
     meta device (the model's structure, without values) for looking up layers and names, and
-    :meth:`scorer` a reused module to score a model's state with."""
+    :meth:`trainer` and :meth:`scorer` reused modules to train and to score a model's state
+    with (never handed to a method's rule)."""
 
     def __init__(self, model: nn.Module):
         self._model = model
@@ -160,6 +161,7 @@ class ModelTemplate:
         #: the parameters that train, in the model's order
         self.trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
         self._scorers: dict[str, tuple[nn.Module, Mapping[str, torch.Tensor]]] = {}
+        self._trainers: dict[str, nn.Module] = {}
 
     def new(self, state: Mapping[str, torch.Tensor] | None = None,
             device: torch.device | str = "cpu") -> nn.Module:
@@ -172,6 +174,21 @@ class ModelTemplate:
     def initial_state(self) -> dict[str, torch.Tensor]:
         """A copy of the initial model's state dict."""
         return {k: v.clone() for k, v in self._model.state_dict().items()}
+
+    def trainer(self, state: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
+                ) -> nn.Module:
+        """A module loaded with ``state`` for one run of local training (the per-client
+        executor's, :meth:`pflalign.client.ClientRuntime.execute`): one module per device,
+        reused from run to run (its gradients cleared), so that a run copies no model
+        structure; whatever a run returns is copied out of it."""
+        key = str(device)
+        module = self._trainers.get(key)
+        if module is None:
+            module = self._trainers[key] = self.new(device=device)
+        for p in module.parameters():
+            p.grad = None
+        module.load_state_dict(state)
+        return module
 
     def scorer(self, state: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
                ) -> nn.Module:

@@ -352,12 +352,15 @@ class Settings(Mapping[str, Value]):
     Only the config parser makes one (:func:`pflalign.config.build_settings`); it passes itself
     as ``validate``, which :meth:`replace` uses, so that a changed copy is checked again."""
 
-    __slots__ = ("_values", "_validate", "run", "training", "gga")
+    __slots__ = ("_values", "_validate", "_hash", "data_key", "run", "training", "gga")
 
     def __init__(self, values: Mapping[str, Value],
                  validate: Callable[[Mapping[str, object], str], Settings]):
         self._values = dict(values)
         self._validate = validate
+        self._hash = hash(tuple(self._values.items()))
+        #: the values of :data:`DATA_KEYS`: what identifies the run's data (a cache key)
+        self.data_key = tuple(self._values[k] for k in DATA_KEYS)
         #: the run-wide settings
         self.run = RunConfig.from_settings(self._values)
         #: the run's local training (an entry's own, after its overrides)
@@ -381,7 +384,7 @@ class Settings(Mapping[str, Value]):
         return isinstance(other, Settings) and self._values == other._values
 
     def __hash__(self) -> int:
-        return hash(tuple(self._values.items()))
+        return self._hash
 
     def __reduce__(self) -> tuple:
         return Settings, (self._values, self._validate)

@@ -28,12 +28,13 @@ import os
 import tempfile
 import typing
 from collections.abc import Callable, Mapping
-from functools import lru_cache
 from pathlib import Path
 from typing import IO, ClassVar, Self
 
 import numpy as np
 import torch
+
+from pflalign.caches import cached
 
 #: a model state or a saved state as NumPy arrays (a state dict's entries, or flat named arrays)
 State = dict[str, np.ndarray]
@@ -78,7 +79,7 @@ class ArrayState:
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> Self:
         """Rebuild a state from :meth:`to_arrays`' output (unknown names are an error)."""
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         values: dict[str, object] = {}
         names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         convert = (lambda a: torch.from_numpy(np.array(a, copy=True))) if cls.holds_tensors else (
@@ -97,6 +98,12 @@ class ArrayState:
             else:
                 values.setdefault(field_name, {})[rest] = convert(array)  # type: ignore[index]
         return cls(**values)
+
+
+@cached(maxsize=None)
+def _type_hints(cls: type) -> dict[str, object]:
+    """A state class's resolved field types (resolving them compiles every annotation)."""
+    return typing.get_type_hints(cls)
 
 
 def _scalar_or_array(hint: object, array: np.ndarray, convert: typing.Callable) -> object:
@@ -125,7 +132,7 @@ class ServerState(ArrayState):
     model: State = dataclasses.field(default_factory=dict)
 
 
-@lru_cache(maxsize=1)
+@cached(maxsize=1)
 def _umask() -> int:
     """The process's umask, read without changing it (Linux; else the usual 022)."""
     try:

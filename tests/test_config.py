@@ -18,6 +18,8 @@ from pflalign.config import (
     resolve,
 )
 from pflalign.methods import METHODS
+from pflalign.params import param
+from pflalign.settings import DATA_KEYS, NON_RUN_KEYS, RUN_WIDE_KEYS
 
 
 def test_defaults_are_valid_and_complete():
@@ -178,3 +180,19 @@ def test_method_entries_carry_their_own_overrides():
 def test_bad_method_entries_are_clear_errors(methods, match):
     with pytest.raises(ConfigError, match=match):
         build_settings({"methods": methods})
+
+
+def test_key_scopes_are_declared_and_the_key_tuples_derived_from_them():
+    scope = {o.key: o.scope for o in OPTIONS}
+    assert set(RUN_WIDE_KEYS) == {k for k, s in scope.items() if s != "method"}
+    assert set(DATA_KEYS) == {k for k, s in scope.items() if s in ("data", "data-location")}
+    assert set(NON_RUN_KEYS) == {"out-dir", "checkpoint-every", "memory-budget-gb"}
+    assert {"seed", "dataset", "num-clients", "data-root"} <= set(DATA_KEYS)
+    assert {"engine", "attack", "round-timeout"} <= set(RUN_WIDE_KEYS)
+    assert not {"lr", "rounds", "aggregation", "model"} & set(RUN_WIDE_KEYS)
+    assert all(o.scope == "method" for spec in METHODS.values()
+               for o in spec.method.Params.options())
+    with pytest.raises(ConfigError, match="shared by all methods"):
+        build_settings({"methods": "fedavg(checkpoint-every=2)"})
+    with pytest.raises(ValueError, match="scope"):
+        param(1, "a key", scope="everywhere")
