@@ -160,8 +160,8 @@ class ModelTemplate:
         self.layout = copy.deepcopy(model).to("meta")
         #: the parameters that train, in the model's order
         self.trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
-        self._scorers: dict[str, tuple[nn.Module, Mapping[str, torch.Tensor]]] = {}
-        self._trainers: dict[str, nn.Module] = {}
+        self._scorers: dict[str, tuple[_Reloadable, Mapping[str, torch.Tensor]]] = {}
+        self._trainers: dict[str, _Reloadable] = {}
 
     def new(self, state: Mapping[str, torch.Tensor] | None = None,
             device: torch.device | str = "cpu") -> nn.Module:
@@ -182,13 +182,13 @@ class ModelTemplate:
         reused from run to run (its gradients cleared), so that a run copies no model
         structure; whatever a run returns is copied out of it."""
         key = str(device)
-        module = self._trainers.get(key)
-        if module is None:
-            module = self._trainers[key] = self.new(device=device)
-        for p in module.parameters():
+        if key not in self._trainers:
+            self._trainers[key] = _Reloadable(self.new(device=device))
+        trainer = self._trainers[key]
+        for p in trainer.module.parameters():
             p.grad = None
-        module.load_state_dict(state)
-        return module
+        trainer.load(state)
+        return trainer.module
 
     def scorer(self, state: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
                ) -> nn.Module:
@@ -196,13 +196,40 @@ class ModelTemplate:
         device, reused, loaded again only when ``state`` is another object than the last one
         (the same global model scored for a thousand clients is loaded once)."""
         key = str(device)
-        module, last = self._scorers.get(key, (None, None))
-        if module is None:
-            module = self.new(device=device)
+        scorer, last = self._scorers.get(key, (None, None))
+        if scorer is None:
+            scorer = _Reloadable(self.new(device=device))
         if last is not state:
-            module.load_state_dict(state)
-        self._scorers[key] = (module, state)  # the state is kept, so that its id is not reused
-        return module
+            scorer.load(state)
+        self._scorers[key] = (scorer, state)  # the state is kept, so that its id is not reused
+        return scorer.module
+
+
+class _Reloadable:
+    """A module whose whole state is loaded again and again: one multi-tensor copy into its
+    tensors, in state-dict order (``load_state_dict`` copies the same values, entry by entry
+    through every submodule, several times slower for a small model)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.tensors = module.state_dict(keep_vars=True)
+
+    @torch.no_grad()
+    def load(self, state: Mapping[str, torch.Tensor]) -> None:
+        sources = []
+        for key, target in self.tensors.items():
+            value = state.get(key)
+            if value is not None and value.shape != target.shape and target.dim() == 0 \
+                    and value.shape == (1,):  # a 0-d entry serialized as 1-d, as load_state_dict
+                value = value.reshape(())
+            if value is None or value.shape != target.shape:
+                sources = None
+                break
+            sources.append(value)
+        if sources is None or len(state) != len(self.tensors):
+            self.module.load_state_dict(state)  # its error names the key and what is wrong
+            return
+        torch._foreach_copy_([t.data for t in self.tensors.values()], sources)
 
 
 @cached(maxsize=4)
