@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from pflalign.language import LoraSpec
 from pflalign.local import LocalOptimizer, LocalRun, RunResult
 from pflalign.models import (
     ModelTemplate,
@@ -66,7 +67,8 @@ class ClientRuntime:
         self.data = node.data.to(device)
         self.input_shape, self.num_classes = node.input_shape, node.num_classes
         self.template: ModelTemplate = model_template(settings.run.model, tuple(node.input_shape),
-                                                      node.num_classes, settings.run.seed)
+                                                      node.num_classes, settings.run.seed,
+                                                      LoraSpec.of(settings.run))
 
     # --- models --------------------------------------------------------------------------------
     def new_model(self, state: Mapping[str, torch.Tensor] | None = None) -> nn.Module:

@@ -19,7 +19,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pflalign.data import DATASET_KINDS, TOKENS
+from pflalign.language import SMOLLM2, is_language_model, source_of
 from pflalign.methods import METHODS, method_overrides
+from pflalign.models import MODEL_INPUTS
 from pflalign.options import ConfigError, Option, Value
 from pflalign.partition import parse_angles
 from pflalign.settings import RUN_WIDE_KEYS, GGAParams, LocalTraining, RunConfig, Settings
@@ -173,11 +176,14 @@ def build_settings(values: Mapping[str, object] | None = None,
     merged: dict[str, Value] = defaults()
     for key, value in (values or {}).items():
         merged[key] = coerce(key, value, source)
+    _check_model_name(str(merged["model"]), "model")
+    _resolve_tokenizer(merged)
     _check_cross_keys(merged)
     settings = Settings(merged, build_settings)
     for choice in parse_methods(str(merged["methods"])):
         spec = METHODS[choice.name]
         overrides = method_overrides(spec, merged, dict(choice.overrides))
+        _check_model_fits_data({**merged, **overrides}, choice.label)
         spec.method.check(Settings({**merged, **overrides}, build_settings) if overrides
                           else settings)
     return settings
@@ -193,7 +199,67 @@ def method_labels(settings: Mapping[str, Value]) -> list[str]:
     return [choice.label for choice in method_choices(settings)]
 
 
+#: the partitions that need no labels or images, so apply to text
+TEXT_PARTITIONS = ("natural", "iid", "quantity")
+
+
+#: the tokenizer of the character-level models
+CHARACTERS = "characters"
+_NOUNS = {"image": "images", TOKENS: "token sequences"}
+
+
+def _check_model_name(model: str, key: str) -> None:
+    if model not in MODEL_INPUTS and not is_language_model(model):
+        raise ConfigError(f"Config key '{key}' = {model!r} is not a model: choose one of "
+                          f"{', '.join(MODEL_INPUTS)}, or hf:<model> for a pretrained language "
+                          f"model with LoRA adapters (hf:{SMOLLM2} offline).")
+    if is_language_model(model):
+        source_of(model)  # a missing folder, file or package is one sentence, before any data
+
+
+def _model_tokenizer(model: str) -> str:
+    return model if is_language_model(model) else CHARACTERS
+
+
+def _resolve_tokenizer(values: dict[str, Value]) -> None:
+    """A text dataset's tokenizer: the model's, unless given (and then it must be the model's)."""
+    if DATASET_KINDS[str(values["dataset"])] != TOKENS:
+        return
+    if not values["tokenizer"]:
+        values["tokenizer"] = _model_tokenizer(str(values["model"]))
+
+
+def _check_model_fits_data(values: Mapping[str, Value], label: str) -> None:
+    """The model takes what the dataset holds (images or token sequences), tokenized as the
+    run's data is."""
+    model = str(values["model"])
+    _check_model_name(model, "model")
+    kind = DATASET_KINDS[str(values["dataset"])]
+    takes = TOKENS if is_language_model(model) else MODEL_INPUTS[model]
+    if kind != takes:
+        fits = ", ".join(m for m, k in MODEL_INPUTS.items() if k == kind)
+        fits += ", or hf:<model>" if kind == TOKENS else ""
+        raise ConfigError(f"Method '{label}' would run model = {model!r}, which takes "
+                          f"{_NOUNS[takes]}, on dataset = {values['dataset']!r}, which holds "
+                          f"{_NOUNS[kind]}: set model to {fits}.")
+    if kind == TOKENS and values["tokenizer"] != _model_tokenizer(model):
+        raise ConfigError(f"Method '{label}' would run model = {model!r} on text tokenized by "
+                          f"tokenizer = {values['tokenizer']!r}; a model reads only its own "
+                          f"tokens: set tokenizer = {_model_tokenizer(model)!r} (or leave it "
+                          "empty), and give every method entry the same model.")
+
+
 def _check_cross_keys(values: Mapping[str, Value]) -> None:
+    kind = DATASET_KINDS[str(values["dataset"])]
+    if kind == TOKENS and values["partition"] not in TEXT_PARTITIONS:
+        raise ConfigError(f"partition = {values['partition']!r} splits by class label or "
+                          f"rotates images, which mean nothing for dataset = "
+                          f"{values['dataset']!r} (text; its label is the next character): "
+                          f"choose {', '.join(TEXT_PARTITIONS)}.")
+    if kind != TOKENS and values["partition"] == "natural":
+        raise ConfigError(f"partition = 'natural' needs a dataset with its own clients, and "
+                          f"{values['dataset']!r} has none: choose dataset = 'shakespeare', or "
+                          "another partition.")
     if values["gga"] and values["gga-end"] < values["gga-start"]:
         raise ConfigError(f"gga-end = {values['gga-end']} is before gga-start = "
                           f"{values['gga-start']}; the annealing window is gga-start..gga-end.")

@@ -36,9 +36,25 @@ _IDX_FILES = {
 }
 
 
+#: what a dataset's samples are: ``image`` (uint8 N x C x H x W, normalised per channel) or
+#: ``tokens`` (uint8 N x L indices into a vocabulary of ``num_classes`` symbols, given to the
+#: model as int64)
+IMAGE, TOKENS = "image", "tokens"
+#: every dataset and the kind of its samples (known before anything is read)
+DATASET_KINDS = {"fashion-mnist": IMAGE, "mnist": IMAGE, "cifar10": IMAGE, "cifar100": IMAGE,
+                 "shakespeare": TOKENS}
+
+
 @dataclass(frozen=True)
 class Dataset:
-    """A pooled image-classification dataset: uint8 images N x C x H x W and int64 labels."""
+    """A pooled classification dataset: uint8 inputs (images N x C x H x W, or N x L token
+    indices) and int64 labels.
+
+    A text dataset (``kind = tokens``) keeps its samples as windows over one stream of tokens:
+    ``images[p]`` is the ``L`` tokens from position ``p`` and ``labels[p]`` the token after them,
+    both views of the stream (nothing is copied until a client's rows are taken); ``samples``
+    lists the positions that are samples (a window inside one client's text), and ``groups[i]``
+    the natural client (a role) of ``samples[i]``, named by ``group_names``."""
 
     name: str
     images: np.ndarray
@@ -46,13 +62,26 @@ class Dataset:
     num_classes: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    kind: str = IMAGE
+    samples: np.ndarray | None = None
+    groups: np.ndarray | None = None
+    group_names: tuple[str, ...] = ()
+    #: the token stream the windows are views of (text datasets)
+    tokens: np.ndarray | None = None
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        return tuple(self.images.shape[1:])  # type: ignore[return-value]
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.images.shape[1:])
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def sample_ids(self) -> np.ndarray:
+        """The rows of :attr:`images` that are samples: all of them, or :attr:`samples`."""
+        return np.arange(len(self)) if self.samples is None else self.samples
+
+    def normalizer(self) -> Normalizer | TokenIds:
+        return input_transform(self.kind, self.mean, self.std)
 
 
 class Normalizer:
@@ -66,6 +95,19 @@ class Normalizer:
         if self.scale.device != batch.device:
             self.scale, self.shift = self.scale.to(batch.device), self.shift.to(batch.device)
         return batch.float().mul_(self.scale).sub_(self.shift)
+
+
+class TokenIds:
+    """Turns a uint8 batch of token indices into the int64 indices an embedding takes."""
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch.long()
+
+
+def input_transform(kind: str, mean: tuple[float, ...], std: tuple[float, ...],
+                    ) -> Normalizer | TokenIds:
+    """What turns a stored batch of ``kind`` into the model's input."""
+    return TokenIds() if kind == TOKENS else Normalizer(mean, std)
 
 
 #: how to get a damaged dataset file back, for error messages
@@ -169,12 +211,17 @@ def _load_cifar(name: str, root: Path | None, download: bool) -> tuple[np.ndarra
 
 
 @cached(maxsize=2)
-def load_dataset(name: str, data_root: str = "", download: bool = False) -> Dataset:
-    """Load a dataset once per process (cached): pooled train+test images as uint8."""
-    if name not in _NORMALISATION:
+def load_dataset(name: str, data_root: str = "", download: bool = False, tokenizer: str = "",
+                 sequence_length: int = 80) -> Dataset:
+    """Load a dataset once per process (cached): pooled train+test images as uint8, or a text
+    dataset's token windows (``tokenizer``: ``characters`` or a language model's name;
+    ``sequence_length`` tokens of context a sample)."""
+    if name not in DATASET_KINDS:
         raise ConfigError(f"Unknown dataset '{name}'; choose one of: "
-                          f"{', '.join(_NORMALISATION)}.")
+                          f"{', '.join(DATASET_KINDS)}.")
     root = Path(data_root).expanduser() if data_root else None
+    if name == "shakespeare":
+        return _load_shakespeare(root, tokenizer, sequence_length)
     if name in ("fashion-mnist", "mnist"):
         images, labels = _load_mnist_like(name, root, download)
     else:
@@ -190,6 +237,50 @@ def load_dataset(name: str, data_root: str = "", download: bool = False) -> Data
                    mean=mean, std=std)
 
 
+def _load_shakespeare(root: Path | None, tokenizer: str, length: int) -> Dataset:
+    """Federated Shakespeare (:mod:`pflalign.shakespeare`): one stream of every role's tokens,
+    windows of ``length`` tokens over it, and each window's role. With characters (LEAF's task)
+    a sample is ``length`` characters and the next one, at every position; with a language
+    model's tokenizer it is a window of ``length`` tokens and the same window one token on (the
+    next token at every place), the windows ``length`` apart."""
+    from pflalign import shakespeare
+
+    roots = [root] if root is not None else shakespeare.default_roots()
+    found = next((r for r in roots if r.exists()), None)
+    if found is None:
+        raise ConfigError(f"data-root: the Shakespeare texts were not found in "
+                          f"{', '.join(str(r) for r in roots)}; {shakespeare.FETCH}.")
+    roles = shakespeare.read_roles(found)
+    names = tuple(f"{r.play}/{r.name}" for r in roles)
+    if tokenizer in ("", "characters"):
+        encoded = [shakespeare.encode(role.text) for role in roles]
+        stride, vocabulary, offset = 1, len(shakespeare.VOCABULARY), length
+    else:
+        from pflalign.language import tokenizer_of
+
+        tok = tokenizer_of(tokenizer)
+        encoded = [np.asarray(ids, dtype=np.int32) for ids in
+                   tok([role.text for role in roles], add_special_tokens=False)["input_ids"]]
+        stride, vocabulary, offset = length, len(tok), 1
+    stream = np.concatenate(encoded)
+    stream.setflags(write=False)
+    starts = np.cumsum([0] + [len(e) for e in encoded[:-1]])
+    # a window and its target must lie inside one role: positions p with p + length < end
+    counts = np.array([max(-(-(len(e) - length) // stride), 0) for e in encoded])
+    samples = np.concatenate([s + stride * np.arange(c)
+                              for s, c in zip(starts, counts, strict=True)]).astype(np.int64)
+    groups = np.repeat(np.arange(len(roles), dtype=np.int32), counts)
+    windows = np.lib.stride_tricks.sliding_window_view(stream, length)[:-1]
+    if offset == length:  # the next character
+        labels = stream[length:].astype(np.int64)
+    else:  # the same window one token on
+        labels = np.lib.stride_tricks.sliding_window_view(stream[1:].astype(np.int64), length)
+    labels.setflags(write=False)
+    return Dataset(name="shakespeare", images=windows, labels=labels, num_classes=vocabulary,
+                   mean=(), std=(), kind=TOKENS, samples=samples, groups=groups,
+                   group_names=names, tokens=stream)
+
+
 @dataclass
 class ClientData:
     """One client's train and test split as tensors (uint8 images, int64 labels) on a device."""
@@ -198,7 +289,7 @@ class ClientData:
     train_y: torch.Tensor
     test_x: torch.Tensor
     test_y: torch.Tensor
-    normalize: Normalizer
+    normalize: Normalizer | TokenIds
 
     @classmethod
     def from_indices(cls, dataset: Dataset, train_idx: np.ndarray, test_idx: np.ndarray,
@@ -210,7 +301,7 @@ class ClientData:
 
         train_x, train_y = take(train_idx)
         test_x, test_y = take(test_idx)
-        return cls(train_x, train_y, test_x, test_y, Normalizer(dataset.mean, dataset.std))
+        return cls(train_x, train_y, test_x, test_y, dataset.normalizer())
 
     def rotated(self, degrees: float) -> ClientData:
         """The same samples with every image rotated by ``degrees`` counter-clockwise about its
@@ -228,7 +319,9 @@ class ClientData:
 
     @property
     def num_test(self) -> int:
-        return len(self.test_y)
+        """What a test scores: samples, or a language model's tokens (each window predicts
+        one per place)."""
+        return self.test_y.numel()
 
 
 def rotate_images(images: torch.Tensor, degrees: float) -> torch.Tensor:

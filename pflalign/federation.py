@@ -9,8 +9,14 @@ import numpy as np
 import torch
 
 from pflalign.caches import cached
-from pflalign.data import ClientData, Dataset, Normalizer, load_dataset
-from pflalign.partition import Partition, make_partition, parse_angles, split_train_test
+from pflalign.data import ClientData, Dataset, load_dataset
+from pflalign.partition import (
+    Partition,
+    make_partition,
+    parse_angles,
+    split_in_order,
+    split_train_test,
+)
 from pflalign.settings import DATA_KEYS
 
 #: the random stream of the validation split (partition draws use 0, the test split 1, the
@@ -42,8 +48,7 @@ class FederatedDataset:
             rows = {k: torch.from_numpy(v).to(device) for k, v in (("train", train),
                                                                    ("test", test))}
             return ClientData(images[rows["train"]], labels[rows["train"]], images[rows["test"]],
-                              labels[rows["test"]], Normalizer(self.dataset.mean,
-                                                               self.dataset.std))
+                              labels[rows["test"]], self.dataset.normalizer())
         if not angle:
             return ClientData.from_indices(self.dataset, train, test, device)
         if client not in self._rotated:
@@ -57,13 +62,33 @@ class FederatedDataset:
         (on a GPU, every client's split is then gathered there, with nothing copied from the
         host per message)."""
         key = str(device)
+        if key not in self._on_device and self.dataset.tokens is not None:
+            # a text dataset's windows are views of one token stream: move the stream and
+            # take the same windows of it there
+            stream = torch.from_numpy(self.dataset.tokens).to(device)
+            length = self.dataset.input_shape[0]
+            labels = (stream[1:].long().unfold(0, length, 1) if self.dataset.labels.ndim == 2
+                      else torch.from_numpy(self.dataset.labels).to(device))
+            self._on_device[key] = (stream.unfold(0, length, 1)[:-1], labels)
         if key not in self._on_device:
             self._on_device[key] = (torch.from_numpy(self.dataset.images).to(device),
                                     torch.from_numpy(self.dataset.labels).to(device))
         return self._on_device[key]
 
+    @property
+    def targets_per_sample(self) -> int:
+        """What one sample scores: one label, or each token of a language model's window."""
+        return 1 if self.dataset.labels.ndim == 1 else self.dataset.labels.shape[1]
+
+    def sizes(self, client: int) -> tuple[int, int]:
+        """Client ``client``'s train samples and test targets (a language model's test tokens),
+        as :class:`~pflalign.data.ClientData` counts them."""
+        return (len(self.partition.train[client]),
+                len(self.partition.test[client]) * self.targets_per_sample)
+
     def summary(self) -> dict:
-        labels = self.dataset.labels[self.pool]
+        """The partition, with each client's label counts where a sample has one label."""
+        labels = self.dataset.labels[self.pool] if self.dataset.labels.ndim == 1 else None
         return {"dataset": self.dataset.name, "samples": len(self.pool),
                 **self.partition.summary(labels, self.dataset.num_classes)}
 
@@ -71,18 +96,21 @@ class FederatedDataset:
 @cached(maxsize=2)
 def _build(key: tuple) -> FederatedDataset:
     cfg = dict(zip(DATA_KEYS, key, strict=True))
-    dataset = load_dataset(cfg["dataset"], cfg["data-root"], cfg["download"])
-    pool = np.arange(len(dataset))
-    if 0 < cfg["max-samples"] < len(dataset):
-        pool = np.sort(np.random.default_rng([cfg["seed"], 2]).choice(
-            len(dataset), cfg["max-samples"], replace=False))
+    dataset = load_dataset(cfg["dataset"], cfg["data-root"], cfg["download"], cfg["tokenizer"],
+                           cfg["sequence-length"])
+    pool, groups = dataset.sample_ids(), dataset.groups
+    if 0 < cfg["max-samples"] < len(pool):
+        chosen = np.sort(np.random.default_rng([cfg["seed"], 2]).choice(
+            len(pool), cfg["max-samples"], replace=False))
+        pool, groups = pool[chosen], None if groups is None else groups[chosen]
     partition = make_partition(
         dataset.labels[pool], dataset.num_classes, scheme=cfg["partition"],
         num_clients=cfg["num-clients"], num_unseen=cfg["num-unseen-clients"], seed=cfg["seed"],
         alpha=cfg["dirichlet-alpha"], classes_per_client=cfg["classes-per-client"],
         quantity_power=cfg["quantity-power"], min_samples=cfg["min-samples-per-client"],
         test_fraction=cfg["test-fraction"], angles=parse_angles(cfg["rotation-angles"]),
-        unseen_groups=cfg["rotation-unseen-groups"])
+        unseen_groups=cfg["rotation-unseen-groups"], groups=groups,
+        group_names=dataset.group_names)
     if cfg["evaluate-on"] == "validation":
         partition = validation_partition(partition, dataset.labels[pool],
                                          cfg["validation-fraction"], cfg["seed"])
@@ -92,11 +120,13 @@ def _build(key: tuple) -> FederatedDataset:
 def validation_partition(partition: Partition, labels: np.ndarray, fraction: float,
                          seed: int) -> Partition:
     """The partition with each client's test split replaced by a validation split carved from
-    its training split (stratified, seeded by (seed, :data:`VALIDATION_STREAM`)); the client
+    its training split (stratified, seeded by (seed, :data:`VALIDATION_STREAM`); the last part
+    of it, for a partition in time order); the client
     trains on the rest. The test indices are dropped, so nothing evaluated or trained on in this
     mode can touch test data."""
     rng = np.random.default_rng([seed, VALIDATION_STREAM])
-    splits = [split_train_test(train, labels, fraction, rng) for train in partition.train]
+    splits = [split_in_order(train, fraction) if partition.in_order
+              else split_train_test(train, labels, fraction, rng) for train in partition.train]
     return replace(partition, train=tuple(s[0] for s in splits),
                    test=tuple(s[1] for s in splits))
 

@@ -164,7 +164,7 @@ class OptimizerRule:
 
 @dataclass(frozen=True)
 class LocalOptimizer(OptimizerRule):
-    """The run's ``local-optimizer`` (sgd, adam or genie), a new one each run
+    """The run's ``local-optimizer`` (sgd, adam, adamw or genie), a new one each run
     (:func:`local_optimizer`)."""
 
     stackable: ClassVar[bool] = True
@@ -191,17 +191,20 @@ class LocalOptimizer(OptimizerRule):
 def local_optimizer(training: LocalTraining, params: Iterable[torch.Tensor],
                     generator: torch.Generator | None = None) -> torch.optim.Optimizer:
     """The run's ``local-optimizer`` over ``params``: ``sgd`` (``lr``, ``momentum``,
-    ``weight-decay``), ``adam`` (``adam-lr``, ``weight-decay``) or ``genie`` (``genie-*``,
+    ``weight-decay``), ``adam`` and ``adamw`` (``adam-lr``, ``weight-decay``: L2 in the
+    gradient for adam, decoupled for adamw) or ``genie`` (``genie-*``,
     ``weight-decay``; its mask and noise drawn from ``generator``). A new one each run: its state
     does not outlive it."""
     if training.local_optimizer == "sgd":
         return training.sgd(params)
     if training.local_optimizer == "adam":
         return torch.optim.Adam(params, lr=training.adam_lr, weight_decay=training.weight_decay)
+    if training.local_optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=training.adam_lr, weight_decay=training.weight_decay)
     if training.local_optimizer == "genie":
         return GENIE(params, **training.genie_options(), generator=generator)
-    raise ValueError(f"Unknown local-optimizer {training.local_optimizer!r}; choose sgd, adam "
-                     "or genie.")
+    raise ValueError(f"Unknown local-optimizer {training.local_optimizer!r}; choose sgd, adam, "
+                     "adamw or genie.")
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import ClassVar, Generic, TypeVar
 
 from pflalign.aggregation import FlatSpec
 from pflalign.client import ClientRuntime
+from pflalign.language import is_language_model
 from pflalign.local import Rule
 from pflalign.messages import Payload, Received, Update
 from pflalign.options import ConfigError, Value
@@ -67,6 +68,9 @@ class Method(Generic[P, C, S]):
     tuned_training: ClassVar[tuple[str, ...]] = ("lr",)
     #: client metrics averaged over the round's clients into the round's row
     client_diagnostics: ClassVar[tuple[str, ...]] = ()
+    #: the method works on the features a classifier head receives (its input vector per
+    #: sample), which a language model's next-token head does not have one of
+    feature_head: ClassVar[bool] = False
 
     @classmethod
     def search_space(cls, fixed: Mapping[str, Value]) -> dict[str, tuple[Value, ...]]:
@@ -86,6 +90,11 @@ class Method(Generic[P, C, S]):
         parser calls it for every entry before any data is read. The default refuses a robust
         ``aggregation`` for a server update that is not an average of models, and a
         ``local-optimizer`` other than sgd for a method with its own local rule."""
+        if cls.feature_head and is_language_model(settings.run.model):
+            raise ConfigError(f"{cls.name} cannot run on a language model (model = "
+                              f"{settings.run.model!r}): it works on the feature vector a "
+                              "classifier head receives per sample, and a causal LM predicts "
+                              "every token; choose another method for it.")
         aggregation = settings.run.aggregation
         if aggregation != "mean" and not cls.robust_aggregation:
             raise ConfigError(f"aggregation = {aggregation!r} is not defined for {cls.name}: its "

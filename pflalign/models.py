@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pflalign.caches import cached
+from pflalign.language import LoraSpec, build_adapter_model, is_language_model
 from pflalign.options import ConfigError
 
 
@@ -58,6 +59,22 @@ class MLP(nn.Module):
         return self.fc(self.body(x))
 
 
+class CharLSTM(nn.Module):
+    """LEAF's next-character model for Shakespeare (Caldas et al. 2018; McMahan et al. 2017): an
+    embedding of 8 per symbol, two LSTM layers of 256, and a linear layer from the last step's
+    output to the ``vocabulary`` logits. 819,920 parameters with the 80-symbol vocabulary."""
+
+    def __init__(self, vocabulary: int, embedding: int = 8, hidden: int = 256, layers: int = 2):
+        super().__init__()
+        self.embedding = nn.Embedding(vocabulary, embedding)
+        self.lstm = nn.LSTM(embedding, hidden, num_layers=layers, batch_first=True)
+        self.fc = nn.Linear(hidden, vocabulary)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outputs, _ = self.lstm(self.embedding(x))
+        return self.fc(outputs[:, -1])
+
+
 def _resnet18(in_channels: int, image_size: int, num_classes: int) -> nn.Module:
     """torchvision's ResNet-18 for small images: a 3x3 stride-1 stem and no stem max-pool."""
     import torchvision
@@ -68,28 +85,58 @@ def _resnet18(in_channels: int, image_size: int, num_classes: int) -> nn.Module:
     return model
 
 
-ModelFactory = Callable[[int, int, int], nn.Module]
+def _image_model(factory: Callable[[int, int, int], nn.Module],
+                 ) -> Callable[[str, tuple[int, ...], int], nn.Module]:
+    """A model of square images (channels, side, classes) as a factory of (name, input shape,
+    classes) that refuses other inputs in one sentence."""
+    def build(name: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
+        if len(shape) != 3 or shape[1] != shape[2]:
+            raise ConfigError(f"Model '{name}' takes square images (channels x side x side), "
+                              f"but the dataset's samples have shape {tuple(shape)}: "
+                              f"{_INPUT_HINT}")
+        return factory(shape[0], shape[1], num_classes)
+    return build
+
+
+def _sequence_model(name: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    if len(shape) != 1:
+        raise ConfigError(f"Model '{name}' takes sequences of token indices, but the dataset's "
+                          f"samples have shape {tuple(shape)}: {_INPUT_HINT}")
+    return CharLSTM(num_classes)
+
+
+_INPUT_HINT = "choose cnn, cnn-bn, mlp or resnet18 for images, char-lstm for text."
+ModelFactory = Callable[[str, tuple[int, ...], int], nn.Module]
 MODELS: dict[str, ModelFactory] = {
-    "cnn": lambda c, s, k: CNN(c, s, k),
-    "cnn-bn": lambda c, s, k: CNN(c, s, k, batch_norm=True),
-    "mlp": lambda c, s, k: MLP(c * s * s, k),
-    "resnet18": _resnet18,
+    "cnn": _image_model(lambda c, s, k: CNN(c, s, k)),
+    "cnn-bn": _image_model(lambda c, s, k: CNN(c, s, k, batch_norm=True)),
+    "mlp": _image_model(lambda c, s, k: MLP(c * s * s, k)),
+    "resnet18": _image_model(_resnet18),
+    "char-lstm": _sequence_model,
 }
+#: what each model takes (the data kinds of :data:`pflalign.data.DATASET_KINDS`)
+MODEL_INPUTS = {"cnn": "image", "cnn-bn": "image", "mlp": "image", "resnet18": "image",
+                "char-lstm": "tokens"}
 
 
-def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int,
-                seed: int | None = None) -> nn.Module:
-    """Build a registered model; with ``seed`` its initial weights are reproducible."""
-    if name not in MODELS:
-        raise ConfigError(f"Unknown model '{name}'; choose one of: {', '.join(MODELS)}.")
-    channels, height, width = input_shape
-    if height != width:
-        raise ConfigError(f"Model '{name}' expects square images, got {height} x {width}.")
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int,
+                seed: int | None = None, lora: LoraSpec | None = None) -> nn.Module:
+    """Build a registered model, or ``hf:<model>`` with the adapters ``lora``
+    (:mod:`pflalign.language`); with ``seed`` its initial weights are reproducible."""
+    if not is_language_model(name) and name not in MODELS:
+        raise ConfigError(f"Unknown model '{name}'; choose one of: {', '.join(MODELS)}, or "
+                          "hf:<model>.")
+
+    def build() -> nn.Module:
+        if is_language_model(name):
+            return build_adapter_model(name, lora or LoraSpec())
+        return MODELS[name](name, tuple(int(d) for d in input_shape), num_classes)
+
     if seed is None:
-        return MODELS[name](channels, height, num_classes)
+        return build()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return MODELS[name](channels, height, num_classes)
+        return build()
 
 
 def parameter_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -124,7 +171,17 @@ def _entries(prefix: str, module: nn.Module) -> list[str]:
 
 def head_keys(model: nn.Module, layers: int = 1) -> tuple[str, ...]:
     """State-dict keys of the model's head: its last ``layers`` parameterised layers (for the
-    registered models, ``layers = 1`` is the final linear classifier ``fc``)."""
+    registered models, ``layers = 1`` is the final linear classifier ``fc``). A language model's
+    head is the adapters of its last ``layers`` adapted modules (its own state is its adapters;
+    with lora-targets q_proj,v_proj, ``layers = 1`` is the last block's v_proj adapters)."""
+    adapters = getattr(model, "adapters", None)
+    if adapters is not None:
+        owners = list(dict.fromkeys(key.split(".lora_")[0] for key in adapters))
+        if not 1 <= layers < len(owners):
+            raise ConfigError(f"The model has {len(owners)} adapted modules; a head of {layers} "
+                              f"must leave a body: choose 1..{len(owners) - 1}.")
+        chosen = set(owners[-layers:])
+        return tuple(key for key in adapters if key.split(".lora_")[0] in chosen)
     modules = parameter_modules(model)
     if not 1 <= layers < len(modules):
         raise ConfigError(f"The model has {len(modules)} parameterised layers; a head of {layers} "
@@ -156,8 +213,10 @@ class ModelTemplate:
 
     def __init__(self, model: nn.Module):
         self._model = model
-        #: the model's structure (layers, names, shapes) on the meta device: no values
-        self.layout = copy.deepcopy(model).to("meta")
+        #: the model's structure (layers, names, shapes) on the meta device: no values (a
+        #: language model builds its own: its copies share the frozen base's tensors)
+        self.layout = (model.meta_copy() if hasattr(model, "meta_copy")
+                       else copy.deepcopy(model).to("meta"))
         #: the parameters that train, in the model's order
         self.trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
         self._scorers: dict[str, tuple[_Reloadable, Mapping[str, torch.Tensor]]] = {}
@@ -233,7 +292,8 @@ class _Reloadable:
 
 
 @cached(maxsize=4)
-def model_template(name: str, input_shape: tuple[int, int, int], num_classes: int,
-                   seed: int) -> ModelTemplate:
+def model_template(name: str, input_shape: tuple[int, ...], num_classes: int,
+                   seed: int, lora: LoraSpec | None = None) -> ModelTemplate:
     """The run's model template, built once per process."""
-    return ModelTemplate(build_model(name, tuple(input_shape), num_classes, seed=seed))
+    return ModelTemplate(build_model(name, tuple(input_shape), num_classes, seed=seed,
+                                     lora=lora))

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from pflalign.caches import cached
-from pflalign.data import ClientData, Normalizer
+from pflalign.data import IMAGE, ClientData, input_transform
 from pflalign.federation import federated_dataset
 from pflalign.options import ConfigError
 from pflalign.protocol import NUM_TEST, NUM_TRAIN, PARTITION_ID, UNSEEN
@@ -67,7 +67,7 @@ class NodeData:
     client_id: int
     data: ClientData
     num_classes: int
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]
     unseen: bool
     #: the run's clients (num-clients + num-unseen-clients)
     num_clients: int
@@ -97,7 +97,8 @@ def partition_metadata(settings: Mapping[str, object], node: NodeData) -> dict:
     dataset = federation.dataset
     return {"format": PARTITION_FORMAT, "version": FORMAT_VERSION, "dataset": dataset.name,
             "num-classes": node.num_classes, "input-shape": list(node.input_shape),
-            "mean": list(dataset.mean), "std": list(dataset.std), "client-id": node.client_id,
+            "mean": list(dataset.mean), "std": list(dataset.std), "kind": dataset.kind,
+            "client-id": node.client_id,
             "num-clients": node.num_clients,
             "num-train-clients": federation.partition.num_train_clients,
             "unseen": node.unseen, "rotation": federation.partition.rotation(node.client_id),
@@ -170,7 +171,8 @@ def _load_partition(path: str, mtime_ns: int, size: int) -> tuple[dict, NodeData
         arrays = {k: _with_strides(torch.from_numpy(archive[k]), meta.get("strides", {}).get(k))
                   for k in _SPLITS}
     data = ClientData(arrays["train_x"], arrays["train_y"], arrays["test_x"], arrays["test_y"],
-                      Normalizer(tuple(meta["mean"]), tuple(meta["std"])))
+                      input_transform(str(meta.get("kind", IMAGE)), tuple(meta["mean"]),
+                                      tuple(meta["std"])))
     node = NodeData(client_id=int(meta["client-id"]), data=data,
                     num_classes=int(meta["num-classes"]),
                     input_shape=tuple(int(d) for d in meta["input-shape"]),  # type: ignore[arg-type]

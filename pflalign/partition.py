@@ -11,9 +11,13 @@ Four partitioners, each returning one index array per client (every sample assig
 * :func:`quantity_partition` -- IID labels, power-law client sizes.
 * :func:`rotated_partition` -- domain shift: client groups whose images are rotated by the group's
   angle, Dirichlet label skew within a group, held-out groups for the unseen clients.
+* :func:`natural_partition` -- the dataset's own clients (Shakespeare's roles): a seeded subset
+  of those with at least ``min_samples`` samples.
 
 Each client's samples are then split into its own train and test parts, stratified by label, so its
-test labels follow its train labels (:func:`split_train_test`).
+test labels follow its train labels (:func:`split_train_test`); in the natural partition, in time
+order instead: the first part of a client's samples trains, the rest tests (as LEAF splits
+Shakespeare), so that no test text comes before training text.
 """
 
 from __future__ import annotations
@@ -189,6 +193,10 @@ class Partition:
     topped_up_clients: int = 0
     #: per-client image rotation in degrees (partition=rotated); empty when there is none
     rotations: tuple[float, ...] = ()
+    #: each client's natural name (partition=natural: a play and role); empty otherwise
+    names: tuple[str, ...] = ()
+    #: whether each client's samples are in time order, split in that order (partition=natural)
+    in_order: bool = False
 
     def rotation(self, client: int) -> float:
         return self.rotations[client] if self.rotations else 0.0
@@ -200,9 +208,12 @@ class Partition:
     def is_unseen(self, client: int) -> bool:
         return client >= self.num_train_clients
 
-    def summary(self, labels: np.ndarray, num_classes: int) -> dict:
-        """Samples per client per label, for train and test, as JSON-ready lists."""
-        def counts(idx: np.ndarray) -> list[int]:
+    def summary(self, labels: np.ndarray | None, num_classes: int) -> dict:
+        """Samples per client per label, for train and test, as JSON-ready lists (None for
+        ``labels`` None: samples without one label, a language model's windows)."""
+        def counts(idx: np.ndarray) -> list[int] | None:
+            if labels is None:
+                return None
             return np.bincount(labels[idx], minlength=num_classes).tolist()
 
         return {
@@ -211,8 +222,8 @@ class Partition:
             "topped-up-clients": self.topped_up_clients,
             "clients": [
                 {"id": i, "unseen": self.is_unseen(i), "num-train": len(tr), "num-test": len(te),
-                 "rotation": self.rotation(i), "train-labels": counts(tr),
-                 "test-labels": counts(te)}
+                 "rotation": self.rotation(i), **({"name": self.names[i]} if self.names else {}),
+                 "train-labels": counts(tr), "test-labels": counts(te)}
                 for i, (tr, te) in enumerate(zip(self.train, self.test, strict=True))
             ],
         }
@@ -257,16 +268,55 @@ def rotated_partition(labels: np.ndarray, num_clients: int, num_unseen: int,
     return parts, rotations, topped_up
 
 
+def natural_partition(groups: np.ndarray, num_clients: int, rng: np.random.Generator,
+                      min_samples: int, names: Sequence[str] = ()) -> tuple[list[np.ndarray],
+                                                                            list[str]]:
+    """The dataset's own clients: ``groups[i]`` is sample ``i``'s natural client. Of the groups
+    with at least ``min_samples`` samples, ``num_clients`` are drawn at random (seeded), in
+    the drawn order; each keeps its samples in their order (time order for text). Returns the
+    parts and the drawn groups' names."""
+    ids, counts = np.unique(groups, return_counts=True)
+    eligible = ids[counts >= min_samples]
+    if num_clients > len(eligible):
+        raise ConfigError(
+            f"partition = natural: {len(eligible)} of the dataset's {len(ids)} natural clients "
+            f"have at least {min_samples} samples, fewer than the {num_clients} asked for; lower "
+            "num-clients (+ num-unseen-clients) or min-samples-per-client.")
+    chosen = rng.choice(eligible, num_clients, replace=False)
+    order = np.argsort(groups, kind="stable")
+    bounds = np.searchsorted(groups[order], np.stack([chosen, chosen + 1]))
+    parts = [order[lo:hi] for lo, hi in bounds.T]
+    return parts, [names[g] if names else str(g) for g in chosen]
+
+
+def split_in_order(indices: np.ndarray, test_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """The first samples train and the last ``floor(n * f)`` (at least 1) test."""
+    num_test = max(1, math.floor(len(indices) * test_fraction)) if len(indices) >= 2 else 0
+    return indices[:len(indices) - num_test], indices[len(indices) - num_test:]
+
+
 def make_partition(labels: np.ndarray, num_classes: int, *, scheme: str, num_clients: int,
                    num_unseen: int = 0, seed: int = 0, alpha: float = 0.1,
                    classes_per_client: int = 2, quantity_power: float = 1.0,
                    min_samples: int = 10, test_fraction: float = 0.25,
-                   angles: Sequence[float] = (0.0,), unseen_groups: int = 0) -> Partition:
-    """Partition over ``num_clients + num_unseen`` clients; split each into train/test."""
+                   angles: Sequence[float] = (0.0,), unseen_groups: int = 0,
+                   groups: np.ndarray | None = None, group_names: Sequence[str] = (),
+                   ) -> Partition:
+    """Partition over ``num_clients + num_unseen`` clients; split each into train/test.
+    ``groups`` (one natural client per sample) is what ``scheme = natural`` partitions by."""
     total = num_clients + num_unseen
     rng = np.random.default_rng([seed, 0])
     topped_up = 0
     rotations: list[float] = []
+    if scheme == "natural":
+        if groups is None:
+            raise ConfigError("partition = natural needs a dataset with natural clients "
+                              "(dataset = shakespeare); choose iid, dirichlet, pathological, "
+                              "quantity or rotated.")
+        parts, names = natural_partition(groups, total, rng, min_samples, group_names)
+        splits = [split_in_order(part, test_fraction) for part in parts]
+        return Partition(train=tuple(s[0] for s in splits), test=tuple(s[1] for s in splits),
+                         num_train_clients=num_clients, names=tuple(names), in_order=True)
     if scheme == "rotated":
         parts, rotations, topped_up = rotated_partition(
             labels, num_clients, num_unseen, angles, unseen_groups, alpha, rng, min_samples,
@@ -282,7 +332,7 @@ def make_partition(labels: np.ndarray, num_classes: int, *, scheme: str, num_cli
         parts = quantity_partition(labels, total, quantity_power, rng, min_samples)
     else:
         raise ConfigError(f"Unknown partition '{scheme}'; choose iid, dirichlet, pathological, "
-                          "quantity or rotated.")
+                          "quantity, rotated or natural.")
     split_rng = np.random.default_rng([seed, 1])
     splits = [split_train_test(p, labels, test_fraction, split_rng) for p in parts]
     return Partition(train=tuple(s[0] for s in splits), test=tuple(s[1] for s in splits),

@@ -113,13 +113,19 @@ TABLE_COLUMNS = (
 def comparison_table(methods: Mapping[str, Mapping[str, object]]) -> str:
     """The final metrics of each method side by side (accuracies in %)."""
     width = max([len("method"), *map(len, methods)])
+    # a language model's runs: the personal perplexity beside the token accuracies
+    ppl = any("personal-ppl" in r.get("final", {}) for r in methods.values())
     head = f"{'method':<{width}}  " + "  ".join(f"{label:>10}" for _, label in TABLE_COLUMNS)
+    head += f"  {'ppl':>8}" if ppl else ""
     head += f"  {'evaluated':>9}  {'s/round':>8}  {'MB up':>8}  {'MB down':>8}"
     lines = [head, "-" * len(head)]
     partial = []
     for name, result in methods.items():
         final = result.get("final", {})
         cells = "  ".join(f"{_pct(final.get(key)):>10}" for key, _ in TABLE_COLUMNS)
+        if ppl:
+            value = final.get("personal-ppl")
+            cells += f"  {'-' if value is None else f'{value:.2f}':>8}"
         up, down = final.get("bytes-up", 0) / 1e6, final.get("bytes-down", 0) / 1e6
         evaluated, asked = final.get("evaluated"), final.get("eval-clients")
         count = f"{evaluated}/{asked}" if asked is not None else "-"

@@ -28,6 +28,7 @@ import numpy as np
 from pflalign.aggregation import mean_cosine
 from pflalign.checkpoint import Checkpoint, Snapshot, capture_rng, restore_rng
 from pflalign.interrupt import check_stop
+from pflalign.language import is_language_model
 from pflalign.messages import ClientInfo, Exchange, Outgoing, Payload, Update
 from pflalign.method import Method
 from pflalign.metrics import accuracy_summary
@@ -38,6 +39,7 @@ from pflalign.protocol import (
     EVAL_REQUIRED,
     EVALUATE,
     GLOBAL_CORRECT,
+    GLOBAL_LOSS,
     HAD_STATE,
     KEPT_STATE,
     LABEL,
@@ -364,8 +366,14 @@ class RoundLoop:
             metrics[PERSONAL_LOSS] = float(np.average(
                 [m[PERSONAL_LOSS] for m in seen], weights=[m[NUM_TEST] for m in seen]))
             tested = sum(m[NUM_TEST] for m in seen)
+            language = is_language_model(server.settings.run.model)
+            if language:  # the perplexity of every seen client's test tokens together
+                metrics["personal-ppl"] = float(np.exp(metrics[PERSONAL_LOSS]))
             if method.has_global_model and all(GLOBAL_CORRECT in m for m in seen):
                 metrics["global-acc"] = sum(m[GLOBAL_CORRECT] for m in seen) / tested
+                if language and all(GLOBAL_LOSS in m for m in seen):
+                    metrics["global-ppl"] = float(np.exp(np.average(
+                        [m[GLOBAL_LOSS] for m in seen], weights=[m[NUM_TEST] for m in seen])))
             if all(NEXT_CORRECT in m for m in seen):
                 metrics["personal-acc-next"] = sum(m[NEXT_CORRECT] for m in seen) / tested
         if unseen:

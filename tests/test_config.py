@@ -42,7 +42,7 @@ def test_unknown_key_suggests_the_closest():
     ("dataset", 3, "expects a string"),
     ("dataset", "imagenet", "is not one of"),
     ("partition", "shards", "is not one of"),
-    ("model", "vgg", "is not one of"),
+    ("model", "vgg", "is not a model: choose one of cnn"),
     ("dirichlet-alpha", 0.0, "out of range.*> 0"),
     ("dirichlet-alpha", -1.0, "out of range"),
     ("test-fraction", 1.0, "out of range"),

@@ -84,8 +84,9 @@ def test_no_import_cycles_in_the_project():
 LAYERS = {
     1: {"pflalign", "pflalign.options", "pflalign.params", "pflalign.protocol",
         "pflalign.messages", "pflalign.settings", "pflalign.state", "pflalign.caches"},
-    2: {"pflalign.data", "pflalign.partition", "pflalign.federation", "pflalign.models",
-        "pflalign.node", "pflalign.train", "pflalign.optim", "pflalign.optim.common",
+    2: {"pflalign.data", "pflalign.shakespeare", "pflalign.language", "pflalign.partition",
+        "pflalign.federation", "pflalign.models", "pflalign.node", "pflalign.train",
+        "pflalign.optim", "pflalign.optim.common",
         "pflalign.optim.genie", "pflalign.optim.pflalign", "pflalign.local", "pflalign.client",
         "pflalign.vectorised", "pflalign.server", "pflalign.aggregation", "pflalign.baselines",
         "pflalign.sampling", "pflalign.metrics", "pflalign.gga", "pflalign.store",

@@ -7,7 +7,8 @@ from conftest import needs_fashion_mnist
 
 from pflalign.data import ClientData, Dataset, Normalizer
 from pflalign.metrics import accuracy_summary
-from pflalign.models import MODELS, build_model
+from pflalign.models import MODEL_INPUTS, MODELS, build_model
+from pflalign.options import ConfigError
 from pflalign.train import derive_seed, evaluate, make_generator, num_local_steps, train_local
 
 
@@ -18,11 +19,19 @@ def _tiny_dataset(n=64, channels=1, side=28, classes=10, seed=0) -> Dataset:
                    (0.5,) * channels, (0.25,) * channels)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [m for m, kind in MODEL_INPUTS.items() if kind == "image"])
 @pytest.mark.parametrize("shape,classes", [((1, 28, 28), 10), ((3, 32, 32), 100)])
 def test_models_give_logits_of_the_right_shape(name, shape, classes):
     model = build_model(name, shape, classes, seed=0)
     assert model(torch.zeros(5, *shape)).shape == (5, classes)
+
+
+def test_every_model_declares_its_input_and_refuses_the_other():
+    assert set(MODEL_INPUTS) == set(MODELS)
+    for name, kind in MODEL_INPUTS.items():
+        other = (80,) if kind == "image" else (1, 28, 28)
+        with pytest.raises(ConfigError, match=f"Model '{name}' takes"):
+            build_model(name, other, 10)
 
 
 def test_cnn_is_pfllibs_4_layer_cnn():

@@ -31,8 +31,9 @@ from pflalign.checkpoint import Checkpoint, comparable
 from pflalign.config import method_choices
 from pflalign.federation import federated_dataset
 from pflalign.interrupt import Interrupted, check_stop
+from pflalign.language import LoraSpec, is_language_model, run_summary
 from pflalign.methods import METHODS, method_overrides
-from pflalign.models import build_model
+from pflalign.models import model_template
 from pflalign.options import ConfigError
 from pflalign.results import Reporter, comparison_table, new_results, write_results
 from pflalign.rounds import Engine, RoundLoop
@@ -44,8 +45,8 @@ from pflalign.state import State
 def initial_model(settings: Settings) -> tuple[State, tuple[str, ...]]:
     """The run's initial model (seeded) as NumPy arrays, and the names of its trainable entries."""
     dataset = federated_dataset(settings).dataset
-    model = build_model(settings.run.model, dataset.input_shape, dataset.num_classes,
-                        seed=settings.run.seed)
+    model = model_template(settings.run.model, dataset.input_shape, dataset.num_classes,
+                           settings.run.seed, LoraSpec.of(settings.run)).new()
     state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
     return state, tuple(name for name, p in model.named_parameters() if p.requires_grad)
 
@@ -53,7 +54,9 @@ def initial_model(settings: Settings) -> tuple[State, tuple[str, ...]]:
 def template_model(settings: Settings) -> Callable[[], object]:
     """A builder of fresh (unseeded) models of the run, for looking up layers."""
     dataset = federated_dataset(settings).dataset
-    return lambda: build_model(settings.run.model, dataset.input_shape, dataset.num_classes)
+    template = model_template(settings.run.model, dataset.input_shape, dataset.num_classes,
+                              settings.run.seed, LoraSpec.of(settings.run))
+    return template.new
 
 
 def check_resources(settings: Settings) -> None:
@@ -172,6 +175,9 @@ def run_methods(settings: Settings, make_engine: Callable[[Settings], Engine],
                 close()
             done = {**results["methods"], choice.label: entry}
             results["methods"] = {c.label: done[c.label] for c in choices if c.label in done}
+            if is_language_model(method_settings.run.model):
+                results["language-model"] = run_summary(method_settings.run.model,
+                                                        template_model(method_settings)())
             running = None
             results["seconds"] = earlier_seconds + time.perf_counter() - started
             path = write_results(settings.run.out_dir, results)

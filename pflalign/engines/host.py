@@ -77,12 +77,14 @@ def discovery(settings: Settings, client_id: int, node: NodeData | None = None) 
             raise ValueError(f"partition-id {client_id} does not match the node's partition file "
                              f"(client {node.client_id}).")
         return node.discovery()
-    partition = federated_dataset(settings).partition
+    federation = federated_dataset(settings)
+    partition = federation.partition
     if not 0 <= client_id < partition.num_clients:
         raise ValueError(f"partition-id {client_id} is outside this run's {partition.num_clients} "
                          "clients (num-clients + num-unseen-clients).")
-    return {PARTITION_ID: client_id, NUM_TRAIN: len(partition.train[client_id]),
-            NUM_TEST: len(partition.test[client_id]), UNSEEN: int(partition.is_unseen(client_id))}
+    num_train, num_test = federation.sizes(client_id)
+    return {PARTITION_ID: client_id, NUM_TRAIN: num_train, NUM_TEST: num_test,
+            UNSEEN: int(partition.is_unseen(client_id))}
 
 
 def to_torch(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict[str, torch.Tensor]]:

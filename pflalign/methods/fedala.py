@@ -96,6 +96,7 @@ class FedALA(Method):
         global_ = [received[k].to(device) for k in higher]
         weights = ([saved[k].to(device) for k in higher] if saved
                    else [torch.ones_like(q) for q in top])
+        trained_before = {name: q.requires_grad for name, q in params.items()}
         for name, q in params.items():
             q.requires_grad_(name in set(higher))
         count = max(1, math.floor(data.num_train * p.rand_percent / 100))
@@ -124,8 +125,8 @@ class FedALA(Method):
                 break
         with torch.no_grad():
             torch._foreach_copy_(top, ala_merge(local, global_, weights))
-        for q in params.values():
-            q.requires_grad_(True)
+        for name, q in params.items():  # as it was: a frozen tensor (shared) stays frozen
+            q.requires_grad_(trained_before[name])
         model.load_state_dict({k: v for k, v in received.items() if k not in params},
                               strict=False)  # undo what the adaptation passes did to buffers
         return model, dict(zip(higher, weights, strict=True)), passes

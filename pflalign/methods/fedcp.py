@@ -170,6 +170,7 @@ class FedCPServerState(ServerState):
 
 class FedCP(Method):
     name = "fedcp"
+    feature_head = True
     summary = ("Conditional policy: per sample, a policy network splits the features between the "
                "frozen global head and a personalized head; extractor, policy and the heads' "
                "mean are averaged.")

@@ -109,6 +109,7 @@ class FedDBEServerState(ServerState):
 
 class FedDBE(FedAvg):
     name = "feddbe"
+    feature_head = True
     summary = ("FedAvg with a personal representation bias added to the features before the head, "
                "and a regularizer pulling each client's mean representation to a global mean.")
     paper = ("Zhang et al., Eliminating Domain Bias for Federated Learning in Representation "

@@ -40,5 +40,6 @@ class FedRep(FedPer):
         """The head for ``fedrep-head-epochs`` (body frozen), then the body for the round's
         local epochs (head frozen): its statistics are the round's."""
         head = self.personal_entries(model)
-        body = tuple(n for n, _ in model.named_parameters() if n not in set(head))
+        body = tuple(n for n, p in model.named_parameters()  # a frozen base never trains
+                     if p.requires_grad and n not in set(head))
         return [(head, STREAM_PERSONAL, self.params.head_epochs), (body, STREAM_TRAIN, None)]

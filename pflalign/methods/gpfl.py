@@ -173,6 +173,7 @@ class GPFLServerState(ServerState):
 
 class GPFL(Method):
     name = "gpfl"
+    feature_head = True
     summary = ("Global and personalized features from one extractor through a conditional valve "
                "steered by a global category embedding; personal heads, the rest averaged.")
     paper = ("Zhang et al., GPFL: Simultaneously Learning Global and Personalized Feature "
