@@ -128,8 +128,6 @@ def base_model(name: str) -> tuple[nn.Module, object]:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     kwargs = {"gguf_file": gguf} if gguf else {}
-    quiet = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"  # GGUF's dequantization bar is plain tqdm
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(where, **kwargs)
         model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32,
@@ -144,11 +142,6 @@ def base_model(name: str) -> tuple[nn.Module, object]:
     except ValueError as err:
         raise ConfigError(f"model = {name!r} could not be loaded: "
                           f"{str(err).splitlines()[0][:300]}.") from None
-    finally:
-        if quiet is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = quiet
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise ConfigError(f"model = {name!r}: its tokenizer has {len(tokenizer)} tokens but the "
                           f"model embeds {model.get_input_embeddings().num_embeddings}: the "
