@@ -36,11 +36,13 @@ from pflalign.protocol import (
 )
 from pflalign.settings import LocalTraining, Settings
 from pflalign.train import (
+    STREAM_DROPOUT,
     STREAM_OPTIMIZER,
     STREAM_TRAIN,
     EvalStats,
     TrainStats,
     batch_indices,
+    derive_seed,
     evaluate,
     head_inputs,
     make_generator,
@@ -97,6 +99,11 @@ class ClientRuntime:
         the body's features computed once (the same batches and updates at the cost of one
         forward pass of the body)."""
         model = self.template.trainer(run.start, self.device)
+        if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+            # dropout draws from torch's global generator: seed it per run (lora-dropout > 0),
+            # so that the masks are a function of (seed, round, client, stream) on every engine
+            torch.manual_seed(derive_seed(self.seed, server_round, self.client_id, run.stream,
+                                          STREAM_DROPOUT))
         named = dict(model.named_parameters())
         names = [n for n, p in named.items()
                  if (p.requires_grad if run.trainable is None else n in set(run.trainable))]

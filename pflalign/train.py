@@ -20,6 +20,7 @@ STREAM_PERSONAL = 3  # a second local model (Ditto's personal model, APFL's mixt
 STREAM_ADAPT = 4  # a method's own adaptation data (FedALA's random subset)
 STREAM_OPTIMIZER = 5  # an optimizer's own randomness (GENIE's mask and noise), per training stream
 STREAM_GGA = 6  # the batch a client scores the annealing candidates on
+STREAM_DROPOUT = 7  # a model's dropout masks (torch's global generator, seeded per local run)
 
 
 def derive_seed(*parts: int) -> int:
