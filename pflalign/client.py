@@ -99,7 +99,7 @@ class ClientRuntime:
         the body's features computed once (the same batches and updates at the cost of one
         forward pass of the body)."""
         model = self.template.trainer(run.start, self.device)
-        if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        if self.template.has_dropout:
             # dropout draws from torch's global generator: seed it per run (lora-dropout > 0),
             # so that the masks are a function of (seed, round, client, stream) on every engine
             torch.manual_seed(derive_seed(self.seed, server_round, self.client_id, run.stream,

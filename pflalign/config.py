@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pflalign.data import DATASET_KINDS, TOKENS
+from pflalign.data import CHARACTERS, DATASET_KINDS, IMAGE, TOKENS
 from pflalign.language import SMOLLM2, is_language_model, source_of
 from pflalign.methods import METHODS, method_overrides
 from pflalign.models import MODEL_INPUTS
@@ -203,9 +203,7 @@ def method_labels(settings: Mapping[str, Value]) -> list[str]:
 TEXT_PARTITIONS = ("natural", "iid", "quantity")
 
 
-#: the tokenizer of the character-level models
-CHARACTERS = "characters"
-_NOUNS = {"image": "images", TOKENS: "token sequences"}
+_NOUNS = {IMAGE: "images", TOKENS: "token sequences"}
 
 
 def _check_model_name(model: str, key: str) -> None:

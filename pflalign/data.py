@@ -40,6 +40,8 @@ _IDX_FILES = {
 #: ``tokens`` (uint8 N x L indices into a vocabulary of ``num_classes`` symbols, given to the
 #: model as int64)
 IMAGE, TOKENS = "image", "tokens"
+#: the tokenizer of the character-level text models (LEAF's task)
+CHARACTERS = "characters"
 #: every dataset and the kind of its samples (known before anything is read)
 DATASET_KINDS = {"fashion-mnist": IMAGE, "mnist": IMAGE, "cifar10": IMAGE, "cifar100": IMAGE,
                  "shakespeare": TOKENS}
@@ -51,10 +53,11 @@ class Dataset:
     indices) and int64 labels.
 
     A text dataset (``kind = tokens``) keeps its samples as windows over one stream of tokens:
-    ``images[p]`` is the ``L`` tokens from position ``p`` and ``labels[p]`` the token after them,
-    both views of the stream (nothing is copied until a client's rows are taken); ``samples``
-    lists the positions that are samples (a window inside one client's text), and ``groups[i]``
-    the natural client (a role) of ``samples[i]``, named by ``group_names``."""
+    ``images[p]`` is the ``L`` tokens from position ``p`` and ``labels[p]`` the token after them
+    (characters) or the ``L`` tokens from ``p + 1`` (a language model's), both views of the
+    stream (nothing is copied until a client's rows are taken); ``samples`` lists the positions
+    that are samples (a window inside one client's text), and ``groups[i]`` the natural client
+    (a role) of ``samples[i]``, named by ``group_names``."""
 
     name: str
     images: np.ndarray
@@ -252,16 +255,17 @@ def _load_shakespeare(root: Path | None, tokenizer: str, length: int) -> Dataset
                           f"{', '.join(str(r) for r in roots)}; {shakespeare.FETCH}.")
     roles = shakespeare.read_roles(found)
     names = tuple(f"{r.play}/{r.name}" for r in roles)
-    if tokenizer in ("", "characters"):
+    characters = tokenizer in ("", CHARACTERS)
+    if characters:
         encoded = [shakespeare.encode(role.text) for role in roles]
-        stride, vocabulary, offset = 1, len(shakespeare.VOCABULARY), length
+        stride, vocabulary = 1, len(shakespeare.VOCABULARY)
     else:
         from pflalign.language import tokenizer_of
 
         tok = tokenizer_of(tokenizer)
         encoded = [np.asarray(ids, dtype=np.int32) for ids in
                    tok([role.text for role in roles], add_special_tokens=False)["input_ids"]]
-        stride, vocabulary, offset = length, len(tok), 1
+        stride, vocabulary = length, len(tok)
     stream = np.concatenate(encoded)
     stream.setflags(write=False)
     starts = np.cumsum([0] + [len(e) for e in encoded[:-1]])
@@ -271,7 +275,7 @@ def _load_shakespeare(root: Path | None, tokenizer: str, length: int) -> Dataset
                               for s, c in zip(starts, counts, strict=True)]).astype(np.int64)
     groups = np.repeat(np.arange(len(roles), dtype=np.int32), counts)
     windows = np.lib.stride_tricks.sliding_window_view(stream, length)[:-1]
-    if offset == length:  # the next character
+    if characters:  # the next character
         labels = stream[length:].astype(np.int64)
     else:  # the same window one token on
         labels = np.lib.stride_tricks.sliding_window_view(stream[1:].astype(np.int64), length)

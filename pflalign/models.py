@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pflalign.caches import cached
+from pflalign.data import IMAGE, TOKENS
 from pflalign.language import LoraSpec, build_adapter_model, is_language_model
 from pflalign.options import ConfigError
 
@@ -105,7 +106,6 @@ def _sequence_model(name: str, shape: tuple[int, ...], num_classes: int) -> nn.M
     return CharLSTM(num_classes)
 
 
-_INPUT_HINT = "choose cnn, cnn-bn, mlp or resnet18 for images, char-lstm for text."
 ModelFactory = Callable[[str, tuple[int, ...], int], nn.Module]
 MODELS: dict[str, ModelFactory] = {
     "cnn": _image_model(lambda c, s, k: CNN(c, s, k)),
@@ -115,8 +115,10 @@ MODELS: dict[str, ModelFactory] = {
     "char-lstm": _sequence_model,
 }
 #: what each model takes (the data kinds of :data:`pflalign.data.DATASET_KINDS`)
-MODEL_INPUTS = {"cnn": "image", "cnn-bn": "image", "mlp": "image", "resnet18": "image",
-                "char-lstm": "tokens"}
+MODEL_INPUTS = {"cnn": IMAGE, "cnn-bn": IMAGE, "mlp": IMAGE, "resnet18": IMAGE,
+                "char-lstm": TOKENS}
+_INPUT_HINT = (f"choose {', '.join(m for m, k in MODEL_INPUTS.items() if k == IMAGE)} for "
+               f"images, {', '.join(m for m, k in MODEL_INPUTS.items() if k == TOKENS)} for text.")
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int,
@@ -219,6 +221,9 @@ class ModelTemplate:
                        else copy.deepcopy(model).to("meta"))
         #: the parameters that train, in the model's order
         self.trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
+        #: whether training draws dropout masks (from torch's global generator)
+        self.has_dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+                               for m in model.modules())
         self._scorers: dict[str, tuple[_Reloadable, Mapping[str, torch.Tensor]]] = {}
         self._trainers: dict[str, _Reloadable] = {}
 
