@@ -23,7 +23,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from pflalign.config import OPTIONS, format_settings, resolve
+from pflalign.config import OPTIONS, format_settings, left_out_by_all, resolve
 from pflalign.interrupt import Interrupted, exit_status, handle_signals, signal_name, stop_signal
 from pflalign.methods import METHODS
 from pflalign.options import ConfigError
@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.resume:
             prepare_output(plan.out_dir, overwrite=args.overwrite)
         reporter = make_reporter(quiet=args.quiet)
+        if str(first["methods"]).strip() == "all":
+            for label, reason in left_out_by_all(first).items():
+                reporter.info(f"methods = all leaves out {label}: {reason}")
         with handle_signals():
             try:
                 doc = Study(plan, group_runner(args), reporter, resume=bool(args.resume)).run()

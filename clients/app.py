@@ -16,8 +16,11 @@ A deployed SuperNode may also name, in its node config (:mod:`pflalign.node`):
 - ``state-dir``: a directory where its method state is saved atomically after every training
   action and read back when ``context.state`` has none (a restarted SuperNode resumes exactly);
 - ``cache-dir``: where a node without ``data-path`` caches its own partition after the first
-  message (default: ``state-dir``, else ``$XDG_CACHE_HOME/pflalign`` when every message runs in a
-  new ``flwr-clientapp`` process; ``cache-dir=""`` turns the cache off).
+  message, and where a node keeps a float32 copy of a language model's base, so that only its
+  first message loads the model's files and the later ones map the copy
+  (:func:`pflalign.language.use_node_copies`); default: ``state-dir``, else
+  ``$XDG_CACHE_HOME/pflalign`` when every message runs in a new ``flwr-clientapp`` process;
+  ``cache-dir=""`` turns both off.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pflalign.caches import cached
 from pflalign.config import build_settings
 from pflalign.engines.host import discovery, handle
 from pflalign.faults import ClientDropout
+from pflalign.language import use_node_copies
 from pflalign.node import (
     NodeData,
     StateStore,
@@ -89,8 +93,9 @@ def _one_process_per_message() -> bool:
     return Path(sys.argv[0]).name == "flwr-clientapp"
 
 
-def partition_cache_dir(node_config: dict) -> Path | None:
-    """Where a node without ``data-path`` caches its own partition (None: no cache)."""
+def node_cache_dir(node_config: dict) -> Path | None:
+    """Where a node caches its own partition (when it has no ``data-path``) and its float32 copy
+    of a language model's base (None: no cache)."""
     if "cache-dir" in node_config:
         value = str(node_config["cache-dir"])
         return Path(value).expanduser() if value else None
@@ -105,7 +110,7 @@ def node_data_of(context: Context, settings: Settings) -> NodeData | None:
     cid = client_id_of(context)
     if context.node_config.get("data-path"):
         return node_data_from_file(str(context.node_config["data-path"]), settings, cid)
-    cache_dir = partition_cache_dir(dict(context.node_config))
+    cache_dir = node_cache_dir(dict(context.node_config))
     return cached_node_data(settings, cid, cache_dir) if cache_dir is not None else None
 
 
@@ -116,7 +121,12 @@ def state_store(context: Context, settings: Settings, label: str) -> StateStore 
             if state_dir else None)
 
 
+def _report(line: str) -> None:
+    log(INFO, "%s", line)
+
+
 def _reply(msg: Message, context: Context, action: str) -> Message:
+    use_node_copies(node_cache_dir(dict(context.node_config)), report=_report)
     config = dict(msg.content.config_records[CONFIG])
     label = str(config[LABEL])
     for key in [k for k in context.state if k != label]:

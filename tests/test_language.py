@@ -14,7 +14,7 @@ from harness import three_engines
 from test_shakespeare import PLAYS
 from tiny_lm import write_tiny_lm
 
-from pflalign import language
+from pflalign import caches, language
 from pflalign.client import ClientRuntime
 from pflalign.config import build_settings
 from pflalign.engines.batched import simulate as simulate_batched
@@ -119,7 +119,66 @@ def test_the_base_model_is_loaded_once_per_process(tiny, texts):
     assert all(any(p is b for b in base.values()) for n, p in trainer.items() if n in shared)
 
 
-METHODS = "fedavg,fedavg-ft,local,fedprox,ditto,fedrep,pflalign,fedavg(local-optimizer=adamw)"
+def test_a_nodes_copy_of_the_base_model_is_mapped_and_equal_to_its_files(tiny, tmp_path):
+    """A deployed node's messages each run in a new process: the first loads the model's files
+    and writes a float32 copy, the later ones map it; the mapped model computes exactly what
+    the loaded one does, and a damaged copy falls back to the files with one line."""
+    lines: list[str] = []
+    x = torch.randint(0, 300, (3, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        language.use_node_copies(tmp_path, report=lines.append)
+        caches.reset()  # a fresh process
+        loads, maps = language.LOADS["count"], language.MAPS["count"]
+        model, tokenizer = language.base_model(tiny)
+        assert (language.LOADS["count"], language.MAPS["count"]) == (loads + 1, maps)
+        (copy,) = (tmp_path / "models").iterdir()
+        assert lines == [f"pflalign: loaded model {tiny} from its files and wrote a float32 copy "
+                         f"to {copy} for this node's next messages"]
+        with torch.no_grad():
+            expected = model(input_ids=x).logits
+        caches.reset()  # the next message's process
+        mapped, mapped_tokenizer = language.base_model(tiny)
+        assert (language.LOADS["count"], language.MAPS["count"]) == (loads + 1, maps + 1)
+        assert lines[-1] == f"pflalign: mapped the node's float32 copy of model {tiny} from {copy}"
+        assert mapped is not model and not mapped.training
+        assert not any(p.requires_grad for p in mapped.parameters())
+        with torch.no_grad():
+            assert torch.equal(mapped(input_ids=x).logits, expected)
+        text = "Why, then the world's mine oyster"
+        assert mapped_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
+        # an adapter model on the mapped base trains its adapters only, and its base is the map
+        adapted = language.build_adapter_model(tiny, language.LoraSpec(rank=4))
+        frozen = [p for p in adapted.parameters() if not p.requires_grad]
+        assert all(any(p is b for b in mapped.parameters()) for p in frozen)
+
+        (copy / language.COPY_FILE).write_bytes(b"not a torch file")
+        caches.reset()
+        language.base_model(tiny)
+        assert lines[-2].startswith(f"pflalign: the copy of model {tiny} at {copy} is unusable")
+        assert lines[-1].startswith(f"pflalign: loaded model {tiny} from its files and wrote")
+        assert language.LOADS["count"] == loads + 2
+        caches.reset()
+        language.base_model(tiny)  # the replaced copy maps again
+        assert language.MAPS["count"] == maps + 2
+    finally:
+        language.use_node_copies(None)
+        caches.reset()
+
+
+def test_no_copy_is_written_without_a_node_cache(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    from clients.app import node_cache_dir
+
+    assert node_cache_dir({}) is None  # a simulation's ClientApp (a Ray worker)
+    assert node_cache_dir({"state-dir": str(tmp_path / "s")}) == tmp_path / "s"
+    assert node_cache_dir({"state-dir": "s", "cache-dir": ""}) is None
+    caches.reset()
+    language.base_model(tiny)
+    assert not any(tmp_path.iterdir())
+
+
+METHODS = ("fedavg,fedavg-ft,local,fedprox,scaffold,ditto,fedrep,pflalign,"
+           "fedavg(local-optimizer=adamw)")
 
 
 def test_engines_agree_and_only_adapters_travel(tiny, texts, tmp_path):
@@ -148,6 +207,23 @@ def test_pflalign_keeps_its_state_for_adapters_only(tiny, texts):
     assert all(k.endswith((".v", ".P")) for k in state.optimizer)
 
 
+def test_scaffold_keeps_control_variates_for_adapters_only(tiny, texts):
+    from harness import build, global_state, train
+
+    from pflalign.methods.scaffold import CONTROL, CONTROL_DELTA
+
+    method, client = build("scaffold", _run(tiny, texts, methods="scaffold"), 0)
+    adapters = set(client.template.trainable)
+    zero = {k: torch.zeros_like(v) for k, v in global_state(client).items()}
+    upload, state = train(method, client, 1, {MODEL: global_state(client), CONTROL: zero})
+    assert set(upload.model) == set(state.control) == set(upload.arrays[CONTROL_DELTA]) == adapters
+    # c_i+ = c_i - c + (x - y) / (K lr) with c_i = c = 0: the mean step of the local run
+    x, y = global_state(client), upload.model
+    for name in adapters:
+        expected = (x[name] - y[name]) / (3 * 0.5)
+        assert torch.allclose(state.control[name], expected, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("changes,message", [
     ({"methods": "gpfl"}, "gpfl cannot run on a language model"),
     ({"methods": "fedbn"}, "needs a model with batch norm"),
@@ -159,6 +235,22 @@ def test_pflalign_keeps_its_state_for_adapters_only(tiny, texts):
 def test_what_cannot_run_on_a_language_model_refuses_before_data(tiny, texts, changes, message):
     with pytest.raises(ConfigError, match=message):
         build_settings(_run(tiny, texts, **changes))
+
+
+def test_methods_all_runs_what_a_language_model_can_and_names_the_rest(tiny, texts):
+    from pflalign.config import left_out_by_all, method_labels
+    from pflalign.methods import METHODS
+
+    settings = build_settings(_run(tiny, texts, methods="all"))
+    left_out = left_out_by_all(settings)
+    assert sorted(left_out) == ["fedbn", "fedcp", "feddbe", "gpfl"]
+    assert "gpfl cannot run on a language model" in left_out["gpfl"]
+    assert "needs a model with batch norm" in left_out["fedbn"]
+    every = [n for n, spec in METHODS.items() if spec.variant_of is None]
+    assert method_labels(settings) == [n for n in every if n not in left_out]
+    # on images nothing is left out: 'all' is every method, as before
+    assert left_out_by_all(build_settings({"methods": "all"})) == {}
+    assert method_labels(build_settings({"methods": "all"})) == every
 
 
 def test_bad_models_are_one_sentence_naming_the_fix(tiny, texts, tmp_path):
