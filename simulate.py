@@ -124,6 +124,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
         values = resolve(args.config, args.overrides, extra).to_dict()
         scenarios = {"": values}
         default_out = values["out-dir"]
+    if args.out is not None and not args.out.strip():
+        raise ConfigError("--out is empty; give the output directory, or leave --out out for "
+                          f"the config's out-dir ({default_out}).")
     out = args.out or str(default_out)
     for values in scenarios.values():
         values["out-dir"] = out

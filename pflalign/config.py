@@ -142,7 +142,7 @@ def _parse_method_entry(entry: str) -> MethodChoice:
         if not rest.rstrip().endswith(")"):
             raise ConfigError(f"Method entry {entry!r} must end with ')'.")
         for item in _split_top_level(rest.rstrip()[:-1]):
-            key, value = parse_override(item)
+            key, value = parse_override(item, f"the method entry {entry!r}")
             if key in RUN_WIDE_KEYS:
                 raise ConfigError(f"Method entry {entry!r} overrides '{key}', which is shared by "
                                   "all methods of a run; set it for the whole run instead.")
@@ -311,11 +311,20 @@ def _check_cross_keys(values: Mapping[str, Value]) -> None:
 def load_toml(path: str | Path) -> dict[str, Value]:
     """Read a flat run-config TOML file (no tables); unknown keys are reported by Settings."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"Config file '{path}' is a directory; pass a TOML file to --config "
+                          f"(for example {path / 'config.toml'}, if that is where it is).")
     if not path.is_file():
         raise ConfigError(f"Config file '{path}' does not exist; pass an existing TOML file to "
                           "--config.")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"Config file '{path}' is not UTF-8 text (byte {err.start} is "
+                          f"{err.object[err.start:err.start + 1]!r}); TOML files are UTF-8: "
+                          "save it as UTF-8.") from None
+    except OSError as err:
+        raise ConfigError(f"Config file '{path}' cannot be read: {err.strerror}.") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"Config file '{path}' is not valid TOML: {err}.") from err
     for key, value in data.items():
@@ -326,13 +335,15 @@ def load_toml(path: str | Path) -> dict[str, Value]:
     return data
 
 
-def parse_override(text: str) -> tuple[str, Value]:
-    """Parse one ``key=value`` override. Values are TOML literals; string keys take the raw text."""
+def parse_override(text: str, source: str | None = None) -> tuple[str, Value]:
+    """Parse one ``key=value`` override (``source``: where it was written, for errors; default
+    ``--set key=value``). Values are TOML literals; string keys take the raw text."""
     if "=" not in text:
-        raise ConfigError(f"Override '{text}' is not of the form key=value.")
+        raise ConfigError(f"Override '{text}' is not of the form key=value"
+                          + (f" (in {source})." if source else "."))
     key, raw = (part.strip() for part in text.split("=", 1))
     if key not in OPTIONS_BY_KEY:
-        raise _unknown_key_error(key, f"--set {text}")
+        raise _unknown_key_error(key, source or f"--set {text}")
     if OPTIONS_BY_KEY[key].type is str:
         if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
             raw = raw[1:-1]

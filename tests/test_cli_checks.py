@@ -89,3 +89,20 @@ def test_a_damaged_dataset_file_is_one_line_naming_it(tmp_path, damage):
                                      "--out", str(tmp_path / "out")))
     assert str(data / name) in line and "truncated or corrupt" in line
     assert "apt-get install --reinstall dataset-fashion-mnist" in line
+
+
+def test_bad_command_line_inputs_are_one_sentence_each(tmp_path):
+    """A config file that is not UTF-8 or is a directory, an unknown key inside a method entry,
+    and an empty --out: each one line naming the fix, and nothing is written."""
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes('# Fédération\nrounds = 2\n'.encode("latin-1"))
+    line = _one_line_error(_simulate("--config", str(latin)))
+    assert f"Config file '{latin}' is not UTF-8 text" in line and "save it as UTF-8" in line
+    line = _one_line_error(_simulate("--config", str(tmp_path)))
+    assert f"Config file '{tmp_path}' is a directory" in line
+    line = _one_line_error(_simulate(*TINY[:-3], "--methods", "pflalign(foo=1)"))
+    assert "Unknown config key 'foo' in the method entry 'pflalign(foo=1)'" in line
+    assert "--set" not in line
+    line = _one_line_error(_simulate(*TINY, "--out", ""))
+    assert "--out is empty" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latin.toml"]
