@@ -27,7 +27,16 @@ from pflalign.client import ClientRuntime
 from pflalign.gga import apply_candidate, candidate_statistics, choose_candidate
 from pflalign.messages import Payload, Received
 from pflalign.models import head_keys
-from pflalign.protocol import ACTION, MODEL, NUM_EXAMPLES, QUERY
+from pflalign.protocol import (
+    ACTION,
+    ID,
+    LOSS,
+    MODEL,
+    NUM_EXAMPLES,
+    PARTITION_ID,
+    QUERY,
+    SAMPLES,
+)
 from pflalign.rounds import RoundLoop
 from pflalign.settings import GGAParams
 from pflalign.state import TorchState
@@ -100,13 +109,14 @@ class AnnealedWarmStart:
         messages = [loop.message(cid, Payload({MODEL: model}, config), server_round)
                     for cid in server.largest_first(server.sample(server_round))]
         exchange = loop.engine.exchange(QUERY, messages)
-        required = (NUM_EXAMPLES, *(losses_key(k) for k in range(p.candidates + 1)))
+        schema = {PARTITION_ID: ID, NUM_EXAMPLES: SAMPLES,
+                  **{losses_key(k): LOSS for k in range(p.candidates + 1)}}
         losses, sketches, weights = [], [], []
         # in client-id order, whatever order the engine delivered them in: the means below
         # are then the same bits on every engine and run
         for reply in sorted(exchange.replies, key=lambda r: (r.sender is None, r.sender or 0)):
             try:
-                metrics, _ = loop.validator.validate(reply, {}, required)
+                metrics, _ = loop.validator.validate(reply, {}, schema, (SKETCH,))
                 record = reply.arrays.get(SKETCH)
                 if record is None or SKETCH not in record:
                     raise ClientFailure(f"{reply.who} replied without its gradient sketches")

@@ -33,7 +33,15 @@ from pflalign.local import Rule
 from pflalign.messages import Payload, Received, Update
 from pflalign.options import ConfigError, Value
 from pflalign.params import NoParams, Params
-from pflalign.protocol import MODEL
+from pflalign.protocol import (
+    EVAL_METRICS,
+    EVALUATE,
+    GLOBAL_EVAL_METRICS,
+    MODEL,
+    TRAIN,
+    TRAIN_METRICS,
+    Metric,
+)
 from pflalign.server import ServerRuntime
 from pflalign.settings import LocalTraining, Settings
 from pflalign.state import ArrayState, NoClientState, ServerState, State
@@ -66,8 +74,27 @@ class Method(Generic[P, C, S]):
     #: shared local-training keys (:class:`~pflalign.train.LocalTraining`) whose search spaces
     #: ``--tune`` adds to the method's own Params' (empty for a method with its own step size)
     tuned_training: ClassVar[tuple[str, ...]] = ("lr",)
-    #: client metrics averaged over the round's clients into the round's row
+    #: the metrics of its training replies beyond :data:`~pflalign.protocol.TRAIN_METRICS`,
+    #: and of its evaluation replies beyond :data:`~pflalign.protocol.EVAL_METRICS` (and
+    #: ``GLOBAL_EVAL_METRICS`` with a global model): a reply carrying another is rejected
+    train_metrics: ClassVar[Mapping[str, Metric]] = {}
+    eval_metrics: ClassVar[Mapping[str, Metric]] = {}
+    #: the training metrics averaged over the round's clients into the round's row (derived:
+    #: those of :attr:`train_metrics` marked ``diagnostic``)
     client_diagnostics: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.client_diagnostics = tuple(k for k, m in cls.train_metrics.items() if m.diagnostic)
+
+    def reply_metrics(self, action: str) -> dict[str, Metric]:
+        """Every metric a reply of ``action`` (train or evaluate) may carry, with its range."""
+        if action == TRAIN:
+            return {**TRAIN_METRICS, **self.train_metrics}
+        if action == EVALUATE:
+            return {**EVAL_METRICS, **(GLOBAL_EVAL_METRICS if self.has_global_model else {}),
+                    **self.eval_metrics}
+        raise ValueError(f"no reply metrics are declared for the action {action!r}")
     #: the method works on the features a classifier head receives (its input vector per
     #: sample), which a language model's next-token head does not have one of
     feature_head: ClassVar[bool] = False

@@ -7,6 +7,10 @@ the server validates it against these names (:mod:`pflalign.server`).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 # --- records of a message ---------------------------------------------------------------------
 MODEL = "arrays"  #: the model (or its shared part) sent to or uploaded by a client
 CONFIG = "config"  #: per-message config: method, label, round, and a rule's own entries
@@ -41,9 +45,49 @@ PERSONAL_CORRECT, PERSONAL_LOSS = "personal-correct", "personal-loss"
 GLOBAL_CORRECT = "global-correct"  #: the global model's correct count (methods that have one)
 GLOBAL_LOSS = "global-loss"  #: the global model's mean loss (methods that have one)
 NEXT_CORRECT = "next-correct"  #: pFLAlign's next starting point theta_g + Delta_i
-#: losses a reply may carry (a non-finite one may mean the model it was sent is broken)
-LOSSES = (TRAIN_LOSS, PERSONAL_LOSS, GLOBAL_LOSS)
 #: correct counts a reply may carry, each at most its num-test
 CORRECT_COUNTS = (PERSONAL_CORRECT, GLOBAL_CORRECT, NEXT_CORRECT)
-#: what every evaluation reply must carry
-EVAL_REQUIRED = (NUM_TEST, PERSONAL_CORRECT, PERSONAL_LOSS)
+
+
+# --- what a reply's metrics may hold ----------------------------------------------------------
+#: the largest value a reply metric without a tighter bound may take (1e300 is not a number of
+#: seconds, steps or a diagnostic that any honest client reports, and it would swamp a mean)
+LARGEST = 1e6
+#: a loss may be at most this many times log(number of classes): the cross-entropy of a model
+#: that guesses uniformly is log(classes); an honest reply 100 times above that is broken
+LOSS_BOUND_FACTOR = 100.0
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What one reply metric may hold: a finite number in ``[low, high]``, an integer when
+    ``integer``. ``loss``: a cross-entropy, at most :data:`LOSS_BOUND_FACTOR` x log(classes) of
+    the task; ``count``: a correct count, at most the reply's ``num-test``; ``required``: every
+    reply of the action carries it; ``diagnostic``: averaged over the round's clients into the
+    round's row."""
+
+    low: float = 0.0
+    high: float = LARGEST
+    integer: bool = False
+    loss: bool = False
+    count: bool = False
+    required: bool = True
+    diagnostic: bool = False
+
+
+FLAG = Metric(0, 1, integer=True)
+LOSS = Metric(loss=True)
+COUNT = Metric(integer=True, count=True)
+ID = Metric(integer=True, high=math.inf)
+SAMPLES = Metric(1, math.inf, integer=True)
+
+#: the metrics of every training reply
+TRAIN_METRICS: Mapping[str, Metric] = {
+    PARTITION_ID: ID, NUM_EXAMPLES: SAMPLES, TRAIN_LOSS: LOSS,
+    LOCAL_STEPS: Metric(integer=True, high=1e9), CLIENT_SECONDS: Metric(high=1e7),
+    HAD_STATE: FLAG, KEPT_STATE: FLAG}
+#: the metrics of every evaluation reply
+EVAL_METRICS: Mapping[str, Metric] = {
+    PARTITION_ID: ID, NUM_TEST: SAMPLES, PERSONAL_CORRECT: COUNT, PERSONAL_LOSS: LOSS}
+#: ... and those of a method with a global model
+GLOBAL_EVAL_METRICS: Mapping[str, Metric] = {GLOBAL_CORRECT: COUNT, GLOBAL_LOSS: LOSS}

@@ -36,11 +36,11 @@ from pflalign.options import ConfigError
 from pflalign.protocol import (
     CLIENT_SECONDS,
     CLIENT_STATE,
-    EVAL_REQUIRED,
     EVALUATE,
     GLOBAL_CORRECT,
     GLOBAL_LOSS,
     HAD_STATE,
+    ID,
     KEPT_STATE,
     LABEL,
     METHOD,
@@ -214,7 +214,7 @@ class RoundLoop:
                                                 for cid in ask])
         for reply in exchange.replies:
             try:
-                self.validator.validate(reply, {}, ())
+                self.validator.validate(reply, {}, {PARTITION_ID: ID}, (CLIENT_STATE,))
             except ClientFailure as failure:
                 self.warn(f"no checkpoint after round {server_round}: {failure}.")
                 return None
@@ -273,7 +273,8 @@ class RoundLoop:
         exchange = self.exchange(TRAIN, messages)
         reply_arrays = {MODEL: server.flat, **method.reply_arrays(server)} \
             if method.uploads_model else {}
-        collected = self.validator.collect(exchange.replies, reply_arrays, (NUM_EXAMPLES,))
+        collected = self.validator.collect(exchange.replies, reply_arrays,
+                                           method.reply_metrics(TRAIN))
         updates = [Update(client=int(m[PARTITION_ID]), num_examples=m[NUM_EXAMPLES], metrics=m,
                           model=arrays.get(MODEL),
                           arrays={k: v for k, v in arrays.items() if k != MODEL})
@@ -352,7 +353,7 @@ class RoundLoop:
                                  server_round)
                     for cid in server.largest_first(method.eval_clients(server))]
         exchange = self.exchange(EVALUATE, messages)
-        collected = self.validator.collect(exchange.replies, {}, EVAL_REQUIRED)
+        collected = self.validator.collect(exchange.replies, {}, method.reply_metrics(EVALUATE))
         rows = [m for m, _ in collected.good]
         metrics: dict = {"eval-failures": collected.failed + collected.rejected,
                          "eval-rejected": collected.rejected, "evaluated": len(rows),

@@ -24,8 +24,11 @@ class ServerRuntime:
     """The server's view of a run for one method: its settings, clients and model layout."""
 
     def __init__(self, settings: Settings, label: str, initial_model: State,
-                 trainable: tuple[str, ...], template: Callable[[], object]):
+                 trainable: tuple[str, ...], template: Callable[[], object],
+                 num_classes: int = 0):
         self.settings = settings
+        #: the task's number of classes (0: unknown), which bounds the losses a reply may report
+        self.num_classes = num_classes
         self.label = label
         self.seed = settings.run.seed
         self.rounds = settings.run.rounds

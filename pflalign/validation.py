@@ -10,7 +10,7 @@ when an aggregate must be rolled back.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,12 +18,13 @@ import numpy as np
 from pflalign.aggregation import FlatSpec, update_norms
 from pflalign.messages import Reply, Update
 from pflalign.protocol import (
-    CORRECT_COUNTS,
-    LOSSES,
+    LARGEST,
+    LOSS_BOUND_FACTOR,
     MODEL,
     NUM_EXAMPLES,
     NUM_TEST,
     PARTITION_ID,
+    Metric,
 )
 from pflalign.server import ServerRuntime
 from pflalign.state import ServerState, State
@@ -59,21 +60,44 @@ class ReplyValidator:
         self.server = server
         self.warn = warn
 
-    def validate(self, reply: Reply, arrays: Mapping[str, FlatSpec], required: tuple[str, ...],
+    @property
+    def loss_bound(self) -> float:
+        """The largest loss a reply may report: :data:`~pflalign.protocol.LOSS_BOUND_FACTOR`
+        times log(classes), the cross-entropy of a uniform guess over the task's classes."""
+        classes = self.server.num_classes
+        return LOSS_BOUND_FACTOR * math.log(classes) if classes > 1 else LARGEST
+
+    def validate(self, reply: Reply, arrays: Mapping[str, FlatSpec],
+                 schema: Mapping[str, Metric], records: Collection[str] = (),
                  ) -> tuple[dict[str, float], dict[str, State]]:
-        """The reply's metrics and array records, checked against what the client declared at
-        discovery; :class:`ClientFailure` otherwise."""
+        """The reply's metrics and array records, checked against ``schema`` (every metric the
+        reply may carry: the required ones must be there, no other may), the array records
+        ``arrays`` (required, each of its spec) and ``records`` (allowed, checked by the caller),
+        and what the client declared at discovery; :class:`ClientFailure` otherwise."""
         who = reply.who
         if reply.error is not None:
             raise ClientFailure(f"{who} {reply.error}")
         metrics = reply.metrics
-        for key in (PARTITION_ID, *required):
-            if key not in metrics:
-                raise ClientFailure(f"{who} replied without the metric '{key}'")
+        for key, value in metrics.items():  # first: a non-finite loss may mean a broken model
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
+                    value):
+                known = schema.get(key)
+                raise ClientFailure(f"{who} reported a non-finite or non-scalar "
+                                    f"{quote(str(key), 60)}: {quote(value)}",
+                                    nonfinite_loss=known is not None and known.loss)
+        missing = [k for k, m in schema.items() if m.required and k not in metrics]
+        if missing:
+            raise ClientFailure(f"{who} replied without the metric"
+                                f"{'s' if len(missing) > 1 else ''} {_names(missing)}")
+        unknown = [k for k in metrics if k not in schema]
+        if unknown:
+            raise ClientFailure(f"{who} replied with {len(unknown)} metric"
+                                f"{'s' if len(unknown) > 1 else ''} this action does not have: "
+                                f"{_names(unknown)}")
         for key, value in metrics.items():
-            if not isinstance(value, int | float) or not math.isfinite(value):
-                raise ClientFailure(f"{who} reported a non-finite or non-scalar '{key}': {value!r}",
-                                    nonfinite_loss=key in LOSSES)
+            problem = self._out_of_range(schema[key], value, metrics)
+            if problem:
+                raise ClientFailure(f"{who} reported {key} = {value:.6g}, {problem}")
         if reply.sender != int(metrics[PARTITION_ID]):
             raise ClientFailure(f"{who} reported partition-id {metrics[PARTITION_ID]}, which "
                                 "is not the id it was discovered with")
@@ -83,16 +107,11 @@ class ReplyValidator:
             if key in metrics and metrics[key] != value:
                 raise ClientFailure(f"{who} reported {key} = {metrics[key]:g}, but declared "
                                     f"{value} at discovery")
-        for key in required:
-            if key.startswith("num-") and metrics[key] <= 0:
-                raise ClientFailure(f"{who} reported {key} = {metrics[key]}, expected > 0")
-        for key in LOSSES:
-            if key in metrics and metrics[key] < 0:
-                raise ClientFailure(f"{who} reported {key} = {metrics[key]}, expected >= 0")
-        for key in CORRECT_COUNTS:
-            if key in metrics and not 0 <= metrics[key] <= metrics.get(NUM_TEST, 0):
-                raise ClientFailure(f"{who} reported {key} = {metrics[key]} for "
-                                    f"{metrics.get(NUM_TEST)} test samples")
+        extra = [name for name in reply.arrays if name not in arrays and name not in records]
+        if extra:
+            raise ClientFailure(f"{who} replied with {len(extra)} array record"
+                                f"{'s' if len(extra) > 1 else ''} this action does not have: "
+                                f"{_names(extra)}")
         checked: dict[str, State] = {}
         for name, spec in arrays.items():
             if name not in reply.arrays:
@@ -103,16 +122,33 @@ class ReplyValidator:
                 what = "update" if name == MODEL else f"'{name}' record"
                 raise ClientFailure(f"{who}'s {what} was rejected: {problem}")
             checked[name] = reply.arrays[name]
+        for name in records:
+            if name in reply.arrays:
+                checked[name] = reply.arrays[name]
         return metrics, checked  # type: ignore[return-value]
 
+    def _out_of_range(self, metric: Metric, value: float, metrics: Mapping[str, float],
+                      ) -> str | None:
+        """Why ``value`` cannot be this metric (None when it can)."""
+        if metric.integer and value != int(value):
+            return "expected an integer"
+        high = metric.high
+        if metric.loss:
+            high = min(high, self.loss_bound)
+        if metric.count:
+            high = min(high, metrics.get(NUM_TEST, 0))
+        if not metric.low <= value <= high:
+            return f"expected {metric.low:g} .. {high:g}"
+        return None
+
     def collect(self, replies: Iterable[Reply], arrays: Mapping[str, FlatSpec],
-                required: tuple[str, ...]) -> Collected:
+                schema: Mapping[str, Metric]) -> Collected:
         """The validated (metrics, array records) pairs sorted by client id, and the counts of
         failed and rejected replies; each unusable reply is warned about by client id."""
         collected = Collected(good=[])
         for reply in replies:
             try:
-                collected.good.append(self.validate(reply, arrays, required))
+                collected.good.append(self.validate(reply, arrays, schema))
             except ClientFailure as failure:
                 self.warn(f"{failure}; the reply is skipped.")
                 if reply.error is not None:
@@ -162,6 +198,19 @@ class ReplyValidator:
         for text in refused.values():
             self.warn(text)
         return [u for u in updates if u.client not in refused], len(refused)
+
+
+def quote(value: object, limit: int = 120) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a warning never echoes a whole reply)."""
+    text = repr(value) if not isinstance(value, list | tuple) or len(value) < 64 else (
+        f"a {type(value).__name__} of {len(value)} items")
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _names(keys: Sequence[str], shown: int = 5) -> str:
+    """A few of ``keys``, quoted and cut short."""
+    text = ", ".join(quote(str(k), 60) for k in keys[:shown])
+    return text + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
 
 
 def float_spec(state: Mapping[str, np.ndarray]) -> FlatSpec:

@@ -129,3 +129,10 @@ def three_engines(values: Mapping[str, object], out, compared_at_least: int) -> 
         differences, compared = compare(sequential, other)
         assert differences == [] and compared >= compared_at_least
     return sequential
+
+
+def train_metrics(cid: int, examples: int = 10, loss: float = 0.5, **extra: float) -> dict:
+    """The metrics of an honest training reply of client ``cid`` (every key of
+    :data:`pflalign.protocol.TRAIN_METRICS`), with ``extra`` (a method's own)."""
+    return {"partition-id": cid, "num-examples": examples, "train-loss": loss, "local-steps": 5,
+            "client-seconds": 0.1, "had-state": 0, "kept-state": 0, **extra}

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, Error, Message, Metadata, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
+from harness import train_metrics
 
 from pflalign.aggregation import FlatSpec, fedavg, weighted_average
 from pflalign.config import build_settings
@@ -84,7 +85,7 @@ def _error_reply(node: int, reason: str) -> Message:
 def _train_reply(node: int, cid: int, state: dict, n: int, loss: float = 0.5) -> Message:
     return _reply(node, RecordDict({
         "arrays": to_record(state),
-        "metrics": MetricRecord({"partition-id": cid, "num-examples": n, "train-loss": loss})}))
+        "metrics": MetricRecord(train_metrics(cid, n, loss))}))
 
 
 def _federation(initial: dict, replies: list[Message], num_clients: int = 3,
@@ -192,7 +193,7 @@ def test_arrayrecord_round_trip_is_exact():
 def _eval_reply(node: int, cid: int, correct: int, count: int, global_correct: int) -> Message:
     return _reply(node, RecordDict({"metrics": MetricRecord({
         "partition-id": cid, "num-test": count, "personal-correct": correct,
-        "personal-loss": 0.3, "global-correct": global_correct})}))
+        "personal-loss": 0.3, "global-correct": global_correct, "global-loss": 0.4})}))
 
 
 def test_evaluation_metrics_from_client_replies():

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import needs_fashion_mnist
-from harness import build, evaluate, global_state, persist, server, train
+from harness import build, evaluate, global_state, persist, server, train, train_metrics
 
 from pflalign.config import ConfigError, build_settings
 from pflalign.local import LocalRun
@@ -358,7 +358,7 @@ class _Replies:
 
 def _reply(cid, arrays, examples=10, **records):
     return Reply(sender=cid, who=f"client {cid}",
-                 metrics={"partition-id": cid, "num-examples": examples},
+                 metrics=train_metrics(cid, examples),
                  arrays={MODEL: arrays, **records})
 
 

@@ -99,3 +99,13 @@ def test_traffic_reflects_what_each_method_exchanges(results):
     # fedbn runs on cnn-bn: its upload is the cnn weights without the batch-norm entries
     assert results["methods"]["fedbn"]["overrides"]["model"] == "cnn-bn"
     assert up["fedbn"] == up["fedavg"]
+
+
+def test_no_honest_reply_is_rejected(results, sequential):
+    """The strict reply schema (every metric a method's replies carry, declared with its range)
+    accepts every honest reply of every method and path, through the real ClientApp too."""
+    for doc in (results, sequential):
+        for label, run in doc["methods"].items():
+            for row in [*run["rounds"], run["final"]]:
+                assert not row.get("rejected") and not row.get("eval-rejected"), (label, row)
+                assert not row.get("failures") and not row.get("eval-failures"), (label, row)

@@ -10,9 +10,9 @@ of the same config in which client 1 only misses the rounds it was down for. Eve
 stopped by its recorded PID, even when the test fails.
 
 The second test deploys a (tiny, randomly initialized) language model with LoRA adapters on
-three SuperNodes, each holding only its role's token windows: every node loads the model's
-files on its first message only and maps its float32 copy on the others, only adapters travel,
-and results.json equals the in-process run's bit for bit.
+three SuperNodes for one round, each holding only its role's token windows: every node loads the
+model's files on its first message only and maps its float32 copy on the other, only adapters
+travel, and results.json equals the in-process run's bit for bit.
 
 Deselect with ``pytest -m "not deployment"``.
 """
@@ -233,7 +233,7 @@ def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
     assert not list((work / "pids").glob("*.pid"))
 
 
-LM_ROUNDS = 2
+LM_ROUNDS = 1
 
 
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None,
@@ -279,7 +279,7 @@ def test_a_language_model_deployment_loads_the_base_once_per_node(tmp_path):
         copy = work / f"node-{i}" / "state" / "models"
         assert log.count(f"pflalign: loaded model hf:{model} from its files and wrote a float32 "
                          f"copy to {copy}") == 1, log[-3000:]
-        # the train and evaluate messages of both rounds, the first of them aside
+        # the train and evaluate messages of every round, the first of them aside
         assert log.count(f"pflalign: mapped the node's float32 copy of model hf:{model}") == (
             2 * LM_ROUNDS - 1), log[-3000:]
     # only adapters travel: the bytes up per client and round are the adapters' float32 size

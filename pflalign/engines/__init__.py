@@ -159,7 +159,8 @@ def run_methods(settings: Settings, make_engine: Callable[[Settings], Engine],
                               "method needs batch norm).")
             model, trainable = initial_model(method_settings)
             server = ServerRuntime(method_settings, choice.label, model, trainable,
-                                   template_model(method_settings))
+                                   template_model(method_settings),
+                                   federated_dataset(method_settings).dataset.num_classes)
             loop = RoundLoop(server, spec.build(method_settings), make_engine(method_settings),
                              reporter)
             running = (choice.label, spec.name, overrides, loop)

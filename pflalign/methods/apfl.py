@@ -30,7 +30,7 @@ from pflalign.messages import Received, Upload
 from pflalign.method import Method
 from pflalign.options import ConfigError
 from pflalign.params import Params, param
-from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
+from pflalign.protocol import LOCAL_STEPS, LOSS, TRAIN_LOSS, Metric
 from pflalign.settings import Settings
 from pflalign.state import ArrayState, TorchState
 
@@ -69,6 +69,8 @@ class APFL(Method):
     Params = APFLParams
     ClientState = APFLClientState
     local_optimizer = False
+    #: the mixed model's training loss and the mixing weight alpha (kept in [0, 1])
+    train_metrics = {"personal-train-loss": LOSS, "alpha": Metric(0, 1)}
 
     def _alpha(self, state: APFLClientState) -> float:
         return self.params.alpha if state.alpha is None else state.alpha

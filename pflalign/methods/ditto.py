@@ -19,6 +19,7 @@ from pflalign.local import LocalRun, Proximal, Rule
 from pflalign.messages import Received
 from pflalign.methods.fedavg import FedAvg, trained_upload
 from pflalign.params import Params, param
+from pflalign.protocol import LOSS
 from pflalign.state import ArrayState, TorchState
 from pflalign.train import STREAM_PERSONAL
 
@@ -46,6 +47,8 @@ class Ditto(FedAvg):
     paper = ("Li et al., Ditto: Fair and Robust Federated Learning Through Personalization, "
              "ICML 2021")
     Params = DittoParams
+    #: the personal model's training loss
+    train_metrics = {"personal-train-loss": LOSS}
     ClientState = DittoClientState
 
     def personal_run(self, received: Received, personal: TorchState) -> LocalRun:

@@ -41,6 +41,7 @@ from pflalign.method import Method
 from pflalign.methods.fedavg import trained_upload
 from pflalign.models import head_keys
 from pflalign.params import Params, param
+from pflalign.protocol import Metric
 from pflalign.state import ArrayState, TorchState
 from pflalign.train import STREAM_ADAPT, batch_indices
 
@@ -78,6 +79,8 @@ class FedALA(Method):
     paper = ("Zhang et al., FedALA: Adaptive Local Aggregation for Personalized Federated "
              "Learning, AAAI 2023")
     Params = FedALAParams
+    #: how many passes the adaptive local aggregation took
+    train_metrics = {"ala-passes": Metric(integer=True)}
     ClientState = FedALAClientState
 
     def adapt(self, client: ClientRuntime, own: TorchState, received: TorchState,

@@ -55,7 +55,7 @@ from pflalign.messages import Payload, Received, Update, Upload
 from pflalign.method import Method
 from pflalign.models import head_of, without_head
 from pflalign.params import Params, param
-from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS
+from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS, Metric
 from pflalign.server import ServerRuntime
 from pflalign.state import ArrayState, ServerState, State, TorchState
 from pflalign.train import derive_seed
@@ -177,6 +177,8 @@ class FedCP(Method):
     paper = ("Zhang et al., FedCP: Separating Feature Information for Personalized Federated "
              "Learning via Conditional Policy, KDD 2023")
     Params = FedCPParams
+    #: the MMD between the global and personalized features (>= 0)
+    train_metrics = {"mmd": Metric()}
     ClientState = FedCPClientState
     ServerState = FedCPServerState
 

@@ -49,7 +49,7 @@ from pflalign.messages import Payload, Received, Update, Upload
 from pflalign.methods.fedavg import FedAvg
 from pflalign.models import head_of, without_head
 from pflalign.params import Params, param
-from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS
+from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS, Metric
 from pflalign.server import ServerRuntime
 from pflalign.state import ArrayState, ServerState, State
 
@@ -117,7 +117,8 @@ class FedDBE(FedAvg):
     Params = FedDBEParams
     ClientState = FedDBEClientState
     ServerState = FedDBEServerState
-    client_diagnostics = ("mr",)
+    #: MR, the regularizer's mean over the run (absent when no batch reached it)
+    train_metrics = {"mr": Metric(required=False, diagnostic=True)}
 
     # --- client --------------------------------------------------------------------------------
     def train(self, client: ClientRuntime, received: Received, state: FedDBEClientState,

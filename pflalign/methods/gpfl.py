@@ -59,7 +59,7 @@ from pflalign.method import Method
 from pflalign.methods.partial import PartialParams
 from pflalign.models import head_keys, head_of, without_head
 from pflalign.params import param
-from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS
+from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS, Metric
 from pflalign.server import ServerRuntime
 from pflalign.state import ArrayState, ServerState, State, TorchState
 from pflalign.train import STREAM_FINETUNE, STREAM_TRAIN, derive_seed
@@ -183,7 +183,8 @@ class GPFL(Method):
     ServerState = GPFLServerState
     has_global_model = False
     local_optimizer = False
-    client_diagnostics = ("alg", "mlg")
+    #: L_alg (a cross-entropy over the class embeddings) and L_mlg (a mean L2 distance)
+    train_metrics = {"alg": Metric(loss=True, diagnostic=True), "mlg": Metric(diagnostic=True)}
 
     def personal_keys(self, server: ServerRuntime) -> tuple[str, ...]:
         return head_keys(server.template_model())

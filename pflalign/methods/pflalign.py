@@ -51,7 +51,7 @@ from pflalign.method import Method
 from pflalign.optim import GAMMA_MODES
 from pflalign.options import Value
 from pflalign.params import Params, param
-from pflalign.protocol import LOCAL_STEPS, MODEL, NEXT_CORRECT, TRAIN_LOSS
+from pflalign.protocol import COUNT, LOCAL_STEPS, MODEL, NEXT_CORRECT, TRAIN, TRAIN_LOSS, Metric
 from pflalign.server import ServerRuntime
 from pflalign.settings import LocalTraining
 from pflalign.state import ArrayState, ServerState, State, TorchState
@@ -134,7 +134,17 @@ class PFLAlignMethod(Method):
     ClientState = PFLAlignClientState
     ServerState = PFLAlignServerState
     local_optimizer = False
-    client_diagnostics = ("mean-P", "mean-gamma")
+    #: the mean preconditioner P (>= 0; an honest P is about [0, 1]: ALGORITHMS.md 1) and the
+    #: mean alignment probability gamma (in [0, 1]); GENIE's local update reports neither
+    train_metrics = {"mean-P": Metric(diagnostic=True), "mean-gamma": Metric(0, 1, diagnostic=True)}
+    #: the accuracy of the next round's starting point theta_g + Delta_i
+    eval_metrics = {NEXT_CORRECT: COUNT}
+
+    def reply_metrics(self, action: str) -> dict[str, Metric]:
+        metrics = super().reply_metrics(action)
+        if action == TRAIN and self.genie:
+            return {k: m for k, m in metrics.items() if k not in self.train_metrics}
+        return metrics
 
     @property
     def server_mode(self) -> bool:
