@@ -60,7 +60,13 @@ from pflalign.protocol import (
 from pflalign.results import Reporter
 from pflalign.server import ServerRuntime
 from pflalign.state import ServerState, State
-from pflalign.validation import ClientFailure, Collected, ReplyValidator, non_finite
+from pflalign.validation import (
+    ClientFailure,
+    Collected,
+    ReplyValidator,
+    non_finite,
+    state_problem,
+)
 
 
 class Engine(Protocol):
@@ -218,7 +224,13 @@ class RoundLoop:
             except ClientFailure as failure:
                 self.warn(f"no checkpoint after round {server_round}: {failure}.")
                 return None
-            states[reply.sender] = dict(reply.arrays.get(CLIENT_STATE, {}))
+            state = dict(reply.arrays.get(CLIENT_STATE, {}))
+            problem = state_problem(self.method.ClientState, state, self.server.initial)
+            if problem:
+                self.warn(f"no checkpoint after round {server_round}: {reply.who}'s saved state "
+                          f"was rejected: {problem}.")
+                return None
+            states[reply.sender] = state
         missing = sorted(set(ask) - set(states))
         if missing:
             self.warn(f"no checkpoint after round {server_round}: clients {missing} did not give "

@@ -44,6 +44,11 @@ class ServerRuntime:
         self.keep_personal(())
         self._samples: dict[int, list[int]] = {}
 
+    @property
+    def initial(self) -> State:
+        """The run's initial model: the keys, shapes and dtypes of the model."""
+        return self._initial
+
     def keep_personal(self, personal: Iterable[str]) -> None:
         """Make the entries ``personal`` stay on the clients (never sent, uploaded or averaged:
         the method's :meth:`~pflalign.method.Method.personal_keys`); the others are exchanged."""

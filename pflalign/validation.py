@@ -10,6 +10,7 @@ when an aggregate must be rolled back.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -211,6 +212,57 @@ def _names(keys: Sequence[str], shown: int = 5) -> str:
     """A few of ``keys``, quoted and cut short."""
     text = ", ".join(quote(str(k), 60) for k in keys[:shown])
     return text + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+
+
+#: a client's method state may hold at most this many times the model's bytes (the largest
+#: honest one, pFLAlign's with GENIE, holds about three: Delta_i and GENIE's two moments), plus
+#: STATE_SLACK bytes for its scalars
+STATE_SIZE_FACTOR, STATE_SLACK = 8, 1 << 20
+#: the characters a state array's name may use (model keys, field names and their separators)
+_NAME = re.compile(r"[A-Za-z0-9_.:#/-]{1,300}")
+#: per-tensor optimizer state kept beside a model key (pFLAlign's v and P, GENIE's moments)
+_MOMENTS = (".v", ".P", ".m", ".s", ".step")
+
+
+def state_problem(state_class: type, arrays: Mapping[str, np.ndarray],
+                  model: Mapping[str, np.ndarray]) -> str | None:
+    """Why ``arrays`` cannot be a client's saved state of ``state_class`` for a run of
+    ``model`` (None when it can): a name that is not a field of the class or not a plain name,
+    a tensor kept for a model entry with another shape or dtype, a NaN or infinite value, or
+    more than :data:`STATE_SIZE_FACTOR` x the model's bytes."""
+    limit = STATE_SIZE_FACTOR * sum(np.asarray(v).nbytes for v in model.values()) + STATE_SLACK
+    total = 0
+    for name, value in arrays.items():
+        if not _NAME.fullmatch(str(name)) or ".." in str(name):
+            return f"the array name {quote(str(name), 80)} is not a state name"
+        array = np.asarray(value)
+        total += array.nbytes
+        if total > limit:
+            return (f"it holds more than {limit:,} bytes ({STATE_SIZE_FACTOR} x the model's, "
+                    "the most any method keeps)")
+        if array.dtype.kind not in "fiub":
+            return f"array {quote(str(name), 80)} has dtype {array.dtype}"
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            return f"array {quote(str(name), 80)} contains NaN or infinite values"
+        key = str(name).partition("/")[2]
+        if key.startswith("#"):
+            key = key.partition("/")[2]
+        for suffix in ("", *_MOMENTS):
+            entry = key[:len(key) - len(suffix)] if suffix and key.endswith(suffix) else (
+                key if not suffix else None)
+            if entry in model and not (suffix == ".step" and array.ndim == 0):
+                expected = np.asarray(model[entry])
+                if array.shape != expected.shape or (
+                        array.dtype.kind == "f" and array.dtype != expected.dtype):
+                    return (f"array {quote(str(name), 80)} has shape {array.shape} and dtype "
+                            f"{array.dtype}; the model's {quote(entry, 80)} has "
+                            f"{expected.shape}, {expected.dtype}")
+                break
+    try:
+        state_class.from_arrays(arrays)  # type: ignore[attr-defined]
+    except (ValueError, TypeError, KeyError) as err:
+        return f"it is not a {state_class.__name__}: {str(err)[:160]}"
+    return None
 
 
 def float_spec(state: Mapping[str, np.ndarray]) -> FlatSpec:

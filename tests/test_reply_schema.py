@@ -12,6 +12,7 @@ import re
 
 import numpy as np
 import pytest
+from conftest import needs_fashion_mnist
 from harness import method_settings, server, train_metrics
 
 from pflalign.messages import Reply
@@ -132,3 +133,72 @@ def test_a_huge_value_is_never_echoed_whole():
     with pytest.raises(ClientFailure) as caught:
         _train(method, validator, {**train_metrics(0), "x" * 20_000_000: 1.0})
     assert len(str(caught.value)) < 300
+
+
+def test_a_saved_client_state_is_checked_before_a_checkpoint_stores_it():
+    from pflalign.methods.pflalign import PFLAlignClientState
+    from pflalign.validation import state_problem
+
+    honest = {"offset/fc.weight": np.ones((2, 3), np.float32),
+              "offset/fc.bias": np.ones(2, np.float32),
+              "optimizer/fc.weight.v": np.ones((2, 3), np.float32),
+              "optimizer/fc.weight.P": np.ones((2, 3), np.float32)}
+    assert PFLAlignClientState.from_arrays(honest).offset is not None
+    assert state_problem(PFLAlignClientState, honest, INITIAL) is None
+    cases = {
+        "evil/../../key": ({**honest, "offset/../../key": np.ones(2, np.float32)},
+                           "is not a state name"),
+        "nan": ({**honest, "offset/fc.bias": np.array([1.0, np.nan], np.float32)},
+                "'offset/fc.bias' contains NaN or infinite values"),
+        "shape": ({**honest, "optimizer/fc.weight.P": np.ones((3, 2), np.float32)},
+                  "has shape (3, 2) and dtype float32; the model's 'fc.weight' has (2, 3)"),
+        "dtype": ({**honest, "offset/fc.bias": np.ones(2, np.float64)}, "dtype float64"),
+        "size": ({**honest, "optimizer/extra": np.zeros(1 << 19, np.float32)},
+                 "it holds more than 1,048,832 bytes"),
+        "field": ({**honest, "personal/fc.bias": np.ones(2, np.float32)},
+                  "it is not a PFLAlignClientState: PFLAlignClientState has no field 'personal'"),
+        "strings": ({**honest, "offset/fc.bias": np.array(["a", "b"])}, "has dtype <U1"),
+    }
+    for case, (arrays, expected) in cases.items():
+        problem = state_problem(PFLAlignClientState, arrays, INITIAL)
+        assert problem is not None and expected in problem, (case, problem)
+
+
+@needs_fashion_mnist
+def test_a_tampered_saved_state_is_refused_and_no_checkpoint_takes_it(tmp_path):
+    import torch
+
+    import pflalign.engines.sequential as sequential
+    from pflalign.config import build_settings
+    from pflalign.engines import run_methods
+    from pflalign.protocol import CLIENT_STATE, STATE
+    from pflalign.results import Reporter
+
+    warnings: list[str] = []
+
+    class Warnings(Reporter):
+        def warn(self, text: str) -> None:
+            warnings.append(text)
+
+    real = sequential.handle
+
+    def handle(action, settings, cid, config, *rest, **kwargs):
+        metrics, arrays, state = real(action, settings, cid, config, *rest, **kwargs)
+        if action == STATE and cid == 1:
+            arrays = {CLIENT_STATE: {**arrays[CLIENT_STATE],
+                                     "personal/../../key": torch.zeros(3)}}
+        return metrics, arrays, state
+
+    settings = build_settings({"methods": "ditto", "rounds": 2, "num-clients": 3,
+                               "max-samples": 600, "local-steps": 2, "fraction-train": 1.0,
+                               "engine": "sequential", "checkpoint-every": 1,
+                               "out-dir": str(tmp_path)})
+    sequential.handle = handle
+    try:
+        results = run_methods(settings, sequential.SequentialEngine, Warnings(quiet=True))
+    finally:
+        sequential.handle = real
+    assert [r["round"] for r in results["methods"]["ditto"]["rounds"]] == [1, 2]
+    refused = [w for w in warnings if "no checkpoint after round" in w]
+    assert refused and all("client 1's saved state was rejected: the array name "
+                           "'personal/../../key' is not a state name" in w for w in refused)
