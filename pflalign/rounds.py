@@ -325,11 +325,14 @@ class RoundLoop:
             values = [u.metrics[key] for u in updates if key in u.metrics]
             if values:
                 row[key] = float(np.mean(values))
+                row[f"{key}-median"] = float(np.median(values))  # one client cannot drag it
         row.update(diagnostics)
         row[CLIENT_SECONDS] = float(sum(u.metrics.get(CLIENT_SECONDS, 0.0) for u in updates))
         if all(TRAIN_LOSS in u.metrics for u in updates):
             row[TRAIN_LOSS] = float(np.average([u.metrics[TRAIN_LOSS] for u in updates],
                                                weights=[u.num_examples for u in updates]))
+            row[f"{TRAIN_LOSS}-median"] = float(np.median([u.metrics[TRAIN_LOSS]
+                                                           for u in updates]))
         return row, *traffic
 
     def check_kept_state(self, updates: Sequence[Update]) -> None:
@@ -378,6 +381,8 @@ class RoundLoop:
                                             [m[NUM_TEST] for m in seen]))
             metrics[PERSONAL_LOSS] = float(np.average(
                 [m[PERSONAL_LOSS] for m in seen], weights=[m[NUM_TEST] for m in seen]))
+            metrics[f"{PERSONAL_LOSS}-median"] = float(np.median([m[PERSONAL_LOSS]
+                                                                 for m in seen]))
             tested = sum(m[NUM_TEST] for m in seen)
             language = is_language_model(server.settings.run.model)
             if language:  # the perplexity of every seen client's test tokens together

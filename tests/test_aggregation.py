@@ -235,3 +235,21 @@ def test_mean_cosine_by_hand():
     assert mean_cosine([np.array([2.0, 0.0]), np.array([0.0, 3.0]), np.array([-1.0, 0.0])],
                        ref) == pytest.approx((1 + 0 - 1) / 3)
     assert mean_cosine([np.zeros(2)], ref) == 0.0
+
+
+def test_the_round_row_has_medians_that_one_client_cannot_drag():
+    states = _states(3, 3)
+    replies = [_train_reply(100 + i, i, s, 10, loss)
+               for i, (s, loss) in enumerate(zip(states, [0.5, 0.6, 200.0], strict=True))]
+    metrics, _, _ = _federation(states[0], replies).train_round(1)
+    assert metrics["train-loss"] == pytest.approx((0.5 + 0.6 + 200.0) / 3)
+    assert metrics["train-loss-median"] == 0.6
+    federation = _federation(_states(0, 1)[0], [
+        _eval_reply(100, 0, 8, 10, 5), _eval_reply(101, 1, 10, 30, 20),
+        _reply(102, RecordDict({"metrics": MetricRecord({
+            "partition-id": 2, "num-test": 10, "personal-correct": 1, "personal-loss": 150.0,
+            "global-correct": 1, "global-loss": 150.0})}))],
+        test_sizes=(10, 30, 10))
+    metrics, _, _ = federation.evaluate_round(1)
+    assert metrics["personal-loss-median"] == 0.3
+    assert metrics["personal-loss"] == pytest.approx((0.3 * 10 + 0.3 * 30 + 150.0 * 10) / 50)
