@@ -210,6 +210,12 @@ class RunConfig(Params):
         'Seconds the server waits for a round\'s replies; a client that has not replied by then '
         'counts as failed (the server names the clients it waits for every 30 s).',
         minimum=0.0, exclusive_minimum=True, group='robustness', scope='run')
+    min_clients: int = param(
+        1,
+        'A deployment goes on without the clients no node answers discovery for (a silent '
+        'node, or two nodes claiming one partition-id: neither is used), as long as at least '
+        'this many clients remain; with fewer it stops before the first round.',
+        minimum=1, group='robustness', scope='run')
     aggregation: str = param(
         'mean',
         'How client models are combined, for every method that averages models: mean '

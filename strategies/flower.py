@@ -96,7 +96,10 @@ class FlowerEngine:
         """Wait for the nodes, then ask each for its partition-id and split sizes (QUERY).
 
         Nodes whose partition-id is outside this run (more SuperNodes than clients) are left idle
-        with a warning; a missing or duplicated id is an error naming the fix.
+        with a warning. Nodes that claim one partition-id are all left out for it, each named,
+        and a node that does not answer in time is left out and named; the run goes on with the
+        clients that remain, unless fewer than ``min-clients`` do (or none that trains): then it
+        stops with one sentence.
         """
         expected = self.settings.num_nodes
         started = time.monotonic()
@@ -117,8 +120,6 @@ class FlowerEngine:
         content = RecordDict({RUN_CONFIG: self.run_config})
         messages = [Message(content=content, dst_node_id=node, message_type=MessageType.QUERY)
                     for node in node_ids]
-        clients: dict[int, ClientInfo] = {}
-        nodes: dict[int, int] = {}
         # discovery includes each node's start-up (data loading): the longer of the two limits
         limit = max(self.timeout, self.discovery_timeout)
         replies, silent = self.send(dict(zip(node_ids, messages, strict=True)), "nodes", limit)
@@ -129,6 +130,7 @@ class FlowerEngine:
         # partition, never from what a node declares
         federation = federated_dataset(self.settings)
         partition = federation.partition
+        claims: dict[int, list[tuple[int, ClientInfo]]] = {}
         for node, msg in replies.items():
             if msg.has_error():
                 self.reporter.warn(f"Node {node} is not used: {short_reason(msg.error.reason)}")
@@ -139,15 +141,12 @@ class FlowerEngine:
                 declared = (int(m[NUM_TRAIN]), int(m[NUM_TEST]), bool(m[UNSEEN]))
             except (KeyError, TypeError, ValueError) as err:
                 self.reporter.warn(f"Node {node} is not used: its discovery reply is malformed "
-                                   f"({type(err).__name__}: {err}).")
+                                   f"({type(err).__name__}: {str(err)[:200]}).")
                 continue
             if not 0 <= cid < expected:
                 self.reporter.warn(f"Node {node} is not used: its partition-id {cid} is outside "
                                    f"this run's clients 0..{expected - 1}.")
                 continue
-            if cid in clients:
-                raise RuntimeError(f"Two nodes report partition-id {cid}; every SuperNode needs "
-                                   "its own partition-id.")
             num_train, num_test = federation.sizes(cid)
             info = ClientInfo(id=cid, num_train=num_train, num_test=num_test,
                               unseen=partition.is_unseen(cid))
@@ -157,13 +156,29 @@ class FlowerEngine:
                     f"test samples (unseen: {declared[2]}), but this run's partition gives "
                     f"{info.num_train} / {info.num_test} (unseen: {info.unseen}); its replies "
                     "are checked against the partition.")
-            clients[cid] = info
-            nodes[cid] = node
+            claims.setdefault(cid, []).append((node, info))
+        clients: dict[int, ClientInfo] = {}
+        nodes: dict[int, int] = {}
+        for cid, claimed in sorted(claims.items()):
+            if len(claimed) > 1:
+                self.reporter.warn(
+                    f"Nodes {', '.join(str(n) for n, _ in claimed)} all report partition-id "
+                    f"{cid}; none of them is used (every SuperNode needs its own partition-id).")
+                continue
+            (node, info), = claimed
+            clients[cid], nodes[cid] = info, node
         missing = sorted(set(range(expected)) - set(clients))
         if missing:
-            raise RuntimeError(f"No node answered for client ids {missing[:10]}; each of the "
-                               f"{expected} SuperNodes needs a distinct partition-id "
-                               f"0..{expected - 1}.")
+            shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
+            if len(clients) < self.settings.run.min_clients or not any(
+                    not info.unseen for info in clients.values()):
+                raise RuntimeError(
+                    f"No node answered discovery for client ids [{shown}], and the "
+                    f"{len(clients)} clients left are fewer than min-clients = "
+                    f"{self.settings.run.min_clients} (or none of them trains); each of the "
+                    f"{expected} SuperNodes needs a distinct partition-id 0..{expected - 1}.")
+            self.reporter.warn(f"No node answered discovery for client ids [{shown}]; the run "
+                               f"goes on with the other {len(clients)} of {expected} clients.")
         self.node_of = nodes
         return clients
 
