@@ -311,6 +311,8 @@ class RoundLoop:
             return row, *traffic
         previous = self.state
         self.state, diagnostics = method.aggregate(server, self.state, server_round, updates)
+        for text in server.take_notices():
+            self.warn(f"round {server_round}: {text}")
         problem = non_finite(self.state)
         if problem:
             self.warn(f"round {server_round}: the aggregate is not finite ({problem}); the server "

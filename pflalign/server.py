@@ -43,6 +43,8 @@ class ServerRuntime:
         self.trainable_spec = FlatSpec.of({k: initial_model[k] for k in trainable})
         self.keep_personal(())
         self._samples: dict[int, list[int]] = {}
+        self._notices: list[str] = []
+        self._weak_sizes: set[int] = set()
 
     @property
     def initial(self) -> State:
@@ -85,7 +87,32 @@ class ServerRuntime:
         """Client vectors combined by the run's ``aggregation`` rule (``mean``: weighted by
         ``weights``; ``trimmed-mean`` and ``median``: per coordinate, unweighted)."""
         run = self.settings.run
+        self._note_weak_rule(len(vectors))
         return combine(vectors, weights, run.aggregation, run.trim_fraction)
+
+    def _note_weak_rule(self, count: int) -> None:
+        """Remember, once per round size, that the robust rule does not act at ``count``
+        uploads (:meth:`take_notices` hands the lines to the round loop)."""
+        run = self.settings.run
+        if count in self._weak_sizes:
+            return
+        text = None
+        if run.aggregation == "trimmed-mean" and int(np.floor(run.trim_fraction * count)) == 0:
+            text = (f"aggregation = 'trimmed-mean' trims nothing at {count} uploads "
+                    f"(trim-fraction = {run.trim_fraction:g} needs at least "
+                    f"{int(np.ceil(1 / run.trim_fraction)) if run.trim_fraction else 'inf'}); "
+                    "such rounds are a plain unweighted mean.")
+        elif run.aggregation == "median" and count <= 2:
+            text = (f"aggregation = 'median' at {count} upload{'s' if count > 1 else ''} is "
+                    "their mean: one client moves it freely.")
+        if text:
+            self._weak_sizes.add(count)
+            self._notices.append(text)
+
+    def take_notices(self) -> list[str]:
+        """The notes gathered since the last call (each said once per run)."""
+        notices, self._notices = self._notices, []
+        return notices
 
     def average(self, states: Sequence[State], weights: Sequence[float],
                 spec: FlatSpec | None = None) -> State:

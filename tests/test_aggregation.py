@@ -253,3 +253,27 @@ def test_the_round_row_has_medians_that_one_client_cannot_drag():
     metrics, _, _ = federation.evaluate_round(1)
     assert metrics["personal-loss-median"] == 0.3
     assert metrics["personal-loss"] == pytest.approx((0.3 * 10 + 0.3 * 30 + 150.0 * 10) / 50)
+
+
+@pytest.mark.parametrize("rule,expected", [
+    ("trimmed-mean", "round 1: aggregation = 'trimmed-mean' trims nothing at 3 uploads "
+                     "(trim-fraction = 0.2 needs at least 5); such rounds are a plain unweighted "
+                     "mean."),
+    ("median", None),
+])
+def test_a_robust_rule_that_cannot_act_at_a_rounds_size_says_so_once(rule, expected):
+    states = _states(4, 3)
+    warnings: list[str] = []
+    replies = [_train_reply(100 + i, i, s, 10) for i, s in enumerate(states)]
+    federation = _federation(states[0], replies, aggregation=rule)
+    federation.reporter.warn = warnings.append
+    federation.train_round(1)
+    federation.train_round(2)  # a second round of the same size: nothing more is said
+    assert [w for w in warnings if "uploads" in w] == ([f"[fedavg] {expected}"] if expected
+                                                       else [])
+    two = [_train_reply(100 + i, i, s, 10) for i, s in enumerate(states[:2])]
+    federation = _federation(states[0], two, aggregation="median")
+    federation.reporter.warn = warnings.append
+    federation.train_round(1)
+    assert warnings[-1] == ("[fedavg] round 1: aggregation = 'median' at 2 uploads is their "
+                            "mean: one client moves it freely.")
