@@ -75,6 +75,9 @@ class Reply:
     error: str | None = None
     #: no reply came before ``round-timeout`` (``error`` says so)
     timed_out: bool = False
+    #: the engine refused it unread (larger than any honest reply can be): a rejected reply,
+    #: not a failed client (``error`` says why)
+    refused: bool = False
 
 
 @dataclass

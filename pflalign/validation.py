@@ -152,7 +152,7 @@ class ReplyValidator:
                 collected.good.append(self.validate(reply, arrays, schema))
             except ClientFailure as failure:
                 self.warn(f"{failure}; the reply is skipped.")
-                if reply.error is not None:
+                if reply.error is not None and not reply.refused:
                     collected.failed += 1
                     collected.timed_out += reply.timed_out
                 else:

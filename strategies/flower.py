@@ -65,6 +65,12 @@ def payload_bytes(content: RecordDict) -> int:
                if name != RESTORE for array in record.values())
 
 
+#: a reply may carry at most this many times the array bytes of the largest message this engine
+#: has sent (the model and what goes with it), plus REPLY_SLACK bytes: an honest upload is the
+#: model and a record or two of its size, a saved state about three models
+REPLY_SIZE_FACTOR, REPLY_SLACK = 8, 1 << 20
+
+
 def short_reason(reason: str) -> str:
     """The gist of a Flower error reply: the client's own exception message when the reply
     wraps one (a Ray task error carries the whole remote traceback), else its first line."""
@@ -91,6 +97,8 @@ class FlowerEngine:
         self.discovery_timeout = discovery_timeout
         self.run_config = ConfigRecord(settings.to_dict())
         self.node_of: dict[int, int] = {}
+        #: the array bytes of the largest message sent so far (bounds a reply's size)
+        self.largest_sent = 0
 
     def discover(self) -> dict[int, ClientInfo]:
         """Wait for the nodes, then ask each for its partition-id and split sizes (QUERY).
@@ -239,7 +247,9 @@ class FlowerEngine:
                                    for name, state in m.payload.arrays.items()}}),
             dst_node_id=self.node_of[m.client], message_type=MESSAGE_TYPES[action])
             for m in messages}
-        down = sum(payload_bytes(m.content) for m in outgoing.values())
+        sizes = [payload_bytes(m.content) for m in outgoing.values()]
+        self.largest_sent = max([self.largest_sent, *sizes])
+        down = sum(sizes)
         replies, silent = self.send(outgoing)
         up = sum(payload_bytes(m.content) for m in replies.values() if not m.has_error())
         answers = [self.reply(cid, m) for cid, m in replies.items()]
@@ -248,6 +258,11 @@ class FlowerEngine:
                     for cid in silent]
         return Exchange(answers, down, up)
 
+    @property
+    def reply_limit(self) -> int:
+        """The most array bytes a reply may carry now."""
+        return REPLY_SIZE_FACTOR * self.largest_sent + REPLY_SLACK
+
     def reply(self, cid: int, msg: Message) -> Reply:
         who = f"client {cid}"
         if msg.has_error():
@@ -255,6 +270,14 @@ class FlowerEngine:
         if msg.metadata.src_node_id != self.node_of[cid]:
             return Reply(None, who, error=f"was answered by node {msg.metadata.src_node_id}, "
                                           f"not by its own node {self.node_of[cid]}")
+        size = sum(len(array.data) for record in msg.content.array_records.values()
+                   for array in record.values())
+        limit = self.reply_limit
+        if size > limit:  # refused before its arrays are turned into anything
+            return Reply(cid, who, refused=True,
+                         error=f"sent {size:,} bytes of arrays, more than any honest reply "
+                               f"(at most {limit:,}: {REPLY_SIZE_FACTOR} x the largest message "
+                               "it was sent + 1 MiB); the reply is not read")
         try:
             metrics = msg.content.metric_records.get(METRICS)
             if metrics is None:

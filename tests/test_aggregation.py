@@ -277,3 +277,27 @@ def test_a_robust_rule_that_cannot_act_at_a_rounds_size_says_so_once(rule, expec
     federation.train_round(1)
     assert warnings[-1] == ("[fedavg] round 1: aggregation = 'median' at 2 uploads is their "
                             "mean: one client moves it freely.")
+
+
+def test_a_reply_larger_than_any_honest_one_is_refused_unread():
+    states = _states(5, 3)
+    huge = RecordDict({"arrays": to_record(states[2]),
+                       "blob": to_record({"x": np.zeros(1 << 20, np.float32)}),  # 4 MiB
+                       "metrics": MetricRecord(train_metrics(2, 10))})
+    replies = [_train_reply(100, 0, states[0], 10), _train_reply(101, 1, states[1], 10),
+               _reply(102, huge)]
+    federation = _federation(states[0], replies)
+    model_bytes = sum(v.nbytes for v in states[0].values())
+    federation.engine.flower.largest_sent = model_bytes  # the model went down to each client
+    assert federation.engine.flower.reply_limit == 8 * model_bytes + (1 << 20)
+    warnings: list[str] = []
+    federation.reporter.warn = warnings.append
+    metrics, _, _ = federation.train_round(1)
+    assert metrics["rejected"] == 1 and metrics["failures"] == 0
+    assert metrics["clients-trained"] == 2
+    (text,) = warnings
+    sent = int(text.split(" sent ")[1].split(" bytes")[0].replace(",", ""))
+    assert sent > 4 * (1 << 20)  # the serialized arrays, headers included
+    assert text == (f"[fedavg] client 2 sent {sent:,} bytes of arrays, more than any honest "
+                    f"reply (at most {8 * model_bytes + (1 << 20):,}: 8 x the largest message "
+                    "it was sent + 1 MiB); the reply is not read; the reply is skipped.")
