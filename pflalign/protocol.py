@@ -53,6 +53,10 @@ CORRECT_COUNTS = (PERSONAL_CORRECT, GLOBAL_CORRECT, NEXT_CORRECT)
 #: the largest value a reply metric without a tighter bound may take (1e300 is not a number of
 #: seconds, steps or a diagnostic that any honest client reports, and it would swamp a mean)
 LARGEST = 1e6
+#: a reply's arrays, and a client's saved state, may hold at most this many times the model's
+#: bytes, plus ARRAYS_SLACK bytes for scalars (an honest upload is the model and a record or two
+#: of its size; the largest honest state, pFLAlign's with GENIE, about three models)
+ARRAYS_FACTOR, ARRAYS_SLACK = 8, 1 << 20
 #: a loss may be at most this many times log(number of classes): the cross-entropy of a model
 #: that guesses uniformly is log(classes); an honest reply 100 times above that is broken
 LOSS_BOUND_FACTOR = 100.0

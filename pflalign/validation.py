@@ -19,6 +19,8 @@ import numpy as np
 from pflalign.aggregation import FlatSpec, update_norms
 from pflalign.messages import Reply, Update
 from pflalign.protocol import (
+    ARRAYS_FACTOR,
+    ARRAYS_SLACK,
     LARGEST,
     LOSS_BOUND_FACTOR,
     MODEL,
@@ -214,10 +216,6 @@ def _names(keys: Sequence[str], shown: int = 5) -> str:
     return text + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
 
 
-#: a client's method state may hold at most this many times the model's bytes (the largest
-#: honest one, pFLAlign's with GENIE, holds about three: Delta_i and GENIE's two moments), plus
-#: STATE_SLACK bytes for its scalars
-STATE_SIZE_FACTOR, STATE_SLACK = 8, 1 << 20
 #: the characters a state array's name may use (model keys, field names and their separators)
 _NAME = re.compile(r"[A-Za-z0-9_.:#/-]{1,300}")
 #: per-tensor optimizer state kept beside a model key (pFLAlign's v and P, GENIE's moments)
@@ -229,8 +227,8 @@ def state_problem(state_class: type, arrays: Mapping[str, np.ndarray],
     """Why ``arrays`` cannot be a client's saved state of ``state_class`` for a run of
     ``model`` (None when it can): a name that is not a field of the class or not a plain name,
     a tensor kept for a model entry with another shape or dtype, a NaN or infinite value, or
-    more than :data:`STATE_SIZE_FACTOR` x the model's bytes."""
-    limit = STATE_SIZE_FACTOR * sum(np.asarray(v).nbytes for v in model.values()) + STATE_SLACK
+    more than :data:`~pflalign.protocol.ARRAYS_FACTOR` x the model's bytes."""
+    limit = ARRAYS_FACTOR * sum(np.asarray(v).nbytes for v in model.values()) + ARRAYS_SLACK
     total = 0
     for name, value in arrays.items():
         if not _NAME.fullmatch(str(name)) or ".." in str(name):
@@ -238,7 +236,7 @@ def state_problem(state_class: type, arrays: Mapping[str, np.ndarray],
         array = np.asarray(value)
         total += array.nbytes
         if total > limit:
-            return (f"it holds more than {limit:,} bytes ({STATE_SIZE_FACTOR} x the model's, "
+            return (f"it holds more than {limit:,} bytes ({ARRAYS_FACTOR} x the model's, "
                     "the most any method keeps)")
         if array.dtype.kind not in "fiub":
             return f"array {quote(str(name), 80)} has dtype {array.dtype}"
@@ -247,9 +245,9 @@ def state_problem(state_class: type, arrays: Mapping[str, np.ndarray],
         key = str(name).partition("/")[2]
         if key.startswith("#"):
             key = key.partition("/")[2]
-        for suffix in ("", *_MOMENTS):
-            entry = key[:len(key) - len(suffix)] if suffix and key.endswith(suffix) else (
-                key if not suffix else None)
+        # the model entry the tensor is kept for: its name, or its name and a moment's suffix
+        entries = [(key, "")] + [(key[:-len(s)], s) for s in _MOMENTS if key.endswith(s)]
+        for entry, suffix in entries:
             if entry in model and not (suffix == ".step" and array.ndim == 0):
                 expected = np.asarray(model[entry])
                 if array.shape != expected.shape or (

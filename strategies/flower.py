@@ -21,6 +21,8 @@ from pflalign.federation import federated_dataset
 from pflalign.interrupt import check_stop
 from pflalign.messages import ClientInfo, Exchange, Outgoing, Reply
 from pflalign.protocol import (
+    ARRAYS_FACTOR,
+    ARRAYS_SLACK,
     CONFIG,
     EVALUATE,
     METRICS,
@@ -58,17 +60,16 @@ def exact_record(state: Mapping[str, np.ndarray]) -> ArrayRecord:
                         for key, value in state.items()})
 
 
+def array_bytes(content: RecordDict, skip: tuple[str, ...] = ()) -> int:
+    """Bytes of array payload in a message's records (those named in ``skip`` aside)."""
+    return sum(len(array.data) for name, record in content.array_records.items()
+               if name not in skip for array in record.values())
+
+
 def payload_bytes(content: RecordDict) -> int:
     """Bytes of array payload in a message (what dominates traffic: the model tensors); a
     client's restored state after a resume is not counted (no round of the run sends it)."""
-    return sum(len(array.data) for name, record in content.array_records.items()
-               if name != RESTORE for array in record.values())
-
-
-#: a reply may carry at most this many times the array bytes of the largest message this engine
-#: has sent (the model and what goes with it), plus REPLY_SLACK bytes: an honest upload is the
-#: model and a record or two of its size, a saved state about three models
-REPLY_SIZE_FACTOR, REPLY_SLACK = 8, 1 << 20
+    return array_bytes(content, skip=(RESTORE,))
 
 
 def short_reason(reason: str) -> str:
@@ -260,8 +261,10 @@ class FlowerEngine:
 
     @property
     def reply_limit(self) -> int:
-        """The most array bytes a reply may carry now."""
-        return REPLY_SIZE_FACTOR * self.largest_sent + REPLY_SLACK
+        """The most array bytes a reply may carry now: :data:`~pflalign.protocol.ARRAYS_FACTOR`
+        times the largest message sent so far (the model and what goes with it), plus
+        ``ARRAYS_SLACK``."""
+        return ARRAYS_FACTOR * self.largest_sent + ARRAYS_SLACK
 
     def reply(self, cid: int, msg: Message) -> Reply:
         who = f"client {cid}"
@@ -270,13 +273,11 @@ class FlowerEngine:
         if msg.metadata.src_node_id != self.node_of[cid]:
             return Reply(None, who, error=f"was answered by node {msg.metadata.src_node_id}, "
                                           f"not by its own node {self.node_of[cid]}")
-        size = sum(len(array.data) for record in msg.content.array_records.values()
-                   for array in record.values())
-        limit = self.reply_limit
+        size, limit = array_bytes(msg.content), self.reply_limit  # every record, whatever its name
         if size > limit:  # refused before its arrays are turned into anything
             return Reply(cid, who, refused=True,
                          error=f"sent {size:,} bytes of arrays, more than any honest reply "
-                               f"(at most {limit:,}: {REPLY_SIZE_FACTOR} x the largest message "
+                               f"(at most {limit:,}: {ARRAYS_FACTOR} x the largest message "
                                "it was sent + 1 MiB); the reply is not read")
         try:
             metrics = msg.content.metric_records.get(METRICS)
