@@ -90,6 +90,9 @@ class Snapshot:
     last_eval: dict
     #: each round hook's :meth:`state_dict`, in the federation's order
     hooks: list[dict] = field(default_factory=list)
+    #: the update-norm bound's recent accepted norms, by part
+    #: (:attr:`~pflalign.validation.ReplyValidator.norm_history`)
+    norms: dict = field(default_factory=dict)
     #: the process-wide generators: ``torch`` (its state) and ``numpy`` (MT19937 keys)
     rng_arrays: State = field(default_factory=dict)
     #: the rest of NumPy's generator state (position, cached Gaussian)
@@ -159,7 +162,7 @@ class Checkpoint:
                 "clients": sorted(snapshot.clients), "rounds": snapshot.rounds,
                 "client-results": snapshot.client_results,
                 "saved-state": sorted(snapshot.saved_state), "last-eval": snapshot.last_eval,
-                "hooks": snapshot.hooks, "rng": snapshot.rng_meta}
+                "hooks": snapshot.hooks, "rng": snapshot.rng_meta, "norms": snapshot.norms}
         atomic_write(self.path, lambda handle: np.savez(
             handle, meta=np.array(json.dumps(meta)), **arrays))
         return self.path
@@ -196,7 +199,8 @@ class Checkpoint:
             clients={int(cid): groups.get((CLIENT, int(cid)), {}) for cid in meta["clients"]},
             rounds=meta["rounds"], client_results=meta["client-results"],
             saved_state=[int(c) for c in meta["saved-state"]], last_eval=meta["last-eval"],
-            hooks=meta["hooks"], rng_arrays=groups.get((RNG, None), {}), rng_meta=meta["rng"])
+            hooks=meta["hooks"], rng_arrays=groups.get((RNG, None), {}), rng_meta=meta["rng"],
+            norms=meta.get("norms", {}))
 
     def remove(self) -> None:
         """Remove the checkpoint (and temporary files a killed write left beside it), and the

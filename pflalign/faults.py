@@ -17,6 +17,7 @@ reproducible and every method of a comparison meets the same faults.
   ``labelflip``             train on labels ``c -> C - 1 - c``
   ``inflate-count``         report ``s`` times the true num-examples
   ``fake-eval``             report ``s`` times the true num-test, every sample correct
+  ``perfect-eval``          report every test sample correct (true num-test) and zero losses
   ``hang``                  never reply (to training or evaluation)
   ========================  ==================================================================
 
@@ -36,7 +37,7 @@ import torch
 from pflalign.caches import cached
 from pflalign.data import ClientData
 from pflalign.messages import Upload
-from pflalign.protocol import CORRECT_COUNTS, NUM_EXAMPLES, NUM_TEST, TRAIN
+from pflalign.protocol import CORRECT_COUNTS, LOSSES, NUM_EXAMPLES, NUM_TEST, TRAIN
 from pflalign.settings import Settings
 
 #: seed streams, apart from those of training (pflalign.train)
@@ -134,8 +135,13 @@ def attacked_upload(settings: Settings, client_id: int, server_round: int,
 
 def attacked_evaluation(settings: Settings, client_id: int,
                         metrics: dict[str, float | int]) -> dict[str, float | int]:
-    """The evaluation metrics a malicious client reports (fake-eval: everything correct)."""
-    if attack_of(settings, client_id) != "fake-eval" or NUM_TEST not in metrics:
+    """The evaluation metrics a malicious client reports (fake-eval, perfect-eval: everything
+    correct)."""
+    attack = attack_of(settings, client_id)
+    if attack == "perfect-eval" and NUM_TEST in metrics:
+        return {**metrics, **{key: metrics[NUM_TEST] for key in CORRECT_COUNTS if key in metrics},
+                **{key: 0.0 for key in LOSSES if key in metrics}}
+    if attack != "fake-eval" or NUM_TEST not in metrics:
         return metrics
     claimed = metrics[NUM_TEST] * settings.run.attack_scale
     return {**metrics, NUM_TEST: claimed,

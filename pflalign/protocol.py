@@ -47,6 +47,8 @@ GLOBAL_LOSS = "global-loss"  #: the global model's mean loss (methods that have 
 NEXT_CORRECT = "next-correct"  #: pFLAlign's next starting point theta_g + Delta_i
 #: correct counts a reply may carry, each at most its num-test
 CORRECT_COUNTS = (PERSONAL_CORRECT, GLOBAL_CORRECT, NEXT_CORRECT)
+#: the mean losses an evaluation reply may carry
+LOSSES = (PERSONAL_LOSS, GLOBAL_LOSS)
 
 
 # --- what a reply's metrics may hold ----------------------------------------------------------

@@ -134,7 +134,31 @@ def comparison_table(methods: Mapping[str, Mapping[str, object]]) -> str:
                            "evaluation; its accuracies cover those only.")
         lines.append(f"{name:<{width}}  {cells}  {count:>9}  "
                      f"{final.get('seconds-per-round', 0):8.2f}  {up:8.1f}  {down:8.1f}")
-    return "\n".join(lines + partial)
+    return "\n".join(lines + partial + audit_notes(methods))
+
+
+def audit_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
+    """What the evaluation audit (:mod:`pflalign.audit`) says of the table's accuracies."""
+    finals = {name: result.get("final", {}) for name, result in methods.items()}
+    audited = {name: final["eval-audited"] for name, final in finals.items()
+               if "eval-audited" in final}
+    if not audited:
+        return []
+    unaudited = [name for name, count in audited.items() if count == 0]
+    notes = []
+    if unaudited:
+        notes.append(f"{', '.join(unaudited)}: accuracies are self-reported by the clients (the "
+                     "server recomputed none of the last evaluation; eval-audit-fraction = 0).")
+    for name, final in finals.items():
+        if final.get("eval-audit-rejected"):
+            notes.append(f"{name}: {final['eval-audit-rejected']} of {final['eval-audited']} "
+                         "clients' last evaluations disagreed with the server's recomputation "
+                         "and are left out.")
+    if len(unaudited) < len(audited):
+        notes.append("The last evaluation of every other method was recomputed by the server "
+                     "for every client that replied (eval-audit-fraction samples earlier "
+                     "rounds).")
+    return notes
 
 
 class Reporter:

@@ -26,6 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from pflalign.aggregation import mean_cosine
+from pflalign.audit import EvaluationAudit
 from pflalign.checkpoint import Checkpoint, Snapshot, capture_rng, restore_rng
 from pflalign.interrupt import check_stop
 from pflalign.language import is_language_model
@@ -119,6 +120,9 @@ class RoundLoop:
         #: which would make a reference cycle that keeps the engine and its files alive)
         label, reporter = server.label, self.reporter
         self.validator = ReplyValidator(server, lambda text: reporter.warn(f"[{label}] {text}"))
+        #: the evaluation audit (given this loop's exchange with each round, not kept)
+        self.audit = EvaluationAudit(server, method, self.validator,
+                                     lambda text: reporter.warn(f"[{label}] {text}"))
 
     @property
     def label(self) -> str:
@@ -204,7 +208,9 @@ class RoundLoop:
                                 else self.before_aggregation.to_arrays()),
             clients=clients, rounds=self.rounds, client_results=self.client_results,
             saved_state=sorted(self.saved_state), last_eval=dict(last_eval), hooks=hooks,
-            rng_arrays=rng_arrays, rng_meta=rng_meta))
+            rng_arrays=rng_arrays, rng_meta=rng_meta,
+            norms={part: [list(kept) for kept in rounds]
+                   for part, rounds in self.validator.norm_history.items()}))
 
     def client_states(self, server_round: int) -> dict[int, State] | None:
         """The method state of every client that keeps one (:attr:`saved_state`): a state still
@@ -256,6 +262,8 @@ class RoundLoop:
         self.client_results = list(snapshot.client_results)
         self.saved_state = set(snapshot.saved_state)
         self.pending_restore = {cid: state for cid, state in snapshot.clients.items() if state}
+        self.validator.norm_history = {part: [[float(n) for n in kept] for kept in rounds]
+                                       for part, rounds in snapshot.norms.items()}
         restore_rng(snapshot.rng_arrays, snapshot.rng_meta)
         return dict(snapshot.last_eval)
 
@@ -371,10 +379,14 @@ class RoundLoop:
                     for cid in server.largest_first(method.eval_clients(server))]
         exchange = self.exchange(EVALUATE, messages)
         collected = self.validator.collect(exchange.replies, {}, method.reply_metrics(EVALUATE))
-        rows = [m for m, _ in collected.good]
-        metrics: dict = {"eval-failures": collected.failed + collected.rejected,
-                         "eval-rejected": collected.rejected, "evaluated": len(rows),
-                         "eval-clients": len(messages)}
+        audit = self.audit.check(server_round, messages, collected, self.exchange,
+                                 lambda cid: self.message(cid, Payload(), server_round))
+        rows = [m for m, _ in audit.good]
+        rejected = collected.rejected + audit.rejected
+        metrics: dict = {"eval-failures": collected.failed + rejected,
+                         "eval-rejected": rejected, "evaluated": len(rows),
+                         "eval-clients": len(messages), "eval-audited": audit.audited,
+                         "eval-audit-rejected": audit.rejected}
         info = {int(m[PARTITION_ID]): server.clients[int(m[PARTITION_ID])] for m in rows}
         seen = [m for m in rows if not info[int(m[PARTITION_ID])].unseen]
         unseen = [m for m in rows if info[int(m[PARTITION_ID])].unseen]

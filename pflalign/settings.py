@@ -27,7 +27,7 @@ DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100", "shakespeare")
 PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated", "natural")
 AGGREGATIONS = ("mean", "trimmed-mean", "median")
 ATTACKS = ("none", "signflip", "scale", "noise", "labelflip", "inflate-count", "fake-eval",
-           "hang")
+           "perfect-eval", "hang")
 #: the registered models (:data:`pflalign.models.MODELS` builds each; a test checks they agree)
 MODEL_NAMES = ("cnn", "cnn-bn", "mlp", "resnet18", "char-lstm")
 #: GGA's agreement objectives (:func:`pflalign.gga.choose_candidate`)
@@ -228,10 +228,18 @@ class RunConfig(Params):
         'aggregation=trimmed-mean: fraction of the clients\' values dropped at each end of '
         'every coordinate.',
         minimum=0.0, maximum=0.5, exclusive_maximum=True, group='robustness')
+    eval_audit_fraction: float = param(
+        0.2,
+        'Share of the clients whose evaluation reply the server recomputes each evaluation '
+        'round (a seeded sample, at least one; every client in the last round), from the '
+        'state they hold and their test split; a reply that disagrees is rejected and the '
+        'client named. 0: accuracies are self-reported.',
+        minimum=0.0, maximum=1.0, group='robustness', scope='run')
     update_norm_bound: float = param(
         10.0,
         'Reject a training reply whose update (its model minus the global model) has a norm '
-        'above this many times the round\'s median update norm; 0 turns the check off.',
+        'above this many times the round\'s median update norm (with fewer than three uploads: '
+        'the median of the norms accepted in the last 5 rounds); 0 turns the check off.',
         minimum=0.0, group='robustness')
     client_failure_rate: float = param(
         0.0,
@@ -253,7 +261,8 @@ class RunConfig(Params):
         'scale (the global model plus attack-scale times their update), noise (a random update '
         'of attack-scale times their update\'s norm), labelflip (train on labels c -> C-1-c), '
         'inflate-count (report attack-scale times their num-examples), fake-eval (report '
-        'attack-scale times their num-test, all correct), hang (never reply).',
+        'attack-scale times their num-test, all correct), perfect-eval (report every test '
+        'sample correct, with the true num-test and a zero loss), hang (never reply).',
         choices=ATTACKS, group='robustness', scope='run')
     attack_scale: float = param(
         10.0,

@@ -2,7 +2,8 @@
 
 Every reply is checked against what its client declared at discovery (its id and sample
 counts), the model's keys, shapes and dtypes, finiteness, the range of every count and loss,
-and an update-norm bound against the round's median; a reply that fails is skipped with one
+and an update-norm bound (against the round's median, or with fewer than three uploads the
+recent rounds' accepted norms); a reply that fails is skipped with one
 warning naming the client (:class:`ReplyValidator`). :func:`non_finite` tells the round loop
 when an aggregate must be rolled back.
 """
@@ -31,6 +32,10 @@ from pflalign.protocol import (
 )
 from pflalign.server import ServerRuntime
 from pflalign.state import ServerState, State
+
+#: rounds of accepted update norms the update-norm bound keeps (its reference for rounds with
+#: fewer than three uploads)
+NORM_HISTORY = 5
 
 
 class ClientFailure(Exception):
@@ -62,6 +67,10 @@ class ReplyValidator:
     def __init__(self, server: ServerRuntime, warn: Callable[[str], None]):
         self.server = server
         self.warn = warn
+        #: per part, the update norms accepted in each of the last NORM_HISTORY rounds (the
+        #: bound's reference in a round of fewer than three uploads; checkpointed)
+        self.norm_history: dict[str, list[list[float]]] = {}
+        self.lone_upload_noted = False
 
     @property
     def loss_bound(self) -> float:
@@ -166,14 +175,15 @@ class ReplyValidator:
 
     def bound_updates(self, updates: list[Update], global_model: State,
                       ) -> tuple[list[Update], int]:
-        """The updates whose every part is at most ``update-norm-bound`` times the round's
-        median; the others are warned about by client id and dropped. The parts: the update of
-        the trainable exchanged entries (uploaded minus global), that of the other floating-point
+        """The updates whose every part is at most ``update-norm-bound`` times its reference;
+        the others are warned about by client id and dropped. The parts: the update of the
+        trainable exchanged entries (uploaded minus global), that of the other floating-point
         entries (batch-norm statistics), and the norm of every further record (SCAFFOLD's
-        control-variate change, FedCP's policy network). Returns the kept updates and how many
-        were not."""
+        control-variate change, FedCP's policy network). The reference (:meth:`reference`) is the
+        round's median with three uploads or more, else the median of the norms accepted in the
+        last :data:`NORM_HISTORY` rounds. Returns the kept updates and how many were not."""
         bound = self.server.settings.run.update_norm_bound
-        if bound <= 0 or len(updates) < 3:  # a median of fewer than three says nothing
+        if bound <= 0 or not updates:
             return updates, 0
         parts: dict[str, list[float]] = {}
         if all(u.model is not None for u in updates):
@@ -189,18 +199,42 @@ class ReplyValidator:
                     u.arrays[name], np.float64))) for u in updates]
         refused: dict[int, str] = {}
         for part, norms in parts.items():
-            median = float(np.median(norms))
-            if median <= 0:  # most clients left this part unchanged: nothing to compare with
+            reference, what = self.reference(part, norms)
+            if reference is None or reference <= 0:  # nothing to compare with
                 continue
             for update, norm in zip(updates, norms, strict=True):
-                if update.client not in refused and norm > bound * median:
+                if update.client not in refused and norm > bound * reference:
                     refused[update.client] = (
                         f"client {update.client}'s {part} norm {norm:.4g} is "
-                        f"{norm / median:.3g}x the round's median {median:.4g} "
+                        f"{norm / reference:.3g}x {what} {reference:.4g} "
                         f"(update-norm-bound = {bound:g}); the reply is skipped.")
         for text in refused.values():
             self.warn(text)
+        for part, norms in parts.items():
+            kept = [n for u, n in zip(updates, norms, strict=True) if u.client not in refused]
+            self.norm_history[part] = [*self.norm_history.get(part, []), kept][-NORM_HISTORY:]
         return [u for u in updates if u.client not in refused], len(refused)
+
+    def reference(self, part: str, norms: Sequence[float]) -> tuple[float | None, str]:
+        """What ``norms`` (one round's, of ``part``) are bounded against, and its name: the
+        round's median of three or more; else the median of the norms accepted in the last
+        :data:`NORM_HISTORY` rounds, when they are three or more; else, of two uploads, the
+        smaller (a median of two would be dragged half-way by the larger); else None."""
+        if len(norms) >= 3:
+            return float(np.median(norms)), "the round's median"
+        earlier = [n for kept in self.norm_history.get(part, []) for n in kept]
+        if len(earlier) >= 3:
+            return float(np.median(earlier)), (
+                f"the median of the {len(earlier)} norms accepted in the last "
+                f"{len(self.norm_history[part])} rounds")
+        if len(norms) == 2:
+            return min(norms), "the other upload's"
+        if not self.lone_upload_noted:
+            self.lone_upload_noted = True
+            self.warn("a round has a single upload and no earlier accepted updates to compare "
+                      "it with: the update-norm bound cannot act on it (it does from the next "
+                      "round on).")
+        return None, ""
 
 
 def quote(value: object, limit: int = 120) -> str:

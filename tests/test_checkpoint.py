@@ -26,8 +26,10 @@ from pflalign.results import Reporter
 #: fedavg (nothing but the model), scaffold (server state), ditto (client state), pflalign with
 #: each client's offset held by the client and by the server
 METHODS = ["fedavg", "scaffold", "ditto", "pflalign", 'pflalign(pflalign-state="server")']
+#: two clients a round, and a tight update-norm bound, so that which replies are kept depends on
+#: the norms accepted in earlier rounds (checkpointed: the bound's reference in such rounds)
 TINY = {"engine": "sequential", "num-clients": 6, "max-samples": 1500, "rounds": 4,
-        "eval-every": 1, "fraction-train": 0.5, "local-steps": 2}
+        "eval-every": 1, "fraction-train": 0.3, "local-steps": 2, "update-norm-bound": 1.3}
 
 #: runs ``simulate`` on the sequential engine: argv = settings as JSON, then "resume" or not
 DRIVER = ("import json, sys\n"
@@ -99,11 +101,13 @@ def test_a_snapshot_round_trips_exactly_and_a_foreign_one_is_refused(tmp_path):
         clients={4: {"personal/w": rng.normal(size=3), "count": np.array(7)}, 1: {}},
         rounds=[{"round": 1, "personal-acc": 0.1 + 0.2, "bytes-up": 10}],
         client_results=[{"id": 4, "personal-acc": 1 / 3}], saved_state=[4], last_eval={"x": 1.5},
-        rng_arrays={"t": np.arange(5, dtype=np.uint8)}, rng_meta={"numpy": ["MT19937", 1, 0, 0.0]})
+        rng_arrays={"t": np.arange(5, dtype=np.uint8)}, rng_meta={"numpy": ["MT19937", 1, 0, 0.0]},
+        norms={"update": [[0.1 + 0.2, 1e-300], []]})
     checkpoint.write(snapshot)
     back = checkpoint.read()
     assert back.round == 2 and back.before_aggregation is None and back.rounds == snapshot.rounds
     assert back.client_results == snapshot.client_results and back.last_eval == {"x": 1.5}
+    assert back.norms == {"update": [[0.1 + 0.2, 1e-300], []]}
     assert sorted(back.clients) == [1, 4] and back.clients[1] == {}
     for name, value in snapshot.clients[4].items():
         assert back.clients[4][name].dtype == value.dtype

@@ -157,6 +157,22 @@ def test_a_rejected_attacker_leaves_the_global_model_of_the_honest_replies(
 
 
 @needs_fashion_mnist
+@pytest.mark.parametrize("method", ["fedavg", "pflalign"])
+def test_a_scale_attacker_in_rounds_of_two_leaves_the_honest_aggregate(method):
+    """6 clients, 2 a round: the update-norm bound's reference is then the norms accepted in
+    earlier rounds (or, in round 1, the other upload's), so the attacker is refused in every
+    round it is sampled and the global model is that of the run where it never answers."""
+    changes = {"fraction-train": 0.4, "rounds": 6, "eval-every": 6, "malicious-clients": 1}
+    attacked, models = _run(method, **changes, attack="scale", **{"attack-scale": 100.0})
+    silent, reference = _run(method, **changes, attack="hang")
+    assert [r["clients-trained"] for r in attacked["rounds"]] == [
+        r["clients-trained"] for r in silent["rounds"]]
+    assert [r["rejected"] for r in attacked["rounds"]] == [r["timeouts"] for r in silent["rounds"]]
+    assert 1 <= sum(r["rejected"] for r in attacked["rounds"]) < 6
+    assert _same_models(models, reference)
+
+
+@needs_fashion_mnist
 def test_faked_evaluation_is_rejected_and_the_table_says_so():
     clean, _ = _run()
     faked, _ = _run(**{"malicious-clients": 1, "attack": "fake-eval", "attack-scale": 1e6})

@@ -107,6 +107,9 @@ class Call:
     saved: State | None
     restored: State | None
     started: float
+    #: the run's fault injection applies (false: the honest result, as a server's audit
+    #: recomputes it)
+    inject: bool = True
 
     def rule(self) -> Rule:
         """The method's client rule for this action (a generator of local runs, or its
@@ -117,7 +120,7 @@ class Call:
 
 def handle(action: str, settings: Settings, client_id: int,
            config: Mapping[str, Value], arrays: Mapping[str, Mapping[str, torch.Tensor]],
-           saved: State | None, node: NodeData | None = None,
+           saved: State | None, node: NodeData | None = None, inject: bool = True,
            ) -> tuple[Metrics, ReplyArrays, State | None]:
     """Run one action of the method named in ``config`` for ``client_id``.
 
@@ -130,8 +133,10 @@ def handle(action: str, settings: Settings, client_id: int,
     :data:`~pflalign.protocol.CLIENT_STATE` (no fault is injected, nothing changes). A
     :data:`~pflalign.protocol.RESTORE` record in ``arrays`` replaces ``saved`` and is returned as
     the new saved state unless the action saves another (a resumed client keeps it). The
-    method's rule runs to its end here, its local runs one after another on this client."""
-    call = begin(action, settings, client_id, config, arrays, saved, node)
+    method's rule runs to its end here, its local runs one after another on this client.
+    ``inject``: apply the run's fault injection (:mod:`pflalign.faults`); false gives what an
+    honest client replies (the server's evaluation audit, :mod:`pflalign.audit`)."""
+    call = begin(action, settings, client_id, config, arrays, saved, node, inject)
     if not isinstance(call, Call):
         return call
     server_round = call.received.server_round
@@ -141,7 +146,7 @@ def handle(action: str, settings: Settings, client_id: int,
 
 def begin(action: str, settings: Settings, client_id: int, config: Mapping[str, Value],
           arrays: Mapping[str, Mapping[str, torch.Tensor]], saved: State | None,
-          node: NodeData | None = None,
+          node: NodeData | None = None, inject: bool = True,
           ) -> Call | tuple[Metrics, ReplyArrays, State | None]:
     """Everything :func:`handle` does before the method's rule runs: the :class:`Call`, or,
     for an action that runs no rule (a state query, an annealing round), its reply."""
@@ -160,9 +165,10 @@ def begin(action: str, settings: Settings, client_id: int, config: Mapping[str, 
     configure_threads(settings.run.client_resources_num_cpus)
     device = pick_device(settings.run.client_resources_num_gpus)
     received = Received(int(config[ROUND]), dict(arrays), dict(config))
-    faults.before_action(settings, client_id, action, received.server_round)
+    if inject:
+        faults.before_action(settings, client_id, action, received.server_round)
     client = ClientRuntime(settings, client_id, device, node)
-    if action == TRAIN and faults.attack_of(settings, client_id) == "labelflip":
+    if inject and action == TRAIN and faults.attack_of(settings, client_id) == "labelflip":
         client.data = faults.flipped_labels(client.data, client.num_classes)
     if action == QUERY:
         if config.get(ACTION) != GGA_ACTION:
@@ -172,7 +178,8 @@ def begin(action: str, settings: Settings, client_id: int, config: Mapping[str, 
     if action not in (TRAIN, EVALUATE):
         raise ValueError(f"Unknown action {action!r}.")
     state = method.ClientState.from_arrays(saved or {})
-    return Call(action, settings, method, client, received, state, saved, restored, started)
+    return Call(action, settings, method, client, received, state, saved, restored, started,
+                inject)
 
 
 def finish(call: Call, result: object) -> tuple[Metrics, ReplyArrays, State | None]:
@@ -180,12 +187,15 @@ def finish(call: Call, result: object) -> tuple[Metrics, ReplyArrays, State | No
     settings, client_id = call.settings, call.client.client_id
     if call.action == EVALUATE:
         metrics = {PARTITION_ID: client_id, **result}  # type: ignore[dict-item]
-        return faults.attacked_evaluation(settings, client_id, metrics), {}, call.restored
+        if call.inject:
+            metrics = faults.attacked_evaluation(settings, client_id, metrics)
+        return metrics, {}, call.restored
     upload, new_state = result  # type: ignore[misc]
     kept = state_to_keep(new_state, call.restored)
-    upload = faults.attacked_upload(settings, client_id, call.received.server_round,
-                                    call.received.model,
-                                    counted(upload, call.client.data.num_train))
+    upload = counted(upload, call.client.data.num_train)
+    if call.inject:
+        upload = faults.attacked_upload(settings, client_id, call.received.server_round,
+                                        call.received.model, upload)
     metrics, reply = train_reply(client_id, upload, call.saved, kept,
                                  time.perf_counter() - call.started)
     return metrics, reply, kept
