@@ -13,6 +13,12 @@ equal to ``LOSS_TOLERANCE`` (relative; the last bits of a GPU's kernels may diff
 disagrees, or a client that cannot give its state, is rejected and named, and the round's row
 counts it (``eval-audited``, ``eval-audit-rejected``).
 
+Training replies can be audited the same way (``train-audit-fraction``, default 0: it repeats
+the sampled clients' local training on the server): the sampled clients' states are asked for
+before the round's training messages go out, and each sampled reply's metrics and arrays must
+equal the server's recomputation (arrays to ``ARRAY_TOLERANCE`` of their norm). It catches what
+no bound can, such as an update reversed within the norm bound.
+
 The recomputation runs in the server's process with the server's data: in simulation, and in a
 deployment whose ServerApp reads the same partition as its nodes (the nodes' partition files are
 exported from it, :mod:`pflalign.export_partitions`). With ``eval-audit-fraction = 0`` nothing is
@@ -30,15 +36,28 @@ import torch
 
 from pflalign.messages import Exchange, Outgoing
 from pflalign.method import Method
-from pflalign.protocol import CLIENT_STATE, EVALUATE, ID, PARTITION_ID, STATE
+from pflalign.protocol import (
+    CLIENT_SECONDS,
+    CLIENT_STATE,
+    EVALUATE,
+    ID,
+    PARTITION_ID,
+    STATE,
+    TRAIN,
+)
 from pflalign.server import ServerRuntime
 from pflalign.state import State
 from pflalign.validation import ClientFailure, Collected, ReplyValidator, state_problem
 
 #: the seed stream of the audit's draw (apart from sampling's and the clients')
 AUDIT_STREAM = 9101
+#: ... and that of the training audit's
+TRAIN_AUDIT_STREAM = 9102
 #: how far a recomputed mean loss may lie from the claimed one, relative to it
 LOSS_TOLERANCE = 1e-5
+#: how far an uploaded array record may lie from the recomputed one (the norm of the
+#: difference, relative to the recomputed record's norm)
+ARRAY_TOLERANCE = 1e-5
 
 
 @dataclass
@@ -56,24 +75,26 @@ class AuditOutcome:
 
 
 def audit_sample(clients: Sequence[int], fraction: float, seed: int, server_round: int,
-                 everyone: bool = False) -> list[int]:
+                 everyone: bool = False, stream: int = AUDIT_STREAM) -> list[int]:
     """The clients audited among ``clients``: ``ceil(fraction * n)`` of them (at least one when
-    ``fraction > 0``), drawn by (seed, round); all of them with ``everyone``; none at 0."""
+    ``fraction > 0``), drawn by (seed, round, stream); all of them with ``everyone``; none at
+    0."""
     ordered = sorted(clients)
     if fraction <= 0 or not ordered:
         return []
     if everyone:
         return ordered
     k = min(len(ordered), max(1, math.ceil(fraction * len(ordered))))
-    rng = np.random.default_rng([seed, server_round, AUDIT_STREAM])
+    rng = np.random.default_rng([seed, server_round, stream])
     return sorted(int(c) for c in rng.choice(ordered, size=k, replace=False))
 
 
 def disagreement(claimed: Mapping[str, float], recomputed: Mapping[str, float],
-                 integer: Callable[[str], bool]) -> str | None:
-    """Where a claimed evaluation differs from the recomputed one (None when it does not):
-    ``integer(key)`` says which metrics are counts, compared exactly."""
-    for key in sorted(set(claimed) | set(recomputed)):
+                 integer: Callable[[str], bool], skip: Sequence[str] = ()) -> str | None:
+    """Where claimed metrics differ from the recomputed ones (None when they do not):
+    ``integer(key)`` says which metrics are counts, compared exactly; ``skip``: keys not
+    compared (wall-clock seconds)."""
+    for key in sorted((set(claimed) | set(recomputed)) - set(skip)):
         if key not in claimed or key not in recomputed:
             return f"{key} is {'missing from' if key not in claimed else 'extra in'} the reply"
         mine, theirs = float(recomputed[key]), float(claimed[key])
@@ -84,9 +105,39 @@ def disagreement(claimed: Mapping[str, float], recomputed: Mapping[str, float],
     return None
 
 
-class EvaluationAudit:
-    """The evaluation audit of one method entry's run; see the module docstring.
-    ``validator`` checks the state replies, and ``warn`` names each rejected client."""
+def array_disagreement(claimed: Mapping[str, State], recomputed: Mapping[str, object],
+                       ) -> str | None:
+    """Where uploaded array records differ from the recomputed ones (None when they do not):
+    the same records and keys, integer arrays equal, floating-point ones to
+    :data:`ARRAY_TOLERANCE` of their norm."""
+    if sorted(claimed) != sorted(recomputed):
+        return f"it uploaded the records {sorted(claimed)}, the recomputation {sorted(recomputed)}"
+    for name in sorted(recomputed):
+        theirs = claimed[name]
+        mine = {k: np.asarray(v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v)
+                for k, v in dict(recomputed[name]).items()}  # type: ignore[call-overload]
+        if sorted(theirs) != sorted(mine):
+            return f"its '{name}' record has other entries than the recomputation's"
+        floats = [k for k in mine if mine[k].dtype.kind == "f"]
+        for key in mine:
+            if key not in floats and not np.array_equal(np.asarray(theirs[key]), mine[key]):
+                return f"'{name}' entry {key!r} differs from the recomputation"
+        if floats:
+            a = np.concatenate([np.asarray(theirs[k], np.float64).ravel() for k in floats])
+            b = np.concatenate([mine[k].astype(np.float64).ravel() for k in floats])
+            gap, size = float(np.linalg.norm(a - b)), float(np.linalg.norm(b))
+            if not gap <= ARRAY_TOLERANCE * size + 1e-12:
+                return (f"its '{name}' record lies {gap:.4g} from the recomputation's (norm "
+                        f"{size:.4g})")
+    return None
+
+
+class Audit:
+    """The evaluation and training audits of one method entry's run; see the module
+    docstring. ``validator`` checks the state replies, and ``warn`` names each rejected client.
+
+    Each round the round loop hands in its own ``exchange`` (which reaches the clients) and
+    ``message(client)`` (an empty message to one, in this round); the audit keeps neither."""
 
     def __init__(self, server: ServerRuntime, method: Method, validator: ReplyValidator,
                  warn: Callable[[str], None]):
@@ -94,42 +145,85 @@ class EvaluationAudit:
         self.method = method
         self.validator = validator
         self.warn = warn
-        self.fraction = server.settings.run.eval_audit_fraction
-        schema = method.reply_metrics(EVALUATE)
-        self.integer = lambda key: key in schema and schema[key].integer
+        self.eval_fraction = server.settings.run.eval_audit_fraction
+        self.train_fraction = server.settings.run.train_audit_fraction
+        evaluation, training = method.reply_metrics(EVALUATE), method.reply_metrics(TRAIN)
+        self.eval_integer = lambda key: key in evaluation and evaluation[key].integer
+        self.train_integer = lambda key: key in training and training[key].integer
 
-    def check(self, server_round: int, messages: Sequence[Outgoing], collected: Collected,
-              exchange: Callable[[str, Sequence[Outgoing]], Exchange],
-              message: Callable[[int], Outgoing]) -> AuditOutcome:
-        """Recompute the sampled replies of ``collected`` (answers to ``messages``);
-        ``exchange`` reaches the clients (the round loop's) and ``message(client)`` is an empty
-        message to one in this round."""
-        good = list(collected.good)
-        replied = [int(m[PARTITION_ID]) for m, _ in good]
-        chosen = audit_sample(replied, self.fraction, self.server.seed, server_round,
+    # --- evaluation ----------------------------------------------------------------------------
+    def check_evaluation(self, server_round: int, messages: Sequence[Outgoing],
+                         collected: Collected,
+                         exchange: Callable[[str, Sequence[Outgoing]], Exchange],
+                         message: Callable[[int], Outgoing]) -> AuditOutcome:
+        """Recompute the sampled evaluation replies of ``collected`` (answers to
+        ``messages``)."""
+        replied = [int(m[PARTITION_ID]) for m, _ in collected.good]
+        chosen = audit_sample(replied, self.eval_fraction, self.server.seed, server_round,
                               everyone=server_round == self.server.rounds)
-        outcome = AuditOutcome(good=good)
+        outcome = AuditOutcome(good=list(collected.good))
         if not chosen:
             return outcome
         states = self.states(exchange(STATE, [message(cid) for cid in chosen]), chosen, outcome)
+        return self._compare(server_round, EVALUATE, messages, states, outcome)
+
+    # --- training ------------------------------------------------------------------------------
+    def training_states(self, server_round: int, clients: Sequence[int],
+                        pending: Mapping[int, State],
+                        exchange: Callable[[str, Sequence[Outgoing]], Exchange],
+                        message: Callable[[int], Outgoing]) -> tuple[dict, AuditOutcome]:
+        """Before a round's training: the sampled clients' states (``pending``: those a resume
+        is about to restore, which the clients do not hold yet)."""
+        chosen = audit_sample(clients, self.train_fraction, self.server.seed, server_round,
+                              stream=TRAIN_AUDIT_STREAM)
+        outcome = AuditOutcome(good=[])
+        ask = [cid for cid in chosen if cid not in pending]
+        states: dict[int, State | None | str] = {cid: dict(pending[cid]) or None
+                                                 for cid in chosen if cid in pending}
+        if ask:
+            states.update(self.states(exchange(STATE, [message(cid) for cid in ask]), ask,
+                                      outcome))
+        return states, outcome
+
+    def check_training(self, server_round: int, messages: Sequence[Outgoing],
+                       collected: Collected, states: Mapping[int, State | None | str],
+                       outcome: AuditOutcome) -> AuditOutcome:
+        """Recompute the sampled training replies of ``collected`` from ``states``
+        (:meth:`training_states`)."""
+        outcome.good = list(collected.good)
+        if not states:
+            return outcome
+        return self._compare(server_round, TRAIN, messages, states, outcome)
+
+    # --- both ----------------------------------------------------------------------------------
+    def _compare(self, server_round: int, action: str, messages: Sequence[Outgoing],
+                 states: Mapping[int, State | None | str], outcome: AuditOutcome,
+                 ) -> AuditOutcome:
         sent = {m.client: m for m in messages}
         bad: dict[int, str] = {}
-        for metrics, _ in good:
+        for metrics, arrays in outcome.good:
             cid = int(metrics[PARTITION_ID])
-            if cid not in chosen:
+            if cid not in states:
                 continue
             outcome.audited += 1
-            if isinstance(states.get(cid), str):
-                bad[cid] = str(states[cid])
+            state = states[cid]
+            if isinstance(state, str):
+                bad[cid] = state
                 continue
-            recomputed = self.recompute(sent[cid], states.get(cid))
-            problem = disagreement(metrics, recomputed, self.integer)
+            recomputed, reply = self.recompute(action, sent[cid], state)
+            if action == EVALUATE:
+                problem = disagreement(metrics, recomputed, self.eval_integer)
+            else:
+                problem = disagreement(metrics, recomputed, self.train_integer,
+                                       skip=(CLIENT_SECONDS,)) or array_disagreement(arrays,
+                                                                                     reply)
             if problem:
-                bad[cid] = f"its evaluation does not match the server's recomputation ({problem})"
+                bad[cid] = f"it does not match the server's recomputation ({problem})"
+        what = "evaluation" if action == EVALUATE else "training"
         for cid, why in sorted(bad.items()):
-            self.warn(f"round {server_round}: client {cid}'s evaluation reply is rejected by the "
+            self.warn(f"round {server_round}: client {cid}'s {what} reply is rejected by the "
                       f"audit: {why}.")
-        outcome.good = [(m, a) for m, a in good if int(m[PARTITION_ID]) not in bad]
+        outcome.good = [(m, a) for m, a in outcome.good if int(m[PARTITION_ID]) not in bad]
         outcome.rejected, outcome.caught = len(bad), sorted(bad)
         return outcome
 
@@ -140,7 +234,7 @@ class EvaluationAudit:
         outcome.bytes_down += exchange.bytes_down
         outcome.bytes_up += exchange.bytes_up
         states: dict[int, State | None | str] = {
-            cid: "it did not give the state it evaluated with" for cid in clients}
+            cid: "it did not give the state it holds" for cid in clients}
         for reply in exchange.replies:
             if reply.sender not in states:
                 continue
@@ -155,10 +249,11 @@ class EvaluationAudit:
                                     else state or None)
         return states
 
-    def recompute(self, message: Outgoing, state: State | None) -> dict[str, float]:
-        """The evaluation metrics an honest client replies to ``message`` holding ``state``,
-        computed here on the server's copy of its data; the process's torch threads and random
-        state are left as they were."""
+    def recompute(self, action: str, message: Outgoing, state: State | None,
+                  ) -> tuple[dict[str, float], dict]:
+        """The metrics and array records an honest client replies to ``message`` holding
+        ``state``, computed here on the server's copy of its data; the process's torch threads
+        and random state are left as they were."""
         from pflalign.engines.host import handle, to_torch  # the engines import this module
 
         arrays = to_torch({name: {k: np.ascontiguousarray(v) for k, v in record.items()}
@@ -166,9 +261,9 @@ class EvaluationAudit:
         threads = torch.get_num_threads()
         try:
             with torch.random.fork_rng(devices=[]):
-                metrics, _, _ = handle(EVALUATE, self.server.settings, message.client,
-                                       message.config, arrays, state, inject=False)
+                metrics, reply, _ = handle(action, self.server.settings, message.client,
+                                           message.config, arrays, state, inject=False)
         finally:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
-        return metrics
+        return metrics, reply

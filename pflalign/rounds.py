@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from pflalign.aggregation import mean_cosine
-from pflalign.audit import EvaluationAudit
+from pflalign.audit import Audit
 from pflalign.checkpoint import Checkpoint, Snapshot, capture_rng, restore_rng
 from pflalign.interrupt import check_stop
 from pflalign.language import is_language_model
@@ -120,9 +120,9 @@ class RoundLoop:
         #: which would make a reference cycle that keeps the engine and its files alive)
         label, reporter = server.label, self.reporter
         self.validator = ReplyValidator(server, lambda text: reporter.warn(f"[{label}] {text}"))
-        #: the evaluation audit (given this loop's exchange with each round, not kept)
-        self.audit = EvaluationAudit(server, method, self.validator,
-                                     lambda text: reporter.warn(f"[{label}] {text}"))
+        #: the evaluation and training audits (given this loop's exchange each round, not kept)
+        self.audit = Audit(server, method, self.validator,
+                           lambda text: reporter.warn(f"[{label}] {text}"))
 
     @property
     def label(self) -> str:
@@ -290,20 +290,27 @@ class RoundLoop:
         messages = [self.message(cid, method.train_payload(server, self.state, cid, server_round),
                                  server_round)
                     for cid in server.largest_first(server.sample(server_round))]
+        states, audit = self.audit.training_states(
+            server_round, [m.client for m in messages], self.pending_restore, self.exchange,
+            lambda cid: self.message(cid, Payload(), server_round))
         exchange = self.exchange(TRAIN, messages)
         reply_arrays = {MODEL: server.flat, **method.reply_arrays(server)} \
             if method.uploads_model else {}
         collected = self.validator.collect(exchange.replies, reply_arrays,
                                            method.reply_metrics(TRAIN))
+        audit = self.audit.check_training(server_round, messages, collected, states, audit)
         updates = [Update(client=int(m[PARTITION_ID]), num_examples=m[NUM_EXAMPLES], metrics=m,
                           model=arrays.get(MODEL),
                           arrays={k: v for k, v in arrays.items() if k != MODEL})
-                   for m, arrays in collected.good]
+                   for m, arrays in audit.good]
         updates, too_large = self.validator.bound_updates(updates, self.state.model)
         self.check_kept_state(updates)
         row: dict = {"clients-trained": len(updates), "failures": collected.failed,
                      "timeouts": collected.timed_out,
-                     "rejected": collected.rejected + too_large}
+                     "rejected": collected.rejected + audit.rejected + too_large,
+                     "train-audited": audit.audited, "train-audit-rejected": audit.rejected}
+        if self.validator.largest_ratio is not None:  # how close the kept updates came
+            row["norm-ratio-max"] = float(self.validator.largest_ratio)
         traffic = exchange.bytes_down, exchange.bytes_up
         answered = len(exchange.replies) - collected.failed
         if self.before_aggregation is not None and 2 * collected.nonfinite_loss > answered > 0:
@@ -379,8 +386,9 @@ class RoundLoop:
                     for cid in server.largest_first(method.eval_clients(server))]
         exchange = self.exchange(EVALUATE, messages)
         collected = self.validator.collect(exchange.replies, {}, method.reply_metrics(EVALUATE))
-        audit = self.audit.check(server_round, messages, collected, self.exchange,
-                                 lambda cid: self.message(cid, Payload(), server_round))
+        audit = self.audit.check_evaluation(server_round, messages, collected, self.exchange,
+                                            lambda cid: self.message(cid, Payload(),
+                                                                     server_round))
         rows = [m for m, _ in audit.good]
         rejected = collected.rejected + audit.rejected
         metrics: dict = {"eval-failures": collected.failed + rejected,

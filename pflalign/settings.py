@@ -235,6 +235,14 @@ class RunConfig(Params):
         'state they hold and their test split; a reply that disagrees is rejected and the '
         'client named. 0: accuracies are self-reported.',
         minimum=0.0, maximum=1.0, group='robustness', scope='run')
+    train_audit_fraction: float = param(
+        0.0,
+        'Share of each round\'s training clients whose reply the server recomputes (a seeded '
+        'sample, at least one), from the state they held and their train split; a reply that '
+        'disagrees is rejected and the client named. It repeats their local training on the '
+        'server, hence off by default; it catches updates no bound can (a sign-flip within '
+        'update-norm-bound).',
+        minimum=0.0, maximum=1.0, group='robustness', scope='run')
     update_norm_bound: float = param(
         10.0,
         'Reject a training reply whose update (its model minus the global model) has a norm '

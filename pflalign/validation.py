@@ -71,6 +71,7 @@ class ReplyValidator:
         #: bound's reference in a round of fewer than three uploads; checkpointed)
         self.norm_history: dict[str, list[list[float]]] = {}
         self.lone_upload_noted = False
+        self.largest_ratio: float | None = None
 
     @property
     def loss_bound(self) -> float:
@@ -183,6 +184,7 @@ class ReplyValidator:
         round's median with three uploads or more, else the median of the norms accepted in the
         last :data:`NORM_HISTORY` rounds. Returns the kept updates and how many were not."""
         bound = self.server.settings.run.update_norm_bound
+        self.largest_ratio = None
         if bound <= 0 or not updates:
             return updates, 0
         parts: dict[str, list[float]] = {}
@@ -210,12 +212,21 @@ class ReplyValidator:
                         f"(update-norm-bound = {bound:g}); the reply is skipped.")
         for text in refused.values():
             self.warn(text)
+        #: the largest ratio of a kept update's part to its reference (how close honest
+        #: clients come to the bound; None: nothing was compared)
+        self.largest_ratio = max(
+            (norm / reference for part, norms in parts.items()
+             for reference in [self.reference(part, norms, quiet=True)[0]]
+             if reference is not None and reference > 0
+             for update, norm in zip(updates, norms, strict=True)
+             if update.client not in refused), default=None)
         for part, norms in parts.items():
             kept = [n for u, n in zip(updates, norms, strict=True) if u.client not in refused]
             self.norm_history[part] = [*self.norm_history.get(part, []), kept][-NORM_HISTORY:]
         return [u for u in updates if u.client not in refused], len(refused)
 
-    def reference(self, part: str, norms: Sequence[float]) -> tuple[float | None, str]:
+    def reference(self, part: str, norms: Sequence[float], quiet: bool = False,
+                  ) -> tuple[float | None, str]:
         """What ``norms`` (one round's, of ``part``) are bounded against, and its name: the
         round's median of three or more; else the median of the norms accepted in the last
         :data:`NORM_HISTORY` rounds, when they are three or more; else, of two uploads, the
@@ -229,7 +240,7 @@ class ReplyValidator:
                 f"{len(self.norm_history[part])} rounds")
         if len(norms) == 2:
             return min(norms), "the other upload's"
-        if not self.lone_upload_noted:
+        if not self.lone_upload_noted and not quiet:
             self.lone_upload_noted = True
             self.warn("a round has a single upload and no earlier accepted updates to compare "
                       "it with: the update-norm bound cannot act on it (it does from the next "

@@ -133,12 +133,14 @@ def start_ray(init_args: dict) -> None:
 
 
 def simulate(settings: Settings, reporter: Reporter | None = None, verbose: bool = False,
-             ray_address: str | None = None, resume: bool = False) -> dict:
+             ray_address: str | None = None, resume: bool = False,
+             client_app: object | None = None) -> dict:
     """Validate the data, run every method of ``settings`` on Ray, and return the results.
 
     ``ray_address`` (or Ray's own ``RAY_ADDRESS`` variable): run the clients on that existing
     Ray cluster instead of a local Ray started (and stopped) here. ``resume``: continue a killed
-    run in ``out-dir`` (:func:`~pflalign.engines.run_methods`)."""
+    run in ``out-dir`` (:func:`~pflalign.engines.run_methods`). ``client_app``: a ClientApp
+    to serve the clients in place of the project's (a test's, wrapping its handlers)."""
     address = ray_address or os.environ.get("RAY_ADDRESS") or None
     if address is not None:
         check_ray_address(address)
@@ -155,7 +157,7 @@ def simulate(settings: Settings, reporter: Reporter | None = None, verbose: bool
     import ray
     from flwr.simulation import run_simulation
 
-    from clients.app import app as client_app
+    from clients.app import app as project_app
     from strategies.app import make_server_app
 
     flwr_logger = logging.getLogger("flwr")
@@ -183,7 +185,8 @@ def simulate(settings: Settings, reporter: Reporter | None = None, verbose: bool
             check_stop()
             run_simulation(server_app=make_server_app(settings, reporter, collected.append,
                                                       resume=resume),
-                           client_app=client_app, num_supernodes=settings.num_nodes,
+                           client_app=client_app or project_app,
+                           num_supernodes=settings.num_nodes,
                            backend_config=config, verbose_logging=verbose)
     finally:
         if ray.is_initialized():

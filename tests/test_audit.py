@@ -102,3 +102,24 @@ def test_without_an_audit_the_table_says_accuracies_are_self_reported():
     table = comparison_table({"fedavg": audited})
     assert "fedavg: 1 of 6 clients' last evaluations disagreed" in table
     assert "self-reported" not in table
+
+
+@needs_fashion_mnist
+@pytest.mark.parametrize("method", ["fedavg", "ditto"])
+def test_the_training_audit_catches_a_sign_flip_within_the_norm_bound(method):
+    """A reversed update has an honest norm, so no bound sees it; recomputing the training reply
+    does: with train-audit-fraction = 1 every flip is rejected and the global model is that of
+    the run where the attacker never answers. Honest replies (Ditto's with its personal model in
+    its state) are reproduced exactly."""
+    changes = {"rounds": 3, "eval-every": 3, "malicious-clients": 1,
+               "train-audit-fraction": 1.0}
+    flipped, models = _run(method, **changes, attack="signflip")
+    silent, reference = _run(method, **changes, attack="hang")
+    assert [r["train-audit-rejected"] for r in flipped["rounds"]] == [1, 1, 1]
+    assert [r["train-audited"] for r in flipped["rounds"]] == [6, 6, 6]
+    assert [r["train-audited"] for r in silent["rounds"]] == [5, 5, 5]
+    assert [r["rejected"] for r in flipped["rounds"]] == [r["timeouts"] for r in silent["rounds"]]
+    for a, b in zip(models, reference, strict=True):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    unaudited, _ = _run(method, **{**changes, "train-audit-fraction": 0.0}, attack="signflip")
+    assert [r["rejected"] for r in unaudited["rounds"]] == [0, 0, 0]  # within the bound
