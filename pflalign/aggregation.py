@@ -36,6 +36,12 @@ class FlatSpec:
     def size(self) -> int:
         return self.offsets[-1]
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of a state of this spec's arrays (their data, without headers)."""
+        return sum((stop - start) * np.dtype(dtype).itemsize for dtype, start, stop in
+                   zip(self.dtypes, self.offsets[:-1], self.offsets[1:], strict=True))
+
     def flatten(self, state: Mapping[str, np.ndarray], dtype: type = np.float32) -> np.ndarray:
         """Pack a state (in this spec's key order) into one vector of ``dtype``."""
         out = np.empty(self.size, dtype=dtype)

@@ -59,6 +59,10 @@ class Outgoing:
     client: int
     payload: Payload
     config: dict[str, Value]
+    #: the most bytes each array record of the reply may hold, by record name (a record not
+    #: named is refused); None: no per-record limit (the Flower engine refuses, unread, a reply
+    #: over them)
+    limits: dict[str, int] | None = None
 
 
 @dataclass

@@ -59,6 +59,9 @@ LARGEST = 1e6
 #: bytes, plus ARRAYS_SLACK bytes for scalars (an honest upload is the model and a record or two
 #: of its size; the largest honest state, pFLAlign's with GENIE, about three models)
 ARRAYS_FACTOR, ARRAYS_SLACK = 8, 1 << 20
+#: the bytes a serialized array may take beyond its data (Flower's Array holds a .npy file: a
+#: header of 128 bytes, more for a long shape)
+ARRAY_HEADER = 512
 #: a loss may be at most this many times log(number of classes): the cross-entropy of a model
 #: that guesses uniformly is log(classes); an honest reply 100 times above that is broken
 LOSS_BOUND_FACTOR = 100.0

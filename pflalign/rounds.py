@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
@@ -35,6 +36,9 @@ from pflalign.method import Method
 from pflalign.metrics import accuracy_summary
 from pflalign.options import ConfigError
 from pflalign.protocol import (
+    ARRAY_HEADER,
+    ARRAYS_FACTOR,
+    ARRAYS_SLACK,
     CLIENT_SECONDS,
     CLIENT_STATE,
     EVALUATE,
@@ -222,8 +226,8 @@ class RoundLoop:
         ask = [cid for cid in sorted(self.saved_state) if cid not in states]
         if not ask:
             return states
-        exchange = self.engine.exchange(STATE, [self.message(cid, Payload(), server_round)
-                                                for cid in ask])
+        exchange = self.exchange(STATE, [self.message(cid, Payload(), server_round)
+                                         for cid in ask])
         for reply in exchange.replies:
             try:
                 self.validator.validate(reply, {}, {PARTITION_ID: ID}, (CLIENT_STATE,))
@@ -267,16 +271,38 @@ class RoundLoop:
         restore_rng(snapshot.rng_arrays, snapshot.rng_meta)
         return dict(snapshot.last_eval)
 
+    def reply_limits(self, action: str) -> dict[str, int] | None:
+        """The array records a reply to ``action`` may carry, with the most bytes each may hold:
+        a training reply's, their specs' bytes (:meth:`~pflalign.method.Method.reply_arrays`);
+        an evaluation reply, none; a state query's, the bound on a saved state. None for other
+        actions."""
+        if action == TRAIN:
+            if not self.method.uploads_model:
+                return {}
+            specs = {MODEL: self.server.flat, **self.method.reply_arrays(self.server)}
+            return {name: spec.nbytes + ARRAY_HEADER * len(spec.keys)
+                    for name, spec in specs.items()}
+        if action == EVALUATE:
+            return {}
+        if action == STATE:
+            model = sum(np.asarray(v).nbytes for v in self.server.initial.values())
+            return {CLIENT_STATE: ARRAYS_FACTOR * model + ARRAYS_SLACK}
+        return None
+
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
-        """The engine's exchange, with each pending restored state attached to its client's
+        """The engine's exchange, each message carrying the :meth:`reply_limits` of its action,
+        and each pending restored state attached to its client's
         train or evaluate message (as the record :data:`~pflalign.protocol.RESTORE`); a client
         that replies (even with a reply that is then rejected) has it, and it is not sent again.
         A client that failed or timed out gets it again with its next message."""
+        limits = self.reply_limits(action)
+        if limits is not None:
+            messages = [replace(m, limits=limits) for m in messages]
         if not self.pending_restore or action not in (TRAIN, EVALUATE):
             return self.engine.exchange(action, messages)
         messages = [Outgoing(m.client, Payload({**m.payload.arrays,
                                                 RESTORE: self.pending_restore[m.client]},
-                                               m.payload.config), m.config)
+                                               m.payload.config), m.config, m.limits)
                     if m.client in self.pending_restore else m for m in messages]
         exchange = self.engine.exchange(action, messages)
         for reply in exchange.replies:

@@ -101,12 +101,12 @@ class ReplyValidator:
         missing = [k for k, m in schema.items() if m.required and k not in metrics]
         if missing:
             raise ClientFailure(f"{who} replied without the metric"
-                                f"{'s' if len(missing) > 1 else ''} {_names(missing)}")
+                                f"{'s' if len(missing) > 1 else ''} {quote_names(missing)}")
         unknown = [k for k in metrics if k not in schema]
         if unknown:
             raise ClientFailure(f"{who} replied with {len(unknown)} metric"
                                 f"{'s' if len(unknown) > 1 else ''} this action does not have: "
-                                f"{_names(unknown)}")
+                                f"{quote_names(unknown)}")
         for key, value in metrics.items():
             problem = self._out_of_range(schema[key], value, metrics)
             if problem:
@@ -124,7 +124,7 @@ class ReplyValidator:
         if extra:
             raise ClientFailure(f"{who} replied with {len(extra)} array record"
                                 f"{'s' if len(extra) > 1 else ''} this action does not have: "
-                                f"{_names(extra)}")
+                                f"{quote_names(extra)}")
         checked: dict[str, State] = {}
         for name, spec in arrays.items():
             if name not in reply.arrays:
@@ -255,7 +255,7 @@ def quote(value: object, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
-def _names(keys: Sequence[str], shown: int = 5) -> str:
+def quote_names(keys: Sequence[str], shown: int = 5) -> str:
     """A few of ``keys``, quoted and cut short."""
     text = ", ".join(quote(str(k), 60) for k in keys[:shown])
     return text + (f" and {len(keys) - shown} more" if len(keys) > shown else "")

@@ -39,6 +39,7 @@ from pflalign.protocol import (
 from pflalign.results import Reporter
 from pflalign.settings import Settings
 from pflalign.state import State
+from pflalign.validation import quote, quote_names
 
 #: a checkpoint's state query is a query routed to its own ClientApp function (``query.state``)
 MESSAGE_TYPES = {TRAIN: MessageType.TRAIN, EVALUATE: MessageType.EVALUATE,
@@ -253,11 +254,35 @@ class FlowerEngine:
         down = sum(sizes)
         replies, silent = self.send(outgoing)
         up = sum(payload_bytes(m.content) for m in replies.values() if not m.has_error())
-        answers = [self.reply(cid, m) for cid, m in replies.items()]
+        limits = {m.client: m.limits for m in messages}
+        answers = [self.reply(cid, m, limits.get(cid)) for cid, m in replies.items()]
         answers += [Reply(cid, f"client {cid}", timed_out=True,
                           error=f"did not reply within round-timeout = {self.timeout:g} s")
                     for cid in silent]
         return Exchange(answers, down, up)
+
+    def oversized(self, content: RecordDict, limits: Mapping[str, int] | None) -> str | None:
+        """Why a reply's records cannot be read (None when they can), from their sizes alone."""
+        stray = [*content.config_records, *(n for n in content.metric_records if n != METRICS)]
+        if stray:
+            return (f"sent {len(stray)} record{'s' if len(stray) > 1 else ''} no reply has "
+                    f"({quote_names(stray)})")
+        if limits is None:
+            size, limit = array_bytes(content), self.reply_limit  # every record, whatever name
+            if size > limit:
+                return (f"sent {size:,} bytes of arrays, more than any honest reply (at most "
+                        f"{limit:,}: {ARRAYS_FACTOR} x the largest message it was sent + 1 MiB)")
+            return None
+        unknown = [name for name in content.array_records if name not in limits]
+        if unknown:
+            return (f"sent the array record{'s' if len(unknown) > 1 else ''} "
+                    f"{quote_names(unknown)}, which this action's replies do not have")
+        for name, record in content.array_records.items():
+            size = sum(len(array.data) for array in record.values())
+            if size > limits[name]:
+                return (f"sent {size:,} bytes in its {quote(name, 60)} record, more than the "
+                        f"{limits[name]:,} its declared arrays take")
+        return None
 
     @property
     def reply_limit(self) -> int:
@@ -266,19 +291,20 @@ class FlowerEngine:
         ``ARRAYS_SLACK``."""
         return ARRAYS_FACTOR * self.largest_sent + ARRAYS_SLACK
 
-    def reply(self, cid: int, msg: Message) -> Reply:
+    def reply(self, cid: int, msg: Message, limits: Mapping[str, int] | None = None) -> Reply:
+        """The reply ``msg`` of client ``cid`` as the round loop reads it. Refused unread: one
+        with records a reply never has (config records, metric records beside
+        :data:`~pflalign.protocol.METRICS`), one with an array record ``limits`` does not name
+        or bigger than it allows, and (without ``limits``) one over :attr:`reply_limit`."""
         who = f"client {cid}"
         if msg.has_error():
             return Reply(cid, who, error=f"failed: {short_reason(msg.error.reason)}")
         if msg.metadata.src_node_id != self.node_of[cid]:
             return Reply(None, who, error=f"was answered by node {msg.metadata.src_node_id}, "
                                           f"not by its own node {self.node_of[cid]}")
-        size, limit = array_bytes(msg.content), self.reply_limit  # every record, whatever its name
-        if size > limit:  # refused before its arrays are turned into anything
-            return Reply(cid, who, refused=True,
-                         error=f"sent {size:,} bytes of arrays, more than any honest reply "
-                               f"(at most {limit:,}: {ARRAYS_FACTOR} x the largest message "
-                               "it was sent + 1 MiB); the reply is not read")
+        problem = self.oversized(msg.content, limits)
+        if problem:  # refused before its arrays are turned into anything
+            return Reply(cid, who, refused=True, error=f"{problem}; the reply is not read")
         try:
             metrics = msg.content.metric_records.get(METRICS)
             if metrics is None:

@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, Error, Message, Metadata, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, Metadata, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 from harness import train_metrics
 
@@ -41,6 +41,7 @@ def test_flat_spec_round_trip_and_problems():
     state = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array([7], np.int64)}
     spec = FlatSpec.of(state)
     assert spec.size == 7
+    assert spec.nbytes == 6 * 4 + 8
     back = spec.unflatten(spec.flatten(state))
     assert all(np.array_equal(back[k], state[k]) and back[k].dtype == state[k].dtype
                for k in state)
@@ -64,8 +65,11 @@ class _Replies:
 
     def exchange(self, action, messages):
         client_of = {node: cid for cid, node in self.flower.node_of.items()}
-        return Exchange([self.flower.reply(self.answers.get(i, client_of.get(
-            m.metadata.src_node_id)), m) for i, m in enumerate(self.replies)], 0, 0)
+        limits = {m.client: m.limits for m in messages}
+        answers = [self.answers.get(i, client_of.get(m.metadata.src_node_id))
+                   for i, m in enumerate(self.replies)]
+        return Exchange([self.flower.reply(cid, m, limits.get(cid))
+                         for cid, m in zip(answers, self.replies, strict=True)], 0, 0)
 
 
 def _reply(node: int, content: RecordDict) -> Message:
@@ -93,7 +97,9 @@ def _federation(initial: dict, replies: list[Message], num_clients: int = 3,
                 test_sizes: tuple[int, ...] = (), **changes) -> RoundLoop:
     """FedAvg's round loop over the Flower engine, with clients 0..n-1 on nodes 100..100+n-1,
     discovered with ``sizes`` training and ``test_sizes`` test samples (10 and 5 by default)."""
-    settings = build_settings({"num-clients": num_clients, "methods": "fedavg", **changes})
+    # prepared replies answer every exchange: no state query of the evaluation audit's
+    settings = build_settings({"num-clients": num_clients, "methods": "fedavg",
+                               "eval-audit-fraction": 0.0, **changes})
     server = ServerRuntime(settings, "fedavg", initial, tuple(initial), template=lambda: None)
     server.clients = {i: ClientInfo(i, sizes[i] if sizes else 10,
                                     test_sizes[i] if test_sizes else 5, False)
@@ -280,24 +286,45 @@ def test_a_robust_rule_that_cannot_act_at_a_rounds_size_says_so_once(rule, expec
 
 
 def test_a_reply_larger_than_any_honest_one_is_refused_unread():
+    """Each record of a reply is held to what its action's replies carry (the method's declared
+    arrays, by their bytes), before any array is converted; without such limits, the whole reply
+    to 8 x the largest message sent + 1 MiB."""
     states = _states(5, 3)
-    huge = RecordDict({"arrays": to_record(states[2]),
-                       "blob": to_record({"x": np.zeros(1 << 20, np.float32)}),  # 4 MiB
-                       "metrics": MetricRecord(train_metrics(2, 10))})
-    replies = [_train_reply(100, 0, states[0], 10), _train_reply(101, 1, states[1], 10),
-               _reply(102, huge)]
-    federation = _federation(states[0], replies)
+    blob = to_record({"x": np.zeros(1 << 20, np.float32)})  # 4 MiB
+    padded = to_record({**states[2], "pad": np.zeros(1 << 18, np.float32)})
+    cases = {
+        "blob": RecordDict({"arrays": to_record(states[2]), "blob": blob,
+                            "metrics": MetricRecord(train_metrics(2, 10))}),
+        "padded": RecordDict({"arrays": padded, "metrics": MetricRecord(train_metrics(2, 10))}),
+        "config": RecordDict({"arrays": to_record(states[2]), "note": ConfigRecord({"s": "x"}),
+                              "metrics": MetricRecord(train_metrics(2, 10))}),
+    }
     model_bytes = sum(v.nbytes for v in states[0].values())
-    federation.engine.flower.largest_sent = model_bytes  # the model went down to each client
-    assert federation.engine.flower.reply_limit == 8 * model_bytes + (1 << 20)
-    warnings: list[str] = []
-    federation.reporter.warn = warnings.append
-    metrics, _, _ = federation.train_round(1)
-    assert metrics["rejected"] == 1 and metrics["failures"] == 0
-    assert metrics["clients-trained"] == 2
-    (text,) = warnings
-    sent = int(text.split(" sent ")[1].split(" bytes")[0].replace(",", ""))
-    assert sent > 4 * (1 << 20)  # the serialized arrays, headers included
-    assert text == (f"[fedavg] client 2 sent {sent:,} bytes of arrays, more than any honest "
-                    f"reply (at most {8 * model_bytes + (1 << 20):,}: 8 x the largest message "
-                    "it was sent + 1 MiB); the reply is not read; the reply is skipped.")
+    declared = model_bytes + 512 * len(states[0])
+    padded_bytes = sum(len(a.data) for a in padded.values())
+    expected = {
+        "blob": "client 2 sent the array record 'blob', which this action's replies do not have",
+        "padded": f"client 2 sent {padded_bytes:,} bytes in its 'arrays' record, more than the "
+                  f"{declared:,} its declared arrays take",
+        "config": "client 2 sent 1 record no reply has ('note')"}
+    for case, content in cases.items():
+        replies = [_train_reply(100, 0, states[0], 10), _train_reply(101, 1, states[1], 10),
+                   _reply(102, content)]
+        federation = _federation(states[0], replies)
+        warnings: list[str] = []
+        federation.reporter.warn = warnings.append
+        metrics, _, _ = federation.train_round(1)
+        assert metrics["rejected"] == 1 and metrics["failures"] == 0
+        assert metrics["clients-trained"] == 2
+        assert warnings == [f"[fedavg] {expected[case]}; the reply is not read; the reply is "
+                            "skipped."]
+    # without per-record limits (an action that declares none): the bound on the whole reply
+    flower = _federation(states[0], []).engine.flower
+    flower.largest_sent = model_bytes  # the model went down to each client
+    assert flower.reply_limit == 8 * model_bytes + (1 << 20)
+    reply = flower.reply(2, _reply(102, cases["blob"]))
+    sent = int(reply.error.split("sent ")[1].split(" bytes")[0].replace(",", ""))
+    assert sent > 4 * (1 << 20) and reply.refused  # the serialized arrays, headers included
+    assert reply.error == (f"sent {sent:,} bytes of arrays, more than any honest reply (at most "
+                           f"{8 * model_bytes + (1 << 20):,}: 8 x the largest message it was "
+                           "sent + 1 MiB); the reply is not read")
