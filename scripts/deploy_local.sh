@@ -366,9 +366,23 @@ cmd_run() {
     python -m pflalign.export_partitions "${CONFIG_ARGS[@]}" \
         --write-config "$rundir/run-config.toml" >/dev/null
     log "flwr run $ROOT $NAME --stream --run-config $rundir/run-config.toml"
-    local status=0
-    (cd "$ROOT" && timeout "${CLI[timeout]:-3600}" flwr run . "$NAME" --stream \
-        --run-config "$rundir/run-config.toml") 2>&1 | tee "$rundir/flwr-run.log" || status=$?
+    local status=0 tail_pid
+    RUN_LOG=$rundir/flwr-run.log
+    : > "$RUN_LOG"
+    # `flwr run` in its own session, so that a stop reaches it and what it started; a killed
+    # `run` (Ctrl-C, SIGTERM) stops it and the run's ServerApp on the SuperLink (stop_run)
+    trap 'stop_run; exit 130' INT
+    trap 'stop_run; exit 143' TERM
+    (cd "$ROOT" && exec setsid timeout "${CLI[timeout]:-3600}" flwr run . "$NAME" --stream \
+        --run-config "$rundir/run-config.toml") >> "$RUN_LOG" 2>&1 < /dev/null &
+    RUN_PID=$!
+    echo "$RUN_PID" > "$PIDS/flwr-run.pid"
+    tail -n +1 --pid="$RUN_PID" -f "$RUN_LOG" &
+    tail_pid=$!
+    wait "$RUN_PID" || status=$?
+    wait "$tail_pid" 2>/dev/null || true
+    trap - INT TERM
+    rm -f "$PIDS/flwr-run.pid"
     # `flwr run` exits 0 even when the ServerApp fails: results.json decides
     if ! python - "$rundir/run-config.toml" "$out/results.json" <<'EOF'
 import json, sys, tomllib
@@ -390,14 +404,61 @@ EOF
     log "results: $out/results.json"
 }
 
+serverapps() {  # the PIDs of the ServerApp processes that talk to this deployment's SuperLink
+    pgrep -f "flwr-serverapp .*127\.0\.0\.1:$PORT( |\$)" || true
+}
+
+stop_run() {  # a killed `run`: stop `flwr run`, then the run on the SuperLink, and its ServerApp
+    local id i apps
+    if [[ -n ${RUN_PID:-} ]]; then
+        kill -TERM -- "-$RUN_PID" 2>/dev/null || true
+        log "stopped flwr run (PID $RUN_PID)"
+    fi
+    rm -f "$PIDS/flwr-run.pid"
+    id=$(grep -o 'Successfully started run [0-9]*' "$RUN_LOG" 2>/dev/null | awk '{print $4}' \
+         | head -n 1 || true)
+    if [[ -n $id ]]; then
+        if (cd "$ROOT" && flwr stop "$id" "$NAME") >> "$RUN_LOG" 2>&1; then
+            log "stopped run $id on the SuperLink"
+        else
+            log "could not stop run $id on the SuperLink; see $RUN_LOG"
+        fi
+    fi
+    # the ServerApp: a flwr-serverapp process (of the SuperLink's detached flower-superexec)
+    # that talks to this SuperLink's port
+    if alive "$PIDS/superlink.pid"; then
+        for ((i = 0; i < 300; i++)); do
+            apps=$(serverapps)
+            [[ -z $apps ]] && break
+            if ((i == 200)); then
+                log "the ServerApp (PID $apps) did not end within 20 s; sending SIGTERM"
+                kill -TERM $apps 2>/dev/null || true
+            fi
+            sleep 0.1
+        done
+        [[ -z $apps ]] && log "no ServerApp runs on the SuperLink"
+    fi
+}
+
 cmd_stop() {
     local file name
+    if running "$PIDS/flwr-run.pid"; then  # a `run` killed with SIGKILL, which no trap sees
+        kill -TERM -- "-$(<"$PIDS/flwr-run.pid")" 2>/dev/null || true
+        log "stopped flwr run (PID $(<"$PIDS/flwr-run.pid"))"
+    fi
+    rm -f "$PIDS/flwr-run.pid"
     for file in "$PIDS"/node-*.pid; do
         [[ -e $file ]] || continue
         name=$(basename "$file" .pid)
         terminate "$name"
     done
     terminate superlink
+    local apps
+    apps=$(serverapps)
+    if [[ -n $apps ]]; then  # a ServerApp left by a run killed with SIGKILL
+        kill -TERM $apps 2>/dev/null || true
+        log "stopped the ServerApp left on port $PORT (PID $apps)"
+    fi
 }
 
 cmd_status() {

@@ -217,6 +217,7 @@ def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
         print(f"deployment test: {time.monotonic() - started:.0f}s; rounds:",
               [(r["round"], r.get("failures"), round(r["round-seconds"], 1))
                for r in method["rounds"]])
+        _a_killed_run_stops_what_it_started(work, env, pids["superlink"], port, tmp_path)
     finally:
         if run is not None and run.poll() is None:
             os.killpg(run.pid, signal.SIGTERM)  # the `run` command we started, and its flwr run
@@ -230,7 +231,43 @@ def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
     while (left := _processes_mentioning(str(work))) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, left
+    assert not _serverapps(port)
     assert not list((work / "pids").glob("*.pid"))
+
+
+def _serverapps(port: int) -> list[str]:
+    """The ServerApp processes that talk to the SuperLink on ``port``."""
+    return [p for p in _processes_mentioning("flwr-serverapp")
+            if f"127.0.0.1:{port} " in p + " "]
+
+
+def _a_killed_run_stops_what_it_started(work: Path, env: dict[str, str], superlink: int,
+                                        port: int, tmp_path: Path) -> None:
+    """SIGTERM to `deploy_local.sh run` (the script alone, as a terminal's Ctrl-C or a
+    supervisor's stop would reach it) stops its `flwr run` and the run's ServerApp on the
+    SuperLink, which stays up for the next run."""
+    log_path = tmp_path / "killed-run.log"
+    with open(log_path, "w") as log:
+        run = subprocess.Popen(
+            ["bash", str(SCRIPT), "run", "--workdir", str(work), "--rounds", "50", "--methods",
+             "pflalign", "--out", str(tmp_path / "killed-out")],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        try:
+            _wait_until(lambda: "round   1/50" in log_path.read_text(errors="ignore")
+                        and _serverapps(port), 180, "the killed run's first round", run)
+            os.kill(run.pid, signal.SIGTERM)
+            assert run.wait(timeout=60) == 143
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGTERM)
+                run.wait(timeout=60)
+    text = log_path.read_text(errors="ignore")
+    assert "stopped flwr run (PID" in text and "on the SuperLink" in text, text[-3000:]
+    assert "no ServerApp runs on the SuperLink" in text, text[-3000:]
+    assert not _serverapps(port)
+    assert not [p for p in _processes_mentioning("flwr run") if str(work) in p]
+    assert not (work / "pids" / "flwr-run.pid").exists()
+    os.kill(superlink, 0)  # the SuperLink is still up
 
 
 LM_ROUNDS = 1
