@@ -15,6 +15,9 @@ A deployed SuperNode may also name, in its node config (:mod:`pflalign.node`):
   reads only that file, never the pooled dataset, and refuses one made for another config;
 - ``state-dir``: a directory where its method state is saved atomically after every training
   action and read back when ``context.state`` has none (a restarted SuperNode resumes exactly);
+- ``auth-key``: its SuperNode private key (the file given to ``flower-supernode
+  --auth-supernode-private-key``), with which it proves at discovery that it holds the key its
+  ``partition-id`` is bound to, when the run has ``node-keys`` (:mod:`pflalign.binding`);
 - ``cache-dir``: where a node without ``data-path`` caches its own partition after the first
   message, and where a node keeps a float32 copy of a language model's base, so that only its
   first message loads the model's files and the later ones map the copy
@@ -30,10 +33,11 @@ import time
 from logging import INFO
 from pathlib import Path
 
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
+from pflalign.binding import CHALLENGE, PROOF, sign
 from pflalign.caches import cached
 from pflalign.config import build_settings
 from pflalign.engines.host import discovery, handle
@@ -168,8 +172,14 @@ def query(msg: Message, context: Context) -> Message:
     if CONFIG in msg.content.config_records:
         return _reply(msg, context, QUERY)
     settings = settings_of(msg)
-    metrics = discovery(settings, client_id_of(context), node_data_of(context, settings))
-    return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
+    cid = client_id_of(context)
+    content = RecordDict({METRICS: MetricRecord(discovery(settings, cid,
+                                                          node_data_of(context, settings)))})
+    challenge = msg.content.config_records.get(CHALLENGE)
+    key = context.node_config.get("auth-key")
+    if challenge is not None and key:  # the server checks which key this node holds
+        content[PROOF] = ConfigRecord({PROOF: sign(str(key), bytes(challenge[CHALLENGE]), cid)})
+    return Message(content, reply_to=msg)
 
 
 @app.query(STATE)

@@ -12,6 +12,8 @@ SuperNode started with ``--node-config "partition-id=<i> data-path='DIR/client-<
 reads only that file and refuses one made for another data config (see docs/deployment.md).
 ``--write-config FILE`` writes the resolved config as a TOML run config for
 ``flwr run ... --run-config FILE``, so the run uses exactly the config the files were made for.
+``--bind-keys DIR`` (with ``--set node-keys=FILE``) binds each client ``i`` to the SuperNode
+public key ``DIR/node-<i>.pub``, in FILE, which the ServerApp reads (:mod:`pflalign.binding`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pflalign.binding import write_bindings
 from pflalign.config import ConfigError, format_settings, resolve
 from pflalign.node import data_fingerprint, export_partitions
 
@@ -37,9 +40,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Comma-separated client ids to export (default: every client).")
     parser.add_argument("--write-config", metavar="FILE",
                         help="Also write the resolved config as a TOML run config to FILE.")
+    parser.add_argument("--bind-keys", metavar="DIR",
+                        help="Bind each exported client i to the SuperNode public key "
+                             "DIR/node-<i>.pub, in the file the config's node-keys names "
+                             "(pflalign.binding).")
     args = parser.parse_args(argv)
-    if not args.out and not args.write_config:
-        parser.error("give --out DIR (partition files) and/or --write-config FILE")
+    if not args.out and not args.write_config and not args.bind_keys:
+        parser.error("give --out DIR (partition files), --write-config FILE and/or "
+                     "--bind-keys DIR")
     return args
 
 
@@ -65,6 +73,15 @@ def main(argv: list[str] | None = None) -> int:
             paths = export_partitions(settings, args.out, clients)
             print(f"wrote {len(paths)} partition file(s) to {args.out} "
                   f"(data fingerprint {data_fingerprint(settings)})")
+        if args.bind_keys:
+            if not settings.run.node_keys:
+                raise ConfigError("--bind-keys needs node-keys = FILE in the config (where the "
+                                  "ServerApp reads the binding), e.g. --set "
+                                  "node-keys=/abs/path/node-keys.json.")
+            clients = ([int(c) for c in args.clients.split(",") if c.strip()] if args.clients
+                       else list(range(settings.num_nodes)))
+            path = write_bindings(settings.run.node_keys, args.bind_keys, clients)
+            print(f"bound {len(clients)} partition-id(s) to the keys in {args.bind_keys}: {path}")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

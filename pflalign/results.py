@@ -155,9 +155,9 @@ def audit_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
                          "clients' last evaluations disagreed with the server's recomputation "
                          "and are left out.")
     if len(unaudited) < len(audited):
-        notes.append("The last evaluation of every other method was recomputed by the server "
-                     "for every client that replied (eval-audit-fraction samples earlier "
-                     "rounds).")
+        which = "the other methods'" if unaudited else "every method's"
+        notes.append(f"The server recomputed {which} last evaluation for every client that "
+                     "replied (eval-audit-fraction samples the earlier rounds).")
     return notes
 
 

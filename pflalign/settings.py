@@ -216,6 +216,19 @@ class RunConfig(Params):
         'node, or two nodes claiming one partition-id: neither is used), as long as at least '
         'this many clients remain; with fewer it stops before the first round.',
         minimum=1, group='robustness', scope='run')
+    node_keys: str = param(
+        '',
+        'A deployment with SuperNode authentication: the file binding each partition-id to a '
+        'SuperNode public key (written by `python -m pflalign.export_partitions --bind-keys '
+        'DIR`). At discovery each node must then prove, with a signature by its private key '
+        '(node config auth-key), that it holds the key bound to the id it claims; a node that '
+        'cannot is left out and named. Empty: ids are self-declared.',
+        group='robustness', scope='run')
+    discovery_timeout: float = param(
+        120.0,
+        'Seconds the Flower engine waits for the SuperNodes to connect, and for each to answer '
+        'discovery (at least round-timeout); a node that does not answer is left out and named.',
+        minimum=0.0, exclusive_minimum=True, group='robustness', scope='run')
     aggregation: str = param(
         'mean',
         'How client models are combined, for every method that averages models: mean '

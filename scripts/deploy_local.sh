@@ -209,6 +209,12 @@ make_certificates() {
     chmod 600 "$CERTS/ca.key" "$CERTS/server.key"
 }
 
+bind_keys() {  # each partition-id bound to SuperNode i's public key (pflalign.binding)
+    config_args
+    python -m pflalign.export_partitions "${CONFIG_ARGS[@]}" --bind-keys "$KEYS" >/dev/null
+    log "bound each partition-id to its SuperNode's key in $PARTS/node-keys.json"
+}
+
 make_keys() {
     mkdir -p "$KEYS"
     local i
@@ -279,6 +285,7 @@ node_config() {  # I -> the node config string of SuperNode I (string values quo
     local i=$1
     printf "partition-id=%d num-partitions=%d state-dir='%s'" "$i" "$NODES" "$WORK/node-$i/state"
     if ((!POOLED)); then printf " data-path='%s'" "$PARTS/client-$i.npz"; fi
+    if ((AUTH)); then printf " auth-key='%s'" "$KEYS/node-$i"; fi
 }
 
 start_node() {
@@ -323,6 +330,8 @@ start_node_and_wait() {  # I: start SuperNode I; retry while the SuperLink still
 
 cmd_start() {
     SETS=("${CLI_SETS[@]}")
+    # with SuperNode authentication each partition-id is bound to its node's key
+    if ((AUTH)); then SETS+=("node-keys=$PARTS/node-keys.json"); fi
     alive "$PIDS/superlink.pid" && die "a deployment already runs in $WORK; run '$0 stop' first"
     # a failed start stops what it started
     trap 'if ((STARTING)); then cmd_stop; fi' EXIT
@@ -331,7 +340,7 @@ cmd_start() {
     make_certificates
     export_partitions
     write_cli_config
-    if ((AUTH)); then make_keys; fi
+    if ((AUTH)); then make_keys; bind_keys; fi
     start_superlink
     if ((AUTH)); then register_nodes; fi
     local i sizes=()

@@ -17,6 +17,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from pflalign.binding import CHALLENGE, PROOF, new_challenge, proof_problem, read_bindings
 from pflalign.federation import federated_dataset
 from pflalign.interrupt import check_stop
 from pflalign.messages import ClientInfo, Exchange, Outgoing, Reply
@@ -91,12 +92,13 @@ class FlowerEngine:
     notice_every = 30.0
 
     def __init__(self, grid: Grid, settings: Settings, reporter: Reporter | None = None,
-                 timeout: float | None = None, discovery_timeout: float = 120.0):
+                 timeout: float | None = None, discovery_timeout: float | None = None):
         self.grid = grid
         self.settings = settings
         self.reporter = reporter or Reporter()
         self.timeout = settings.run.round_timeout if timeout is None else timeout
-        self.discovery_timeout = discovery_timeout
+        self.discovery_timeout = (settings.run.discovery_timeout if discovery_timeout is None
+                                  else discovery_timeout)
         self.run_config = ConfigRecord(settings.to_dict())
         self.node_of: dict[int, int] = {}
         #: the array bytes of the largest message sent so far (bounds a reply's size)
@@ -128,6 +130,11 @@ class FlowerEngine:
                 next_notice += 15.0
             time.sleep(0.5)
         content = RecordDict({RUN_CONFIG: self.run_config})
+        bindings = read_bindings(self.settings.run.node_keys) if self.settings.run.node_keys \
+            else None
+        challenge = new_challenge()
+        if bindings is not None:  # each node proves it holds the key bound to its id
+            content[CHALLENGE] = ConfigRecord({CHALLENGE: challenge})
         messages = [Message(content=content, dst_node_id=node, message_type=MessageType.QUERY)
                     for node in node_ids]
         # discovery includes each node's start-up (data loading): the longer of the two limits
@@ -157,6 +164,14 @@ class FlowerEngine:
                 self.reporter.warn(f"Node {node} is not used: its partition-id {cid} is outside "
                                    f"this run's clients 0..{expected - 1}.")
                 continue
+            if bindings is not None:
+                proof = msg.content.config_records.get(PROOF)
+                problem = proof_problem(bindings, cid, challenge,
+                                        proof.get(PROOF) if proof is not None else None)
+                if problem:
+                    self.reporter.warn(f"Node {node} is not used for partition-id {cid}: "
+                                       f"{problem}.")
+                    continue
             num_train, num_test = federation.sizes(cid)
             info = ClientInfo(id=cid, num_train=num_train, num_test=num_test,
                               unseen=partition.is_unseen(cid))

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -218,6 +219,7 @@ def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
               [(r["round"], r.get("failures"), round(r["round-seconds"], 1))
                for r in method["rounds"]])
         _a_killed_run_stops_what_it_started(work, env, pids["superlink"], port, tmp_path)
+        _bad_nodes_leave_the_run(work, env, pids["node-2"], port, tmp_path)
     finally:
         if run is not None and run.poll() is None:
             os.killpg(run.pid, signal.SIGTERM)  # the `run` command we started, and its flwr run
@@ -268,6 +270,60 @@ def _a_killed_run_stops_what_it_started(work: Path, env: dict[str, str], superli
     assert not [p for p in _processes_mentioning("flwr run") if str(work) in p]
     assert not (work / "pids" / "flwr-run.pid").exists()
     os.kill(superlink, 0)  # the SuperLink is still up
+
+
+def _bad_nodes_leave_the_run(work: Path, env: dict[str, str], node_2: int, port: int,
+                             tmp_path: Path) -> None:
+    """Real SuperNodes at discovery. A fourth node with a registered key of its own claims
+    client 0's partition-id, and node 2 is frozen (SIGSTOP: connected, but it answers nothing).
+    With ids self-declared (node-keys empty for that run), both nodes claiming 0 are left out
+    and named, so is node 2, and the run finishes with client 1. With each id bound to its
+    node's key (the deployment's node-keys), the fourth node's proof fails, it alone is left out,
+    and the run has clients 0, 1 and 2."""
+    key = work / "keys" / "intruder"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", str(key)],
+                   check=True, timeout=30)
+    subprocess.run(["flwr", "supernode", "register", f"{key}.pub", "pflalign-local"], check=True,
+                   capture_output=True, timeout=60, cwd=ROOT,
+                   env={**env, "FLWR_HOME": str(work / "flwr-home")})
+    node_log = tmp_path / "intruder.log"
+    node_config = (f"partition-id=0 num-partitions=3 auth-key='{key}' "
+                   f"data-path='{work / 'partitions' / 'client-0.npz'}'")
+    with open(node_log, "w") as log:
+        intruder = subprocess.Popen(
+            ["flower-supernode", "--root-certificates", str(work / "certs" / "ca.crt"),
+             "--superlink", f"127.0.0.1:{port}", "--port", str(_free_ports(1)),
+             "--auth-supernode-private-key", str(key), "--node-config", node_config],
+            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True,
+            env={**env, "FLWR_HOME": str(tmp_path / "intruder-home")})
+    quick = ["--rounds", "1", "--methods", "fedavg", "--set", "discovery-timeout=15", "--set",
+             "round-timeout=15"]
+    try:
+        _wait_until(lambda: "SuperNode ID" in node_log.read_text(errors="ignore"), 120,
+                    "the fourth node to connect")
+        os.kill(node_2, signal.SIGSTOP)
+        try:
+            unbound = _script(work, env, "run", *quick, "--set", "node-keys=", "--out",
+                              str(tmp_path / "unbound"), timeout=300).stdout
+        finally:
+            os.kill(node_2, signal.SIGCONT)
+        bound = _script(work, env, "run", *quick, "--out", str(tmp_path / "bound"),
+                        timeout=300).stdout
+    finally:
+        os.killpg(intruder.pid, signal.SIGTERM)
+        intruder.wait(timeout=30)
+    assert "all report partition-id 0; none of them is used" in unbound, unbound[-3000:]
+    assert re.search(r"Node \d+ is not used: it did not answer discovery within 15 s",
+                     unbound), unbound[-3000:]
+    assert ("No node answered discovery for client ids [0, 2]; the run goes on with the other 1 "
+            "of 3 clients.") in unbound, unbound[-3000:]
+    method = json.loads((tmp_path / "unbound" / "results.json").read_text())["methods"]["fedavg"]
+    assert [c["id"] for c in method["clients"]] == [1]
+    assert re.search(r"Node \d+ is not used for partition-id 0: its proof does not verify "
+                     r"against the key bound to partition-id 0", bound), bound[-3000:]
+    assert "No node answered discovery" not in bound and "all report" not in bound
+    method = json.loads((tmp_path / "bound" / "results.json").read_text())["methods"]["fedavg"]
+    assert [c["id"] for c in method["clients"]] == [0, 1, 2]
 
 
 LM_ROUNDS = 1
