@@ -1,7 +1,7 @@
 # `make run`: set everything up and run the default simulation; `make test`: set up and test.
 PY := .venv/bin/python
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test test-slow lint bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -9,8 +9,13 @@ setup:
 run: setup
 	$(PY) simulate.py --overwrite
 
+# the default suite (under 15 minutes on 2 cores); `make test-slow`: the extended integration
+# cases (pytest -m slow: deployments across network namespaces, the manual steps, bad nodes)
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
 
 lint: setup
 	$(PY) -m ruff check .

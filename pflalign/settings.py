@@ -257,7 +257,7 @@ class RunConfig(Params):
         'update-norm-bound).',
         minimum=0.0, maximum=1.0, group='robustness', scope='run')
     update_norm_bound: float = param(
-        10.0,
+        30.0,
         'Reject a training reply whose update (its model minus the global model) has a norm '
         'above this many times the round\'s median update norm (with fewer than three uploads: '
         'the median of the norms accepted in the last 5 rounds); 0 turns the check off.',

@@ -218,8 +218,6 @@ def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
         print(f"deployment test: {time.monotonic() - started:.0f}s; rounds:",
               [(r["round"], r.get("failures"), round(r["round-seconds"], 1))
                for r in method["rounds"]])
-        _a_killed_run_stops_what_it_started(work, env, pids["superlink"], port, tmp_path)
-        _bad_nodes_leave_the_run(work, env, pids["node-2"], port, tmp_path)
     finally:
         if run is not None and run.poll() is None:
             os.killpg(run.pid, signal.SIGTERM)  # the `run` command we started, and its flwr run
@@ -235,6 +233,32 @@ def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
     assert not left, left
     assert not _serverapps(port)
     assert not list((work / "pids").glob("*.pid"))
+
+
+@needs_fashion_mnist
+@pytest.mark.slow
+def test_bad_nodes_leave_the_run_and_a_killed_run_stops_what_it_started(tmp_path):
+    """On a deployment with TLS and SuperNode authentication (three SuperNodes): a fourth node
+    claiming client 0's id and a frozen node at discovery, then a run killed after its first
+    round. About 2.5 minutes."""
+    work = tmp_path / "deploy"
+    port = _free_ports(4)
+    env = _environment()
+    try:
+        _script(work, env, "start", "--auth", "--nodes", "3", "--port", str(port),
+                "--node-port", str(port + 1), *CONFIG, timeout=180)
+        pids = {p.stem: int(p.read_text()) for p in (work / "pids").glob("*.pid")}
+        _bad_nodes_leave_the_run(work, env, pids["node-2"], port, tmp_path)
+        _a_killed_run_stops_what_it_started(work, env, pids["superlink"], port, tmp_path)
+    finally:
+        if (work / "pids").exists():
+            subprocess.run(["bash", str(SCRIPT), "stop", "--workdir", str(work)],
+                           capture_output=True, timeout=120, cwd=ROOT, env=env)
+    deadline = time.monotonic() + 20
+    while (left := _processes_mentioning(str(work))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left
+    assert not _serverapps(port)
 
 
 def _serverapps(port: int) -> list[str]:

@@ -24,7 +24,6 @@ from test_deployment import _environment, _free_ports, _processes_mentioning
 
 PAGE = ROOT / "docs" / "deployment.md"
 
-pytestmark = [needs_fashion_mnist, pytest.mark.deployment]
 
 
 def manual_steps(text: str) -> list[str]:
@@ -33,6 +32,9 @@ def manual_steps(text: str) -> list[str]:
     return re.findall(r"```bash\n(.*?)```", section, flags=re.S)
 
 
+@needs_fashion_mnist
+@pytest.mark.deployment
+@pytest.mark.slow
 def test_the_manual_steps_run_word_for_word(tmp_path):
     blocks = manual_steps(PAGE.read_text())
     assert len(blocks) == 9, [b.splitlines()[0] for b in blocks]

@@ -25,7 +25,7 @@ import pytest
 from conftest import ROOT, needs_fashion_mnist
 from test_deployment import _compare, _environment, _reference_run, _wait_until
 
-pytestmark = [needs_fashion_mnist, pytest.mark.deployment]
+pytestmark = [needs_fashion_mnist, pytest.mark.deployment, pytest.mark.slow]
 
 LINK_ADDRESS = "10.213.0.1"
 PORT = 39400
