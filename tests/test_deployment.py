@@ -224,14 +224,8 @@ def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
             run.wait(timeout=30)
         if run_log is not None:
             run_log.close()
-        if (work / "pids").exists():
-            subprocess.run(["bash", str(SCRIPT), "stop", "--workdir", str(work)],
-                           capture_output=True, timeout=120, cwd=ROOT, env=env)
-    deadline = time.monotonic() + 20
-    while (left := _processes_mentioning(str(work))) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, left
-    assert not _serverapps(port)
+        _stop(work, env)
+    _nothing_left(work, port)
     assert not list((work / "pids").glob("*.pid"))
 
 
@@ -251,9 +245,19 @@ def test_bad_nodes_leave_the_run_and_a_killed_run_stops_what_it_started(tmp_path
         _bad_nodes_leave_the_run(work, env, pids["node-2"], port, tmp_path)
         _a_killed_run_stops_what_it_started(work, env, pids["superlink"], port, tmp_path)
     finally:
-        if (work / "pids").exists():
-            subprocess.run(["bash", str(SCRIPT), "stop", "--workdir", str(work)],
-                           capture_output=True, timeout=120, cwd=ROOT, env=env)
+        _stop(work, env)
+    _nothing_left(work, port)
+
+
+def _stop(work: Path, env: dict[str, str]) -> None:
+    """``deploy_local.sh stop`` for the deployment in ``work``, if one was started."""
+    if (work / "pids").exists():
+        subprocess.run(["bash", str(SCRIPT), "stop", "--workdir", str(work)],
+                       capture_output=True, timeout=120, cwd=ROOT, env=env)
+
+
+def _nothing_left(work: Path, port: int) -> None:
+    """No process of the deployment in ``work`` (or a ServerApp of its SuperLink) still runs."""
     deadline = time.monotonic() + 20
     while (left := _processes_mentioning(str(work))) and time.monotonic() < deadline:
         time.sleep(0.5)
