@@ -4,7 +4,8 @@ In rounds ``gga-start..gga-end``, before training, the server sends the round's 
 the global model and a seed; each regenerates ``gga-candidates`` perturbations ``eps_k ~
 U(-gga-rho, gga-rho)`` of the featurizer, and returns, for the anchor and every candidate, its loss
 on ``gga-batch-size`` of its samples and a count sketch of its gradient
-(:func:`client_answer`, over :func:`pflalign.gga.candidate_statistics`). The server scores each
+(:func:`pflalign.annealing_client.client_answer`, over
+:func:`pflalign.gga.candidate_statistics`). The server scores each
 candidate by the clients' gradient agreement and accepts the best one that beats the anchor
 within the loss tolerance (:func:`pflalign.gga.choose_candidate`, GGA's rule 3.2 with clients as
 domains), moves the global model there (:func:`pflalign.gga.apply_candidate`), and the round
@@ -23,9 +24,9 @@ import time
 import numpy as np
 import torch
 
-from pflalign.client import ClientRuntime
-from pflalign.gga import apply_candidate, candidate_statistics, choose_candidate
-from pflalign.messages import Payload, Received
+from pflalign.annealing_client import CANDIDATES, GGA_ACTION, PERTURB, SKETCH, losses_key
+from pflalign.gga import apply_candidate, choose_candidate
+from pflalign.messages import Payload
 from pflalign.models import head_keys
 from pflalign.protocol import (
     ACTION,
@@ -39,37 +40,7 @@ from pflalign.protocol import (
 )
 from pflalign.rounds import RoundLoop
 from pflalign.settings import GGAParams
-from pflalign.state import TorchState
-from pflalign.train import STREAM_GGA
 from pflalign.validation import ClientFailure
-
-GGA_ACTION = "gga"
-SKETCH = "sketch"
-CANDIDATES, PERTURB = "gga-candidates", "gga-perturb"
-
-
-def losses_key(k: int) -> str:
-    return f"gga-loss-{k}"
-
-
-def client_answer(client: ClientRuntime, received: Received, params: GGAParams,
-                  ) -> tuple[dict[str, float | int], dict[str, TorchState]]:
-    """A client's answer to an annealing round (:func:`pflalign.gga.candidate_statistics`): the
-    global model (shared entries over the run's initial model), ``gga-batch-size`` of its train
-    samples drawn by (seed, round, client), the candidates named by the server's seed."""
-    model = client.new_model()
-    model.load_state_dict(received.model, strict=False)
-    model.train()
-    gen = client.generator(received.server_round, STREAM_GGA)
-    data = client.data
-    idx = torch.randperm(data.num_train, generator=gen)[:params.batch_size].to(data.train_x.device)
-    perturb = [n for n in str(received.config[PERTURB]).split(",") if n]
-    losses, sketches = candidate_statistics(
-        model, data.normalize(data.train_x[idx]), data.train_y[idx], perturb, seed=client.seed,
-        server_round=received.server_round, candidates=int(received.config[CANDIDATES]),
-        rho=params.rho, sketch_dim=params.sketch_dim)
-    metrics = {NUM_EXAMPLES: data.num_train, **{losses_key(k): v for k, v in enumerate(losses)}}
-    return metrics, {SKETCH: {SKETCH: sketches}}
 
 
 class AnnealedWarmStart:

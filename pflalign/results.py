@@ -155,9 +155,9 @@ def audit_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
                          "clients' last evaluations disagreed with the server's recomputation "
                          "and are left out.")
     if len(unaudited) < len(audited):
-        which = "the other methods'" if unaudited else "every method's"
-        notes.append(f"The server recomputed {which} last evaluation for every client that "
-                     "replied (eval-audit-fraction samples the earlier rounds).")
+        rows = "the other rows" if unaudited else "every row above"
+        notes.append(f"Audit: the server recomputed the last evaluation of every client that "
+                     f"replied, for {rows} (eval-audit-fraction samples the earlier rounds).")
     return notes
 
 

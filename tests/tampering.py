@@ -25,6 +25,7 @@ from pflalign.protocol import CLIENT_STATE, EVALUATE, METRICS, MODEL, PARTITION_
 #: each case: the action whose reply it changes
 CASES = {
     "scale": TRAIN,  # the update times 1000
+    "signflip": TRAIN,  # the update reversed: an honest norm, within every bound
     "missing-loss": TRAIN,  # no train-loss
     "absurd-loss": TRAIN,  # train-loss = 1e300
     "list-loss": TRAIN,  # train-loss a list of 100,000 floats
@@ -50,9 +51,9 @@ def tamper(case: str, action: str, received: Mapping[str, Mapping[str, np.ndarra
         return metrics, arrays
     metrics, arrays = dict(metrics), {k: dict(v) for k, v in arrays.items()}
     model = arrays.get(MODEL, {})
-    if case == "scale":
-        glob = received[MODEL]
-        arrays[MODEL] = {k: (glob[k] + 1000 * (v - glob[k])).astype(v.dtype)
+    if case in ("scale", "signflip"):
+        glob, factor = received[MODEL], 1000 if case == "scale" else -1
+        arrays[MODEL] = {k: (glob[k] + factor * (v - glob[k])).astype(v.dtype)
                          if v.dtype.kind == "f" else v for k, v in model.items()}
     elif case == "missing-loss":
         del metrics["train-loss"]

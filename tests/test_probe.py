@@ -24,11 +24,11 @@ from pflalign.server import ServerRuntime
 
 pytestmark = needs_fashion_mnist
 
-#: pFLAlign (client state, next-correct), every client trains every round, every evaluation
-#: audited; 3 honest clients beside one client per case
+#: pFLAlign (client state, next-correct), every client trains every round, every reply audited
+#: (the training audit is what catches the sign-flip); 3 honest clients beside one per case
 PROBE = {"methods": "pflalign", "num-clients": 3 + len(CASES), "max-samples": 3000,
          "fraction-train": 1.0, "rounds": 2, "eval-every": 1, "local-steps": 3, "seed": 1,
-         "eval-audit-fraction": 1.0, "round-timeout": 60.0}
+         "eval-audit-fraction": 1.0, "train-audit-fraction": 1.0, "round-timeout": 60.0}
 TAMPERED = {3 + i: case for i, case in enumerate(CASES)}
 REFERENCE = {cid: DROPPED[case] for cid, case in TAMPERED.items()}
 TRAIN_CASES = sum(1 for case in CASES.values() if case == "train")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from pflalign import faults
-from pflalign.annealing import GGA_ACTION, client_answer
+from pflalign.annealing_client import GGA_ACTION, client_answer
 from pflalign.caches import cached
 from pflalign.client import ClientRuntime
 from pflalign.federation import federated_dataset
