@@ -37,15 +37,18 @@ CASES = {
     "perfect-eval": EVALUATE,  # every test sample correct, zero losses
     "bad-state": STATE,  # a saved state with a path-like key, inf values and a stray dtype
 }
-#: the reference run's counterpart of each case: the action whose replies the client drops
-DROPPED = {case: ("drop-eval" if action in (EVALUATE, STATE) else "drop-train")
+#: the reference run's counterpart of each case: the replies the client drops (a bad saved
+#: state fails both audits: the training one asks for the state before training, the evaluation
+#: one after)
+DROPPED = {case: {TRAIN: "drop-train", EVALUATE: "drop-eval", STATE: "drop-all"}[action]
            for case, action in CASES.items()}
 
 
 def tamper(case: str, action: str, received: Mapping[str, Mapping[str, np.ndarray]],
            metrics: dict, arrays: dict[str, dict[str, np.ndarray]]) -> tuple[dict, dict]:
     """The reply ``case`` sends in place of (``metrics``, ``arrays``) for ``action``."""
-    if case == f"drop-{'eval' if action == EVALUATE else action}":
+    if case == f"drop-{'eval' if action == EVALUATE else action}" or (
+            case == "drop-all" and action in (TRAIN, EVALUATE)):
         return {}, {}
     if CASES.get(case) != action and not (case == "bad-state" and action == STATE):
         return metrics, arrays

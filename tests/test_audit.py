@@ -56,7 +56,7 @@ def _eval_rows(result: dict) -> list[dict]:
 
 
 @needs_fashion_mnist
-@pytest.mark.parametrize("method", ["ditto", "fedavg-ft"])
+@pytest.mark.parametrize("method", ["ditto"])
 def test_a_perfect_accuracy_claim_is_rejected_and_the_metrics_are_the_honest_clients(method):
     """Every audited round catches the claim, and the reported accuracies equal those of the
     honest clients' replies alone (from a run without the attacker's lie, whose model is the

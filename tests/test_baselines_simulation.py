@@ -24,7 +24,7 @@ EXTRAS = ["pflalign(pflalign-state=server)", "fedavg(gga=true)", "fedavg(local-o
           "fedprox(local-optimizer=genie)", "pflalign(model=cnn-bn,pflalign-bn=local)"]
 COMMON = ["--set", "num-clients=4", "--set", "num-unseen-clients=1", "--set", "max-samples=2000",
           "--set", "rounds=3", "--set", "eval-every=1", "--set", "fraction-train=0.5",
-          "--set", "seed=4", "--set", "local-steps=20", "--set", "gga-start=2",
+          "--set", "seed=4", "--set", "local-steps=10", "--set", "gga-start=2",
           "--set", "gga-end=3", "--quiet"]
 ENTRIES = [*METHODS, *INVARIANTS, *EXTRAS]
 

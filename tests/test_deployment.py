@@ -359,6 +359,7 @@ LM_ROUNDS = 1
 
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None,
                     reason="the [text] extra (transformers, peft) is not installed")
+@pytest.mark.slow
 def test_a_language_model_deployment_loads_the_base_once_per_node(tmp_path):
     from test_shakespeare import PLAYS
     from tiny_lm import write_tiny_lm

@@ -30,9 +30,12 @@ PROBE = {"methods": "pflalign", "num-clients": 3 + len(CASES), "max-samples": 30
          "fraction-train": 1.0, "rounds": 2, "eval-every": 1, "local-steps": 3, "seed": 1,
          "eval-audit-fraction": 1.0, "train-audit-fraction": 1.0, "round-timeout": 60.0}
 TAMPERED = {3 + i: case for i, case in enumerate(CASES)}
+PROBE_CLIENTS = range(PROBE["num-clients"])
 REFERENCE = {cid: DROPPED[case] for cid, case in TAMPERED.items()}
-TRAIN_CASES = sum(1 for case in CASES.values() if case == "train")
-EVAL_CASES = len(CASES) - TRAIN_CASES
+#: the replies rejected each round: every training case's and the bad state's training reply;
+#: the perfect evaluation's and the bad state's evaluation reply
+TRAIN_CASES = sum(1 for action in CASES.values() if action in ("train", "state"))
+EVAL_CASES = sum(1 for action in CASES.values() if action in ("evaluate", "state"))
 #: the entries that count what was refused, the bytes of what was sent up, and how close the
 #: kept updates came to the norm bound (whose reference, the round's median, the scaled upload
 #: shifts) differ between a tampered run and its reference by design; wall-clock seconds differ
@@ -75,8 +78,9 @@ def _sequential(cases: dict[int, str], monkeypatch) -> tuple[dict, list[dict]]:
 def _counted(result: dict) -> None:
     for row in result["rounds"]:
         assert row["rejected"] == TRAIN_CASES and row["failures"] == 0, row
-        assert row["clients-trained"] == 3 + EVAL_CASES, row
-        assert row["eval-rejected"] == EVAL_CASES and row["evaluated"] == 3 + TRAIN_CASES, row
+        assert row["clients-trained"] == len(PROBE_CLIENTS) - TRAIN_CASES, row
+        assert row["eval-rejected"] == EVAL_CASES, row
+        assert row["evaluated"] == len(PROBE_CLIENTS) - EVAL_CASES, row
 
 
 def test_every_case_is_contained_in_the_sequential_engine(monkeypatch):
