@@ -335,8 +335,10 @@ def _bad_nodes_leave_the_run(work: Path, env: dict[str, str], node_2: int, port:
                               str(tmp_path / "unbound"), timeout=300).stdout
         finally:
             os.kill(node_2, signal.SIGCONT)
-        bound = _script(work, env, "run", *quick, "--out", str(tmp_path / "bound"),
-                        timeout=300).stdout
+        # no node is frozen now: the default timeouts (a loaded machine starts a node's
+        # flwr-clientapp for discovery in more than 15 s)
+        bound = _script(work, env, "run", "--rounds", "1", "--methods", "fedavg", "--out",
+                        str(tmp_path / "bound"), timeout=600).stdout
     finally:
         os.killpg(intruder.pid, signal.SIGTERM)
         intruder.wait(timeout=30)
