@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -71,7 +71,6 @@ class AuditOutcome:
     rejected: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
-    caught: list[int] = field(default_factory=list)
 
 
 def audit_sample(clients: Sequence[int], fraction: float, seed: int, server_round: int,
@@ -224,7 +223,7 @@ class Audit:
             self.warn(f"round {server_round}: client {cid}'s {what} reply is rejected by the "
                       f"audit: {why}.")
         outcome.good = [(m, a) for m, a in outcome.good if int(m[PARTITION_ID]) not in bad]
-        outcome.rejected, outcome.caught = len(bad), sorted(bad)
+        outcome.rejected = len(bad)
         return outcome
 
     def states(self, exchange: Exchange, clients: Sequence[int],

@@ -37,8 +37,6 @@ from pflalign.metrics import accuracy_summary
 from pflalign.options import ConfigError
 from pflalign.protocol import (
     ARRAY_HEADER,
-    ARRAYS_FACTOR,
-    ARRAYS_SLACK,
     CLIENT_SECONDS,
     CLIENT_STATE,
     EVALUATE,
@@ -70,6 +68,7 @@ from pflalign.validation import (
     Collected,
     ReplyValidator,
     non_finite,
+    state_limit,
     state_problem,
 )
 
@@ -285,8 +284,7 @@ class RoundLoop:
         if action == EVALUATE:
             return {}
         if action == STATE:
-            model = sum(np.asarray(v).nbytes for v in self.server.initial.values())
-            return {CLIENT_STATE: ARRAYS_FACTOR * model + ARRAYS_SLACK}
+            return {CLIENT_STATE: state_limit(self.server.initial)}
         return None
 
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:

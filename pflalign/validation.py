@@ -200,10 +200,12 @@ class ReplyValidator:
                 parts[f"'{name}' record"] = [float(np.linalg.norm(spec.flatten(
                     u.arrays[name], np.float64))) for u in updates]
         refused: dict[int, str] = {}
+        references: dict[str, float] = {}
         for part, norms in parts.items():
             reference, what = self.reference(part, norms)
             if reference is None or reference <= 0:  # nothing to compare with
                 continue
+            references[part] = reference
             for update, norm in zip(updates, norms, strict=True):
                 if update.client not in refused and norm > bound * reference:
                     refused[update.client] = (
@@ -215,9 +217,7 @@ class ReplyValidator:
         #: the largest ratio of a kept update's part to its reference (how close honest
         #: clients come to the bound; None: nothing was compared)
         self.largest_ratio = max(
-            (norm / reference for part, norms in parts.items()
-             for reference in [self.reference(part, norms, quiet=True)[0]]
-             if reference is not None and reference > 0
+            (norm / references[part] for part, norms in parts.items() if part in references
              for update, norm in zip(updates, norms, strict=True)
              if update.client not in refused), default=None)
         for part, norms in parts.items():
@@ -225,8 +225,7 @@ class ReplyValidator:
             self.norm_history[part] = [*self.norm_history.get(part, []), kept][-NORM_HISTORY:]
         return [u for u in updates if u.client not in refused], len(refused)
 
-    def reference(self, part: str, norms: Sequence[float], quiet: bool = False,
-                  ) -> tuple[float | None, str]:
+    def reference(self, part: str, norms: Sequence[float]) -> tuple[float | None, str]:
         """What ``norms`` (one round's, of ``part``) are bounded against, and its name: the
         round's median of three or more; else the median of the norms accepted in the last
         :data:`NORM_HISTORY` rounds, when they are three or more; else, of two uploads, the
@@ -240,7 +239,7 @@ class ReplyValidator:
                 f"{len(self.norm_history[part])} rounds")
         if len(norms) == 2:
             return min(norms), "the other upload's"
-        if not self.lone_upload_noted and not quiet:
+        if not self.lone_upload_noted:
             self.lone_upload_noted = True
             self.warn("a round has a single upload and no earlier accepted updates to compare "
                       "it with: the update-norm bound cannot act on it (it does from the next "
@@ -267,13 +266,19 @@ _NAME = re.compile(r"[A-Za-z0-9_.:#/-]{1,300}")
 _MOMENTS = (".v", ".P", ".m", ".s", ".step")
 
 
+def state_limit(model: Mapping[str, np.ndarray]) -> int:
+    """The most bytes a client's saved state (or a reply's arrays) may hold for a run of
+    ``model``: :data:`~pflalign.protocol.ARRAYS_FACTOR` x its bytes + ``ARRAYS_SLACK``."""
+    return ARRAYS_FACTOR * sum(np.asarray(v).nbytes for v in model.values()) + ARRAYS_SLACK
+
+
 def state_problem(state_class: type, arrays: Mapping[str, np.ndarray],
                   model: Mapping[str, np.ndarray]) -> str | None:
     """Why ``arrays`` cannot be a client's saved state of ``state_class`` for a run of
     ``model`` (None when it can): a name that is not a field of the class or not a plain name,
     a tensor kept for a model entry with another shape or dtype, a NaN or infinite value, or
     more than :data:`~pflalign.protocol.ARRAYS_FACTOR` x the model's bytes."""
-    limit = ARRAYS_FACTOR * sum(np.asarray(v).nbytes for v in model.values()) + ARRAYS_SLACK
+    limit = state_limit(model)
     total = 0
     for name, value in arrays.items():
         if not _NAME.fullmatch(str(name)) or ".." in str(name):
