@@ -27,14 +27,23 @@ def _run(out_dir, methods: str, *extra: str) -> dict:
     return json.loads((out_dir / "results.json").read_text())["methods"]
 
 
-@pytest.fixture(scope="module")
-def client_mode(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("client"), "fedavg,pflalign-sgd,pflalign")
+SERVER_STATE = 'pflalign(pflalign-state="server")'  # the entry's label
 
 
 @pytest.fixture(scope="module")
-def server_mode(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("server"), "pflalign", "--set", "pflalign-state=server")
+def runs(tmp_path_factory):
+    """One simulation (one Ray start) of every entry the tests below compare."""
+    return _run(tmp_path_factory.mktemp("runs"), f"fedavg,pflalign-sgd,pflalign,{SERVER_STATE}")
+
+
+@pytest.fixture(scope="module")
+def client_mode(runs):
+    return runs
+
+
+@pytest.fixture(scope="module")
+def server_mode(runs):
+    return {"pflalign": runs[SERVER_STATE]}
 
 
 def test_p_one_and_delta_zero_is_fedavg_with_plain_sgd(client_mode):

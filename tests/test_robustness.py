@@ -242,8 +242,8 @@ def test_buffers_and_extra_records_are_norm_bounded_too():
 
 @needs_fashion_mnist
 def test_flower_engine_counts_injected_failures_and_a_hanging_client_exactly(tmp_path):
-    changes = {"num-clients": 6, "max-samples": 3000, "fraction-train": 1.0, "rounds": 2,
-               "eval-every": 2, "local-steps": 5, "seed": 2, "client-failure-rate": 0.3,
+    changes = {"num-clients": 6, "max-samples": 3000, "fraction-train": 1.0, "rounds": 1,
+               "eval-every": 1, "local-steps": 5, "seed": 2, "client-failure-rate": 0.3,
                "malicious-clients": 1, "attack": "hang", "round-timeout": 10.0}
     args = [f"--set={k}={v}" for k, v in changes.items()]
     run = subprocess.run([sys.executable, str(ROOT / "simulate.py"), *args, "--methods",
