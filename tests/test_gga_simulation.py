@@ -1,4 +1,6 @@
-"""GENIE, GGA's warm start and the rotated partition in one real Flower simulation on Ray."""
+"""GENIE, GGA's warm start and the rotated partition in one run of ``simulate.py`` (on the
+sequential engine: test_baselines_simulation runs GGA's warm start and GENIE as a local optimizer
+under Flower on Ray and compares them with this engine bit for bit)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ METHODS = "fedavg,fedavg(gga=true),fedavg(local-optimizer=genie),pflalign-genie"
 COMMON = ["--set", "num-clients=4", "--set", "num-unseen-clients=2", "--set", "max-samples=2000",
           "--set", "partition=rotated", "--set", "rounds=3", "--set", "eval-every=3",
           "--set", "fraction-train=0.5", "--set", "gga-start=2", "--set", "gga-end=3",
-          "--set", "local-steps=10", "--set", "seed=5", "--quiet"]
+          "--set", "local-steps=10", "--set", "seed=5", "--set", "engine=sequential",
+          "--quiet"]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,6 @@
-"""pFLAlign in real Flower simulations on Ray: invariants, diagnostics, client vs server state."""
+"""pFLAlign through ``simulate.py``: invariants, diagnostics, client vs server state (on the
+sequential engine: test_baselines_simulation runs pflalign with either state under Flower on Ray
+and compares them with this engine bit for bit)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ pytestmark = needs_fashion_mnist
 
 COMMON = ["--set", "num-clients=4", "--set", "num-unseen-clients=1", "--set", "max-samples=2000",
           "--set", "rounds=3", "--set", "eval-every=1", "--set", "fraction-train=0.5",
-          "--set", "seed=2", "--quiet"]
+          "--set", "seed=2", "--set", "engine=sequential", "--quiet"]
 TIMING = {"round-seconds", "train-seconds", "eval-seconds", "client-seconds",
           "seconds-per-round", "total-seconds"}
 TRAFFIC = {"bytes-up", "bytes-down"}
