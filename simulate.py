@@ -148,10 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for name in plan.scenarios:
             settings = plan.settings(name)
-            if args.ray_address and settings.run.engine != "flower":
-                raise ConfigError(f"--ray-address runs the clients on a Ray cluster, which needs "
-                                  f"engine = 'flower' (this run has engine = "
-                                  f"{settings.run.engine!r}).")
+            if args.ray_address and settings.run.engine == "sequential":
+                raise ConfigError("--ray-address runs the clients on a Ray cluster, which needs "
+                                  "engine = 'flower' or 'batched' (this run has engine = "
+                                  "'sequential').")
             if not args.ray_address:
                 from pflalign.engines import check_resources
 
@@ -188,6 +188,11 @@ def group_runner(args: argparse.Namespace):
 
             return simulate_sequential(settings, reporter, resume=resume)
         if settings.run.engine == "batched":
+            if str(settings.run.batched_workers).strip() != "1" or args.ray_address:
+                from pflalign.engines.workers import simulate as simulate_on_workers
+
+                return simulate_on_workers(settings, reporter, resume=resume,
+                                           ray_address=args.ray_address)
             from pflalign.engines.batched import simulate as simulate_batched
 
             return simulate_batched(settings, reporter, resume=resume)

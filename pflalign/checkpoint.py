@@ -23,7 +23,7 @@ import hashlib
 import json
 import re
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,6 +116,67 @@ def restore_rng(arrays: Mapping[str, np.ndarray], meta: Mapping[str, list]) -> N
                              int(has_gauss), float(cached)))
 
 
+class StoredStates(MutableMapping[int, State]):
+    """The client states of a checkpoint file, by client id, each read from the file when it is
+    asked for (a resumed run of 10,000 clients never holds them all). The file stays open while
+    this lives, so a later checkpoint replacing it changes nothing read here. Deleting a client
+    forgets it; :meth:`nonempty` leaves out the clients whose state has no arrays."""
+
+    def __init__(self, archive, index: Mapping[int, list[tuple[str, str]]]):
+        self._archive = archive
+        self._index = dict(index)
+
+    def __getitem__(self, client: int) -> State:
+        return {name: self._archive[key] for key, name in self._index[client]}
+
+    def __setitem__(self, client: int, state: State) -> None:
+        raise TypeError("a checkpoint's client states are read-only")
+
+    def __delitem__(self, client: int) -> None:
+        del self._index[client]
+
+    def __contains__(self, client: object) -> bool:
+        return client in self._index
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._index))
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def nonempty(self) -> StoredStates:
+        return StoredStates(self._archive, {c: k for c, k in self._index.items() if k})
+
+
+def nonempty(states: Mapping[int, State]) -> MutableMapping[int, State]:
+    """The clients of ``states`` whose state has arrays (read lazily from a checkpoint file)."""
+    if isinstance(states, StoredStates):
+        return states.nonempty()
+    return {cid: state for cid, state in states.items() if state}
+
+
+def _write_archive(handle, meta: dict,
+                   groups: Iterable[tuple[str, int | None, Mapping[str, np.ndarray]]]) -> None:
+    """An ``.npz`` archive (what :func:`numpy.load` reads, as :func:`numpy.savez` writes it) of
+    the arrays of ``groups``, written one array at a time, as ``a0``, ``a1``, ...; and last the
+    metadata, with each array's group, owner and name, and the clients met (``clients``)."""
+    names: list[list] = []
+    clients: list[int] = []
+    with zipfile.ZipFile(handle, mode="w", compression=zipfile.ZIP_STORED,
+                         allowZip64=True) as archive:
+        def put(key: str, value: np.ndarray) -> None:
+            with archive.open(f"{key}.npy", mode="w", force_zip64=True) as out:
+                np.lib.format.write_array(out, np.asanyarray(value), allow_pickle=False)
+
+        for group, owner, state in groups:
+            if group == CLIENT:
+                clients.append(int(owner))
+            for name, value in state.items():
+                put(f"a{len(names)}", value)
+                names.append([group, owner, name])
+        put("meta", np.array(json.dumps({**meta, "names": names, "clients": clients})))
+
+
 class Checkpoint:
     """The checkpoint file of one method entry: when to write it, writing, reading, removing.
 
@@ -140,31 +201,28 @@ class Checkpoint:
         """Whether a checkpoint is written after ``server_round``."""
         return self.every > 0 and server_round % self.every == 0 and server_round < self.rounds
 
-    def write(self, snapshot: Snapshot) -> Path:
-        """Write ``snapshot`` atomically, replacing the previous checkpoint."""
-        arrays: dict[str, np.ndarray] = {}
-        names: list[list] = []
+    def write(self, snapshot: Snapshot,
+              clients: Iterable[tuple[int, State]] | None = None) -> Path:
+        """Write ``snapshot`` atomically, replacing the previous checkpoint. ``clients`` (in
+        place of ``snapshot.clients``): the clients' states as ``(id, state)`` pairs, each
+        written into the file as it comes, so that no more than one is held here at a time; an
+        exception raised by it leaves the previous checkpoint as it was."""
+        def groups() -> Iterator[tuple[str, int | None, Mapping[str, np.ndarray]]]:
+            yield SERVER, None, snapshot.server
+            if snapshot.before_aggregation is not None:
+                yield BEFORE, None, snapshot.before_aggregation
+            pairs = (sorted(snapshot.clients.items()) if clients is None else clients)
+            for cid, state in pairs:
+                yield CLIENT, int(cid), state
+            yield RNG, None, snapshot.rng_arrays
 
-        def add(group: str, owner: int | None, state: Mapping[str, np.ndarray]) -> None:
-            for name, value in state.items():
-                arrays[f"a{len(names)}"] = np.asarray(value)
-                names.append([group, owner, name])
-
-        add(SERVER, None, snapshot.server)
-        if snapshot.before_aggregation is not None:
-            add(BEFORE, None, snapshot.before_aggregation)
-        for cid in sorted(snapshot.clients):
-            add(CLIENT, cid, snapshot.clients[cid])
-        add(RNG, None, snapshot.rng_arrays)
         meta = {"format": CHECKPOINT_FORMAT, "version": FORMAT_VERSION, "label": self.label,
-                "fingerprint": self.fingerprint, "round": snapshot.round, "names": names,
+                "fingerprint": self.fingerprint, "round": snapshot.round,
                 "has-before-aggregation": snapshot.before_aggregation is not None,
-                "clients": sorted(snapshot.clients), "rounds": snapshot.rounds,
-                "client-results": snapshot.client_results,
+                "rounds": snapshot.rounds, "client-results": snapshot.client_results,
                 "saved-state": sorted(snapshot.saved_state), "last-eval": snapshot.last_eval,
                 "hooks": snapshot.hooks, "rng": snapshot.rng_meta, "norms": snapshot.norms}
-        atomic_write(self.path, lambda handle: np.savez(
-            handle, meta=np.array(json.dumps(meta)), **arrays))
+        atomic_write(self.path, lambda handle: _write_archive(handle, meta, groups()))
         return self.path
 
     def read(self) -> Snapshot | None:
@@ -174,9 +232,16 @@ class Checkpoint:
         if not self.path.exists():
             return None
         try:
-            with np.load(self.path, allow_pickle=False) as archive:
-                meta = json.loads(str(archive["meta"]))
-                loaded = [archive[f"a{i}"] for i in range(len(meta["names"]))]
+            archive = np.load(self.path, allow_pickle=False)  # kept open by the client states
+            meta = json.loads(str(archive["meta"]))
+            names = meta["names"]
+            # every array read once (a damaged file fails here, not later in the run); only
+            # the server's and the generators' are kept: a client's is read again when needed
+            loaded = {}
+            for i, (group, _, _) in enumerate(names):
+                value = archive[f"a{i}"]
+                if group != CLIENT:
+                    loaded[i] = value
         except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as err:
             raise ConfigError(f"The checkpoint '{self.path}' cannot be read ({err}); remove it "
                               f"to run '{self.label}' from round 1.") from err
@@ -190,13 +255,16 @@ class Checkpoint:
                               f"it was written with, or remove it to run '{self.label}' from "
                               "round 1.")
         groups: dict[tuple[str, int | None], State] = {}
-        for (group, owner, name), value in zip(meta["names"], loaded, strict=True):
-            groups.setdefault((group, owner), {})[name] = value
+        index: dict[int, list[tuple[str, str]]] = {int(cid): [] for cid in meta["clients"]}
+        for i, (group, owner, name) in enumerate(names):
+            if group == CLIENT:
+                index[int(owner)].append((f"a{i}", name))
+            else:
+                groups.setdefault((group, owner), {})[name] = loaded[i]
         before = groups.get((BEFORE, None), {}) if meta["has-before-aggregation"] else None
         return Snapshot(
             round=int(meta["round"]), server=groups.get((SERVER, None), {}),
-            before_aggregation=before,
-            clients={int(cid): groups.get((CLIENT, int(cid)), {}) for cid in meta["clients"]},
+            before_aggregation=before, clients=StoredStates(archive, index),
             rounds=meta["rounds"], client_results=meta["client-results"],
             saved_state=[int(c) for c in meta["saved-state"]], last_eval=meta["last-eval"],
             hooks=meta["hooks"], rng_arrays=groups.get((RNG, None), {}), rng_meta=meta["rng"],

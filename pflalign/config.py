@@ -276,6 +276,10 @@ def _check_model_fits_data(values: Mapping[str, Value], label: str) -> None:
 
 
 def _check_cross_keys(values: Mapping[str, Value]) -> None:
+    workers = str(values["batched-workers"]).strip()
+    if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
+        raise ConfigError(f"batched-workers = {values['batched-workers']!r}: give a whole number "
+                          "of worker processes (>= 1), or auto.")
     kind = DATASET_KINDS[str(values["dataset"])]
     if kind == TOKENS and values["partition"] not in TEXT_PARTITIONS:
         raise ConfigError(f"partition = {values['partition']!r} splits by class label or "

@@ -20,7 +20,7 @@ client's state is sent back to it with the next message it gets (a ``restore-sta
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -28,7 +28,7 @@ import numpy as np
 
 from pflalign.aggregation import mean_cosine
 from pflalign.audit import Audit
-from pflalign.checkpoint import Checkpoint, Snapshot, capture_rng, restore_rng
+from pflalign.checkpoint import Checkpoint, Snapshot, capture_rng, nonempty, restore_rng
 from pflalign.interrupt import check_stop
 from pflalign.language import is_language_model
 from pflalign.messages import ClientInfo, Exchange, Outgoing, Payload, Update
@@ -71,6 +71,14 @@ from pflalign.validation import (
     state_limit,
     state_problem,
 )
+
+#: clients asked for their state in one exchange when a checkpoint is written
+STATE_CHUNK = 64
+
+
+class _NoCheckpoint(Exception):
+    """A client's state cannot be had: no checkpoint is written this time (the message says
+    why)."""
 
 
 class Engine(Protocol):
@@ -118,7 +126,7 @@ class RoundLoop:
         self.saved_state: set[int] = set()
         #: after a resume, the checkpointed state of each client not heard from since: it goes
         #: with the next train or evaluate message to that client
-        self.pending_restore: dict[int, State] = {}
+        self.pending_restore: MutableMapping[int, State] = {}
         #: the checks every reply meets (its warnings go to the reporter, not through this loop,
         #: which would make a reference cycle that keeps the engine and its files alive)
         label, reporter = server.label, self.reporter
@@ -201,51 +209,51 @@ class RoundLoop:
                           f"{type(hook).__name__} cannot save its state.")
                 return
             hooks.append(hook.state_dict())
-        clients = self.client_states(server_round)
-        if clients is None:
-            return
         rng_arrays, rng_meta = capture_rng()
-        checkpoint.write(Snapshot(
+        snapshot = Snapshot(
             round=server_round, server=self.state.to_arrays(),
             before_aggregation=(None if self.before_aggregation is None
                                 else self.before_aggregation.to_arrays()),
-            clients=clients, rounds=self.rounds, client_results=self.client_results,
+            clients={}, rounds=self.rounds, client_results=self.client_results,
             saved_state=sorted(self.saved_state), last_eval=dict(last_eval), hooks=hooks,
             rng_arrays=rng_arrays, rng_meta=rng_meta,
             norms={part: [list(kept) for kept in rounds]
-                   for part, rounds in self.validator.norm_history.items()}))
+                   for part, rounds in self.validator.norm_history.items()})
+        try:
+            checkpoint.write(snapshot, self.client_states(server_round))
+        except _NoCheckpoint as reason:
+            self.warn(f"no checkpoint after round {server_round}: {reason}.")
 
-    def client_states(self, server_round: int) -> dict[int, State] | None:
-        """The method state of every client that keeps one (:attr:`saved_state`): a state still
-        to be restored as it is, the others asked of the clients (a
-        :data:`~pflalign.protocol.STATE` exchange, which no round's bytes count). None, with a
-        warning, when a client does not give it."""
-        states = {cid: self.pending_restore[cid] for cid in sorted(self.saved_state)
-                  if cid in self.pending_restore}
-        ask = [cid for cid in sorted(self.saved_state) if cid not in states]
-        if not ask:
-            return states
-        exchange = self.exchange(STATE, [self.message(cid, Payload(), server_round)
-                                         for cid in ask])
-        for reply in exchange.replies:
-            try:
-                self.validator.validate(reply, {}, {PARTITION_ID: ID}, (CLIENT_STATE,))
-            except ClientFailure as failure:
-                self.warn(f"no checkpoint after round {server_round}: {failure}.")
-                return None
-            state = dict(reply.arrays.get(CLIENT_STATE, {}))
-            problem = state_problem(self.method.ClientState, state, self.server.initial)
-            if problem:
-                self.warn(f"no checkpoint after round {server_round}: {reply.who}'s saved state "
-                          f"was rejected: {problem}.")
-                return None
-            states[reply.sender] = state
-        missing = sorted(set(ask) - set(states))
-        if missing:
-            self.warn(f"no checkpoint after round {server_round}: clients {missing} did not give "
-                      "their state.")
-            return None
-        return {cid: states[cid] for cid in sorted(states)}
+    def client_states(self, server_round: int) -> Iterator[tuple[int, State]]:
+        """The method state of every client that keeps one (:attr:`saved_state`), in client
+        order, as ``(id, state)`` pairs: a state still to be restored as it is, the others asked
+        of the clients :data:`STATE_CHUNK` at a time (a :data:`~pflalign.protocol.STATE`
+        exchange, which no round's bytes count), so that a checkpoint never holds every
+        client's state at once. :class:`_NoCheckpoint` when a client does not give it."""
+        order = sorted(self.saved_state)
+        for start in range(0, len(order), STATE_CHUNK):
+            chunk = order[start:start + STATE_CHUNK]
+            ask = [cid for cid in chunk if cid not in self.pending_restore]
+            states: dict[int, State] = {}
+            if ask:
+                exchange = self.exchange(STATE, [self.message(cid, Payload(), server_round)
+                                                 for cid in ask])
+                for reply in exchange.replies:
+                    try:
+                        self.validator.validate(reply, {}, {PARTITION_ID: ID}, (CLIENT_STATE,))
+                    except ClientFailure as failure:
+                        raise _NoCheckpoint(str(failure)) from None
+                    state = dict(reply.arrays.get(CLIENT_STATE, {}))
+                    problem = state_problem(self.method.ClientState, state, self.server.initial)
+                    if problem:
+                        raise _NoCheckpoint(f"{reply.who}'s saved state was rejected: {problem}")
+                    states[reply.sender] = state
+                missing = sorted(set(ask) - set(states))
+                if missing:
+                    raise _NoCheckpoint(f"clients {missing} did not give their state")
+            for cid in chunk:
+                yield cid, (self.pending_restore[cid] if cid in self.pending_restore
+                            else states.pop(cid))
 
     def restore(self, snapshot: Snapshot) -> dict[str, float]:
         """Continue from ``snapshot``: the server state, rows, client results and hooks as they
@@ -264,7 +272,7 @@ class RoundLoop:
         self.rounds = list(snapshot.rounds)
         self.client_results = list(snapshot.client_results)
         self.saved_state = set(snapshot.saved_state)
-        self.pending_restore = {cid: state for cid, state in snapshot.clients.items() if state}
+        self.pending_restore = nonempty(snapshot.clients)  # each read when it is sent
         self.validator.norm_history = {part: [[float(n) for n in kept] for kept in rounds]
                                        for part, rounds in snapshot.norms.items()}
         restore_rng(snapshot.rng_arrays, snapshot.rng_meta)
@@ -407,7 +415,8 @@ class RoundLoop:
         server, method = self.server, self.method
         messages = [self.message(cid, method.eval_payload(server, self.state, cid, server_round),
                                  server_round)
-                    for cid in server.largest_first(method.eval_clients(server))]
+                    for cid in server.largest_first(
+                        server.eval_sample(method.eval_clients(server), server_round))]
         exchange = self.exchange(EVALUATE, messages)
         collected = self.validator.collect(exchange.replies, {}, method.reply_metrics(EVALUATE))
         audit = self.audit.check_evaluation(server_round, messages, collected, self.exchange,

@@ -7,17 +7,20 @@ from collections.abc import Iterable
 import numpy as np
 
 SAMPLING_STREAM = 7
+#: the stream of ``eval-fraction``'s draw of the clients evaluated in a round
+EVAL_SAMPLING_STREAM = 13
 
 
-def sample_clients(pool: Iterable[int], fraction: float, seed: int, server_round: int) -> list[int]:
+def sample_clients(pool: Iterable[int], fraction: float, seed: int, server_round: int,
+                   stream: int = SAMPLING_STREAM) -> list[int]:
     """``max(1, round(fraction * |pool|))`` distinct clients of ``pool``, sorted.
 
-    The draw depends only on (seed, round) and the sorted pool, so every method of a comparison
-    trains the same clients in the same round.
+    The draw depends only on (seed, round, stream) and the sorted pool, so every method of a
+    comparison trains (and, with ``eval-fraction``, evaluates) the same clients in the same round.
     """
     ordered = sorted(pool)
     if not ordered:
         raise ValueError("Cannot sample from an empty pool of clients.")
     k = max(1, round(fraction * len(ordered)))
-    rng = np.random.default_rng([seed, server_round, SAMPLING_STREAM])
+    rng = np.random.default_rng([seed, server_round, stream])
     return sorted(int(c) for c in rng.choice(ordered, size=k, replace=False))

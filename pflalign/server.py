@@ -15,7 +15,7 @@ import numpy as np
 
 from pflalign.aggregation import FlatSpec, combine, fedavg
 from pflalign.messages import ClientInfo
-from pflalign.sampling import sample_clients
+from pflalign.sampling import EVAL_SAMPLING_STREAM, sample_clients
 from pflalign.settings import Settings
 from pflalign.state import ServerState, State
 
@@ -134,6 +134,16 @@ class ServerRuntime:
             self._samples[server_round] = sample_clients(
                 self.training_clients(), self.fraction_train, self.seed, server_round)
         return self._samples[server_round]
+
+    def eval_sample(self, clients: Iterable[int], server_round: int) -> list[int]:
+        """The clients of ``clients`` evaluated in ``server_round``: all of them in the last
+        round or with ``eval-fraction = 1``; else a sample of that fraction (at least one), the
+        same for every method (seed, round and its own stream)."""
+        clients = list(clients)
+        fraction = self.settings.run.eval_fraction
+        if fraction >= 1.0 or server_round == self.rounds or not clients:
+            return clients
+        return sample_clients(clients, fraction, self.seed, server_round, EVAL_SAMPLING_STREAM)
 
     def largest_first(self, clients: Iterable[int]) -> list[int]:
         """Clients in decreasing order of data size: engines hand messages to free workers in

@@ -59,6 +59,12 @@ class RunConfig(Params):
         5,
         'Evaluate every N rounds (the last round is always evaluated).',
         minimum=1, group='run')
+    eval_fraction: float = param(
+        1.0,
+        'Fraction of the clients evaluated in each evaluation round before the last (a sample '
+        'of at least one, drawn reproducibly from seed and the round, as cross-device practice '
+        'does); the last round always evaluates every client, and the final metrics are its.',
+        minimum=0.0, maximum=1.0, exclusive_minimum=True, group='run', scope='run')
     out_dir: str = param(
         'results',
         'Directory for results.json (created if missing).',
@@ -184,6 +190,14 @@ class RunConfig(Params):
         'engine = batched: clients trained or evaluated together in one cohort (their models '
         'and optimizer states are stacked: memory grows with it).',
         minimum=1, group='simulation', scope='run')
+    batched_workers: str = param(
+        '1',
+        'engine = batched: worker processes (Ray actors) a round\'s clients are split across, '
+        'each holding the data once and the state of the clients it serves: a number, or auto '
+        '(one per GPU when client-resources-num-gpus > 0, else one per '
+        'client-resources-num-cpus cores, of this machine or of the --ray-address cluster). 1: '
+        'in this process, without Ray. The metrics do not depend on it.',
+        group='simulation', scope='output')
     batched_backend: str = param(
         'auto',
         'engine = batched: how a step computes the cohort\'s gradients: loop (one client at a '

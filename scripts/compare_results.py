@@ -20,7 +20,8 @@ import math
 import sys
 from pathlib import Path
 
-IGNORED_CONFIG = {"out-dir", "engine", "cohort-size", "batched-backend", "memory-budget-gb"}
+IGNORED_CONFIG = {"out-dir", "engine", "cohort-size", "batched-backend", "batched-workers",
+                  "memory-budget-gb"}
 
 
 def _timing(key: str) -> bool:

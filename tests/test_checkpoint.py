@@ -289,3 +289,42 @@ def test_the_flower_engines_state_query_and_restore_round_trip_through_the_clien
         for name, value in state.items():
             assert got[node][name].shape == value.shape and got[node][name].dtype == value.dtype
             assert np.array_equal(got[node][name], value), (node, name)
+
+
+class _CountingStateQueries(SequentialEngine):
+    """The sequential engine, recording how many clients each state query asks."""
+
+    asked: list[int] = []
+
+    def exchange(self, action, messages):
+        if action == "state":
+            _CountingStateQueries.asked.append(len(messages))
+        return super().exchange(action, messages)
+
+
+@needs_fashion_mnist
+def test_a_checkpoint_streams_client_states_and_a_resume_reads_them_one_by_one(tmp_path,
+                                                                               monkeypatch):
+    """States are asked STATE_CHUNK clients at a time and written as they come; a resumed run
+    reads each from the file when it sends it back, and ends as the uninterrupted run does."""
+    from pflalign import rounds
+    from pflalign.checkpoint import StoredStates
+
+    monkeypatch.setattr(rounds, "STATE_CHUNK", 2)
+    settings = build_settings({**TINY, "fraction-train": 1.0, "checkpoint-every": 2,
+                               "eval-audit-fraction": 0.0,  # its state queries are not counted
+                               "methods": "pflalign", "out-dir": str(tmp_path / "k")})
+    reference = run_methods(settings.replace({"checkpoint-every": 0,
+                                              "out-dir": str(tmp_path / "ref")}),
+                            SequentialEngine, Reporter(quiet=True))
+    _CountingStateQueries.asked = []
+    with pytest.raises(Interrupted):
+        run_methods(settings, _CountingStateQueries, _StopAt("[pflalign] round   3/4"))
+    interrupt.reset()
+    assert _CountingStateQueries.asked == [2, 2, 2]  # 6 clients with state, 2 per query
+    snapshot = Checkpoint.for_entry(settings.run.out_dir, "pflalign", settings).read()
+    assert isinstance(snapshot.clients, StoredStates) and sorted(snapshot.clients) == list(range(6))
+    assert snapshot.clients[3] and all(isinstance(v, np.ndarray)
+                                       for v in snapshot.clients[3].values())
+    resumed = run_methods(settings, SequentialEngine, Reporter(quiet=True), resume=True)
+    assert comparable(resumed["methods"]) == comparable(reference["methods"])

@@ -1,0 +1,370 @@
+"""``engine = batched`` on Ray actors: a round's clients split across worker processes.
+
+With ``batched-workers`` = N > 1 (or ``auto``, or a ``--ray-address`` cluster), the batched engine
+runs in N Ray actors, each a :class:`Worker`: it holds the pooled data once and the model's frozen
+parts once (both by the process caches of :mod:`pflalign.federation` and :mod:`pflalign.models`),
+keeps the saved state of the clients it serves in its own
+:class:`~pflalign.store.ClientStateStore` (spilled beyond its share of ``memory-budget-gb``, in
+its node's own ``out-dir``), and runs its share of every exchange with the one client path (a
+:class:`~pflalign.engines.batched.BatchedEngine`). The driver (:class:`ActorEngine`) keeps the
+round loop, so validation, aggregation, metrics and checkpoints are those of one process.
+
+Each exchange, the driver assigns the messages to the actors (:func:`assign`): a client goes to
+the actor that holds its state while that actor has fewer than its share (ceil(n / N)) of the
+exchange's messages, the others to the least loaded actor; a client whose state is elsewhere has
+it moved first, actor to actor through Ray's object store. Each actor's share goes out as one
+call and comes back as one :class:`~pflalign.messages.Exchange`; the replies are put back in
+message order. Uploads come back through the object store (NumPy arrays are read from it without
+a copy). Which actor serves a client changes nothing it computes: every draw is derived from (seed,
+round, client), so with one torch thread per actor the metrics equal the sequential engine's at
+one thread, bit for bit, for every N.
+
+An actor that dies during an exchange fails the clients of its share (error replies naming it, as
+a failed client is named), the round completes without them, and a new actor takes its place
+before the next exchange; the state of the clients it held is lost with it, and each such client
+is warned about when it next replies without it. Needs Ray; nothing here imports it at import
+time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from pflalign.engines import check_resources, run_methods
+from pflalign.engines.batched import BatchedEngine
+from pflalign.federation import federated_dataset
+from pflalign.messages import Exchange, Outgoing, Reply
+from pflalign.options import ConfigError
+from pflalign.protocol import RESTORE, STATE
+from pflalign.raycluster import LOOPBACK_HOSTS, check_ray_address, parse_ray_address
+from pflalign.results import Reporter
+from pflalign.settings import Settings
+from pflalign.state import State
+from pflalign.train import configure_threads
+
+
+class _Collecting(Reporter):
+    """A worker's reporter: its lines are kept for the driver to print (once each)."""
+
+    def __init__(self) -> None:
+        super().__init__(quiet=True)
+        self.lines: list[str] = []
+
+    def info(self, text: str) -> None:
+        self.lines.append(text)
+
+    def warn(self, text: str) -> None:
+        self.lines.append(f"WARNING: {text}")
+
+
+class Worker:
+    """One actor's side: the data and the model's frozen parts loaded once per process, and for
+    the running method entry a :class:`BatchedEngine` holding the state of the clients it
+    serves."""
+
+    def __init__(self, values: Mapping[str, object], index: int, workers: int):
+        from pflalign.config import build_settings
+
+        self.index, self.workers = index, workers
+        self.host = socket.gethostname()
+        settings = build_settings(values)
+        configure_threads(settings.run.client_resources_num_cpus)
+        try:
+            federated_dataset(settings)  # the pooled data, once per process
+        except Exception as err:
+            raise ConfigError(f"worker {index} on node {self.host} cannot load the run's data "
+                              f"({err}); every node of the Ray cluster needs the dataset under "
+                              f"the same data-root ('{settings.run.data_root}').") from err
+        self.engine: BatchedEngine | None = None
+        self.reporter = _Collecting()
+
+    def where(self) -> tuple[str, int]:
+        """The address of this worker's Ray node, and its process id."""
+        import ray
+
+        return ray.util.get_node_ip_address(), os.getpid()
+
+    def start(self, values: Mapping[str, object]) -> None:
+        """A new method entry: its settings, and no client state (the last entry's files go)."""
+        from pflalign.config import build_settings
+
+        if self.engine is not None:
+            self.engine.close()
+        settings = build_settings(values)
+        share = settings.run.memory_budget_gb / self.workers
+        spill = str(Path(settings.run.out_dir) / ".workers" / f"worker-{self.index}")
+        self.engine = BatchedEngine(settings.replace({"memory-budget-gb": share,
+                                                      "out-dir": spill}), self.reporter)
+
+    def exchange(self, action: str, messages: Sequence[Outgoing]) -> tuple[Exchange, list[str]]:
+        exchange = self.engine.exchange(action, messages)
+        lines, self.reporter.lines = self.reporter.lines, []
+        return exchange, lines
+
+    def take(self, clients: Sequence[int]) -> dict[int, State]:
+        """The saved states of ``clients`` (those it holds), removed from this worker."""
+        states = self.engine.states
+        out = {cid: {k: v.copy() for k, v in states[cid].items()} for cid in clients
+               if cid in states}
+        for cid in out:
+            del states[cid]
+        return out
+
+    def put(self, states: Mapping[int, State]) -> None:
+        for cid, state in states.items():
+            self.engine.states[cid] = dict(state)
+
+    def holds(self) -> list[int]:
+        return sorted(self.engine.states) if self.engine is not None else []
+
+    def memory_note(self) -> str | None:
+        return self.engine.memory_note() if self.engine is not None else None
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def assign(clients: Sequence[int], home: Mapping[int, int], workers: int) -> list[int]:
+    """The worker of each of ``clients`` (one exchange's, in message order): a client stays with
+    the worker ``home`` gives it while that worker has fewer than ceil(n / workers) of them; the
+    others go, in message order, to the worker with the fewest (the lowest index first)."""
+    cap = math.ceil(len(clients) / workers) if clients else 0
+    load = [0] * workers
+    out: list[int | None] = [None] * len(clients)
+    for i, cid in enumerate(clients):
+        k = home.get(cid)
+        if k is not None and k < workers and load[k] < cap:
+            out[i] = k
+            load[k] += 1
+    for i in range(len(clients)):
+        if out[i] is None:
+            k = min(range(workers), key=lambda w: (load[w], w))
+            out[i] = k
+            load[k] += 1
+    return [int(k) for k in out]
+
+
+def resolve_workers(settings: Settings, cluster: Mapping[str, float]) -> int:
+    """``batched-workers`` as a number: ``auto`` is one per GPU when clients use GPUs, else one
+    per ``client-resources-num-cpus`` cores of ``cluster`` (Ray's resources); a
+    :class:`ConfigError` when the workers asked for cannot all be placed."""
+    run = settings.run
+    cpus, gpus = run.client_resources_num_cpus, run.client_resources_num_gpus
+    have_cpus, have_gpus = float(cluster.get("CPU", 0)), float(cluster.get("GPU", 0))
+    text = str(run.batched_workers).strip()
+    if text == "auto":
+        n = int(have_gpus // gpus) if gpus > 0 else int(have_cpus // cpus)
+        return max(1, n)
+    n = int(text)
+    if n * cpus > have_cpus + 1e-9 or n * gpus > have_gpus + 1e-9:
+        need = f"{n * cpus:g} CPUs" + (f" and {n * gpus:g} GPUs" if gpus else "")
+        raise ConfigError(
+            f"batched-workers = {n} needs {need} (client-resources-num-cpus = {cpus:g}"
+            + (f", client-resources-num-gpus = {gpus:g}" if gpus else "")
+            + f" each), but the Ray cluster has {have_cpus:g} CPUs and {have_gpus:g} GPUs; "
+            "lower batched-workers (or use auto) or the resources per worker.")
+    return n
+
+
+class WorkerPool:
+    """The run's N actors, started once and kept across its method entries."""
+
+    def __init__(self, settings: Settings, reporter: Reporter, address: str | None = None):
+        import ray
+
+        self.ray = ray
+        self.reporter = reporter
+        self.values = dict(settings.to_dict())
+        self.said: set[str] = set()
+        if not ray.is_initialized():
+            from pflalign.flower_process import bind_ray_to_loopback
+            from pflalign.interrupt import reinstall_handlers
+
+            args: dict = {"include_dashboard": False, "logging_level": "ERROR",
+                          "log_to_driver": False, "runtime_env": _runtime_env()}
+            if address is None or parse_ray_address(address)[0] in LOOPBACK_HOSTS:
+                bind_ray_to_loopback()  # a Ray of this machine listens on 127.0.0.1 only
+            if address is None:
+                ray.init(num_cpus=os.cpu_count(), **args)
+            else:
+                ray.init(address=address, **args)
+            reinstall_handlers()  # ray.init installs its own SIGTERM handler
+        self.n = resolve_workers(settings, ray.cluster_resources())
+        run = settings.run
+        self.options = {"num_cpus": run.client_resources_num_cpus,
+                        "num_gpus": run.client_resources_num_gpus,
+                        "scheduling_strategy": "SPREAD", "max_restarts": 0}
+        self.actors = [self._new(k) for k in range(self.n)]
+        places = ray.get([a.where.remote() for a in self.actors])
+        hosts = sorted({host for host, _ in places})
+        reporter.info(f"engine = batched on {self.n} Ray workers (on {', '.join(hosts)}), "
+                      f"{run.client_resources_num_cpus:g} CPU(s) each")
+        self.places = places
+
+    def _new(self, k: int):
+        actor = self.ray.remote(Worker).options(**self.options).remote(self.values, k, self.n)
+        try:
+            self.ray.get(actor.where.remote())
+        except self.ray.exceptions.RayActorError as err:
+            cause = getattr(err, "cause", None) or err
+            raise ConfigError(_first_line(cause)) from None
+        return actor
+
+    def restart(self, k: int, values: Mapping[str, object]) -> None:
+        """A new actor in place of actor ``k`` (which died), ready for the running entry."""
+        self.actors[k] = self._new(k)
+        self.ray.get(self.actors[k].start.remote(dict(values)))
+
+    def say(self, lines: Sequence[str]) -> None:
+        for line in lines:
+            if line not in self.said:
+                self.said.add(line)
+                if line.startswith("WARNING: "):
+                    self.reporter.warn(line[len("WARNING: "):])
+                else:
+                    self.reporter.info(line)
+
+    def close(self) -> None:
+        for actor in self.actors:
+            try:
+                self.ray.get(actor.close.remote())
+            except Exception:  # noqa: BLE001 (a dead actor has nothing left to close)
+                pass
+            self.ray.kill(actor)
+        self.actors = []
+
+
+def _runtime_env() -> dict:
+    """The workers import the project from this process's ``sys.path``."""
+    import sys
+
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    for line in reversed(text.splitlines()):
+        if "ConfigError:" in line:
+            return line.split("ConfigError:", 1)[1].strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+class ActorEngine:
+    """The batched engine of one method entry, its clients served by a :class:`WorkerPool`."""
+
+    def __init__(self, settings: Settings, pool: WorkerPool):
+        self.settings = settings
+        self.pool = pool
+        self.values = dict(settings.to_dict())
+        self.ray = pool.ray
+        self.ray.get([a.start.remote(self.values) for a in pool.actors])
+        #: the worker holding each client's saved state
+        self.home: dict[int, int] = {}
+        self._local = BatchedEngine(settings, pool.reporter)  # discovery only: no client runs
+
+    def discover(self):
+        return self._local.discover()
+
+    def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
+        if not messages:
+            return Exchange([], 0, 0)
+        n = len(self.pool.actors)
+        clients = [m.client for m in messages]
+        if action == STATE:  # a query goes where the state is, and moves nothing
+            owners = [self.home.get(cid, 0) for cid in clients]
+        else:
+            owners = assign(clients, self.home, n)
+            self._move(clients, owners, messages)
+        shares: dict[int, list[int]] = {}
+        for i, k in enumerate(owners):
+            shares.setdefault(k, []).append(i)
+        calls = {k: self.pool.actors[k].exchange.remote(action, [messages[i] for i in idx])
+                 for k, idx in shares.items()}
+        replies: list[Reply | None] = [None] * len(messages)
+        down = up = 0
+        dead = []
+        for k, idx in shares.items():
+            try:
+                exchange, lines = self.ray.get(calls[k])
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.WorkerCrashedError,
+                    self.ray.exceptions.ObjectLostError) as err:
+                dead.append(k)
+                reason = _first_line(err)[:200]
+                for i in idx:
+                    cid = clients[i]
+                    replies[i] = Reply(cid, f"client {cid}", error=(
+                        f"failed: its worker (Ray actor {k}) died during the exchange "
+                        f"({reason})"))
+                continue
+            self.pool.say(lines)
+            for i, reply in zip(idx, exchange.replies, strict=True):
+                replies[i] = reply
+            down, up = down + exchange.bytes_down, up + exchange.bytes_up
+            if action != STATE:
+                for i in idx:
+                    self.home[clients[i]] = k
+        for k in dead:
+            lost = sorted(cid for cid, w in self.home.items() if w == k)
+            for cid in lost:
+                del self.home[cid]
+            self.pool.reporter.warn(
+                f"Ray worker {k} died; its {len(shares[k])} client(s) of this exchange count as "
+                "failed, "
+                f"{len(lost)} client(s)' saved state went with it, and a new worker takes its "
+                "place for the next exchange.")
+            self.pool.restart(k, self.values)
+        return Exchange(replies, down, up)  # type: ignore[arg-type]
+
+    def _move(self, clients: Sequence[int], owners: Sequence[int],
+              messages: Sequence[Outgoing]) -> None:
+        """Move the saved state of each client assigned away from the worker holding it (a
+        message carrying a restored state brings its own)."""
+        moves: dict[tuple[int, int], list[int]] = {}
+        for cid, k, message in zip(clients, owners, messages, strict=True):
+            old = self.home.get(cid)
+            if old is not None and old != k and RESTORE not in message.payload.arrays:
+                moves.setdefault((old, k), []).append(cid)
+        for (old, new), moved in moves.items():
+            states = self.pool.actors[old].take.remote(moved)
+            self.ray.get(self.pool.actors[new].put.remote(states))
+            for cid in moved:
+                self.home[cid] = new
+
+    def memory_note(self) -> str | None:
+        notes = [n for n in self.ray.get([a.memory_note.remote() for a in self.pool.actors]) if n]
+        return "; ".join(f"worker {k}: {n}" for k, n in enumerate(notes)) if notes else None
+
+    def close(self) -> None:
+        self.ray.get([a.close.remote() for a in self.pool.actors])
+        self._local.close()
+
+
+def simulate(settings: Settings, reporter: Reporter | None = None, resume: bool = False,
+             ray_address: str | None = None) -> dict:
+    """Run every method of ``settings`` on the batched engine over Ray actors (a local Ray, or
+    the cluster at ``ray_address``), and return the results."""
+    reporter = reporter or Reporter()
+    federated_dataset(settings)  # data and partition errors surface here, before Ray starts
+    if ray_address is None:  # this machine's cores and GPUs, checked before Ray starts
+        check_resources(settings)
+        import torch
+
+        resolve_workers(settings, {"CPU": os.cpu_count() or 1, "GPU": torch.cuda.device_count()})
+    else:
+        check_ray_address(ray_address)
+    import ray
+
+    started_here = not ray.is_initialized()
+    pool = WorkerPool(settings, reporter, ray_address)
+    try:
+        return run_methods(settings, lambda s: ActorEngine(s, pool), reporter, resume=resume)
+    finally:
+        pool.close()
+        if started_here:
+            ray.shutdown()

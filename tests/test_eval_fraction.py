@@ -1,0 +1,61 @@
+"""eval-fraction: a seeded sample of clients in the evaluation rounds before the last, every
+client in the last; what is trained never depends on it."""
+
+from __future__ import annotations
+
+from conftest import needs_fashion_mnist
+
+from pflalign.config import build_settings
+from pflalign.engines import run_methods
+from pflalign.engines.sequential import SequentialEngine
+from pflalign.results import Reporter
+from pflalign.sampling import EVAL_SAMPLING_STREAM, sample_clients
+
+BASE = {"engine": "sequential", "num-clients": 10, "max-samples": 2000, "rounds": 3,
+        "eval-every": 1, "fraction-train": 0.3, "local-steps": 3, "seed": 4,
+        "methods": "fedavg,ditto"}
+
+
+class _Recording(SequentialEngine):
+    """The sequential engine, recording the clients of every evaluation exchange."""
+
+    evaluated: list[tuple[str, list[int]]] = []
+
+    def exchange(self, action, messages):
+        if action == "evaluate":
+            _Recording.evaluated.append((str(messages[0].config["method"]),
+                                         sorted(m.client for m in messages)))
+        return super().exchange(action, messages)
+
+
+def _without(row: dict, keys: set[str]) -> dict:
+    return {k: v for k, v in row.items() if k not in keys and "seconds" not in k}
+
+
+@needs_fashion_mnist
+def test_a_sample_is_evaluated_before_the_last_round_and_training_is_unchanged(tmp_path):
+    full = run_methods(build_settings({**BASE, "out-dir": str(tmp_path / "full")}),
+                       SequentialEngine, Reporter(quiet=True))
+    _Recording.evaluated = []
+    part = run_methods(build_settings({**BASE, "eval-fraction": 0.3,
+                                       "out-dir": str(tmp_path / "part")}),
+                       _Recording, Reporter(quiet=True))
+    expected = [sample_clients(range(10), 0.3, 4, r, EVAL_SAMPLING_STREAM) for r in (1, 2)]
+    assert expected[0] != expected[1] and all(len(e) == 3 for e in expected)
+    for method in ("fedavg", "ditto"):  # the same sample for every method; everyone last
+        assert [c for m, c in _Recording.evaluated if m == method] == [*expected,
+                                                                      list(range(10))]
+        a, b = full["methods"][method], part["methods"][method]
+        assert [r["eval-clients"] for r in b["rounds"]] == [3, 3, 10]
+        # the training rows are the same bit for bit; the last round's evaluation too
+        evaluation = {k for r in a["rounds"] for k in r if k.startswith(("personal", "global",
+                                                                         "eval", "evaluated",
+                                                                         "unseen"))}
+        for ra, rb in zip(a["rounds"], b["rounds"], strict=True):
+            assert _without(ra, evaluation | {"bytes-up", "bytes-down"}) == _without(
+                rb, evaluation | {"bytes-up", "bytes-down"})
+            assert ra["bytes-up"] == rb["bytes-up"]
+        assert _without(a["rounds"][-1], set()) == _without(b["rounds"][-1], set())
+        final = {k for k in a["final"] if "seconds" in k or k.startswith("bytes")}
+        assert _without(a["final"], final) == _without(b["final"], final)
+        assert a["clients"] == b["clients"]

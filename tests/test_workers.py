@@ -1,0 +1,143 @@
+"""engine = batched on Ray actors (batched-workers): the same metrics as one process, bit for
+bit; a worker that dies; what cannot run refused in one sentence."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, needs_fashion_mnist
+
+from pflalign.config import ConfigError, build_settings
+from pflalign.engines import run_methods
+from pflalign.engines.sequential import SequentialEngine
+from pflalign.engines.workers import assign, resolve_workers
+from pflalign.results import Reporter
+from scripts.compare_results import compare
+
+#: clients with state (pFLAlign's, Ditto's, SCAFFOLD's) sampled half at a time, so that the
+#: assignment of clients to workers changes between rounds and states move between workers
+SMALL = {"num-clients": 6, "num-unseen-clients": 1, "max-samples": 2000, "rounds": 3,
+         "eval-every": 1, "fraction-train": 0.5, "local-steps": 5, "seed": 5,
+         "methods": "fedavg,pflalign,ditto,scaffold"}
+
+#: run in a subprocess (Ray stays out of the test process): the run on two workers through
+#: run_methods, then a run whose worker 1 is killed at the start of round 2 (a round hook,
+#: before the round's training exchange), recording each round's row and the warnings
+DRIVER = r"""
+import json, sys
+from pflalign.config import build_settings
+from pflalign.engines import initial_model, run_methods, template_model
+from pflalign.engines.workers import ActorEngine, WorkerPool
+from pflalign.methods import METHODS
+from pflalign.results import Reporter
+from pflalign.rounds import RoundLoop
+from pflalign.server import ServerRuntime
+
+class Lines(Reporter):
+    def __init__(self):
+        super().__init__(quiet=True)
+        self.lines = []
+    def info(self, text):
+        self.lines.append(text)
+    def warn(self, text):
+        self.lines.append("WARNING: " + text)
+
+values = json.loads(sys.argv[1])
+settings = build_settings(values)
+reporter = Lines()
+pool = WorkerPool(settings, reporter)
+try:
+    run_methods(settings, lambda s: ActorEngine(s, pool), reporter)
+    killed = settings.replace({"methods": "pflalign", "fraction-train": 1.0})
+    engine = ActorEngine(killed, pool)
+    dead = []
+
+    class Kill:
+        def before_training(self, loop, server_round):
+            if server_round == 2:
+                pid = pool.ray.get(pool.actors[1].where.remote())[1]
+                held = pool.ray.get(pool.actors[1].holds.remote())
+                dead.append({"pid": pid, "held": held})
+                pool.ray.kill(pool.actors[1], no_restart=True)
+            return {}, 0, 0
+
+    model, trainable = initial_model(killed)
+    server = ServerRuntime(killed, "pflalign", model, trainable, template_model(killed))
+    loop = RoundLoop(server, METHODS["pflalign"].build(killed), engine, reporter, hooks=[Kill()])
+    result = loop.run(model)
+    after = pool.ray.get(pool.actors[1].where.remote())[1]
+finally:
+    pool.close()
+print(json.dumps({"rows": result["rounds"], "lines": reporter.lines, "dead": dead,
+                  "after": after}))
+"""
+
+
+def test_assignment_keeps_clients_home_within_an_even_share():
+    # nobody has a home: filled evenly, lowest index first
+    assert assign([5, 3, 8, 1], {}, 2) == [0, 1, 0, 1]
+    # homes kept while under ceil(n / workers); the overflow goes to the least loaded worker
+    assert assign([5, 3, 8, 1], {5: 1, 3: 1, 8: 1}, 2) == [1, 1, 0, 0]
+    assert assign([4, 2], {4: 0, 2: 1}, 3) == [0, 1]
+    # a home beyond the pool (fewer workers after a resume) is no home
+    assert assign([7], {7: 5}, 2) == [0]
+    assert assign([], {}, 2) == []
+
+
+def test_more_workers_than_resources_is_one_sentence():
+    settings = build_settings({"engine": "batched", "batched-workers": "3"})
+    with pytest.raises(ConfigError, match=r"batched-workers = 3 needs 3 CPUs \(client-resources-"
+                       r"num-cpus = 1 each\), but the Ray cluster has 2 CPUs and 0 GPUs"):
+        resolve_workers(settings, {"CPU": 2.0})
+    assert resolve_workers(settings.replace({"batched-workers": "auto"}), {"CPU": 16.0}) == 16
+    gpus = settings.replace({"batched-workers": "auto", "client-resources-num-gpus": 0.5})
+    assert resolve_workers(gpus, {"CPU": 16.0, "GPU": 2.0}) == 4
+    for bad in ("0", "two", "-1", "1.5"):
+        with pytest.raises(ConfigError, match="give a whole number of worker processes"):
+            build_settings({"batched-workers": bad})
+
+
+def test_simulate_py_refuses_more_workers_than_cores_before_ray(tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(ROOT / "simulate.py"), "--set", "engine=batched",
+                          "--set", "batched-workers=64", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2, run.stderr[-2000:]
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: batched-workers = 64 needs 64 CPUs")
+    assert not (out / "results.json").exists()
+
+
+@needs_fashion_mnist
+def test_two_workers_give_the_sequential_engines_metrics_and_a_dead_worker_is_replaced(tmp_path):
+    values = {**SMALL, "engine": "batched", "batched-workers": "2",
+              "out-dir": str(tmp_path / "workers")}
+    run = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(values)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    on_workers = json.loads((tmp_path / "workers" / "results.json").read_text())
+    reference = run_methods(build_settings({**SMALL, "engine": "sequential",
+                                            "out-dir": str(tmp_path / "sequential")}),
+                            SequentialEngine, Reporter(quiet=True))
+    differences, checked = compare(reference, on_workers)
+    assert differences == []
+    assert checked > 4 * 3 * 20  # every round's metrics of every entry
+    assert any(line.startswith("engine = batched on 2 Ray workers") for line in report["lines"])
+
+    # worker 1 killed at the start of round 2: the clients it was given count as failed, the
+    # round completes with the others, and round 3 runs every client on a new worker; the
+    # states worker 1 held are lost, and each of their clients is warned about once
+    rows = report["rows"]
+    (dead,) = report["dead"]
+    assert dead["held"] and report["after"] != dead["pid"]
+    assert [r["failures"] for r in rows] == [0, 3, 0]
+    assert [r["clients-trained"] for r in rows] == [6, 3, 6]
+    assert rows[1]["evaluated"] == 7 and rows[2]["evaluated"] == 7
+    died = [line for line in report["lines"] if "Ray worker 1 died" in line]
+    assert len(died) == 1 and f"{len(dead['held'])} client(s)' saved state went with it" in died[0]
+    came_back = [line for line in report["lines"] if "came back without it" in line]
+    assert len(came_back) == len(dead["held"])
