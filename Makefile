@@ -10,7 +10,8 @@ run: setup
 	$(PY) simulate.py --overwrite
 
 # the default suite (under 15 minutes on 2 cores); `make test-slow`: the extended integration
-# cases (pytest -m slow: deployments across network namespaces, the manual steps, bad nodes)
+# cases (pytest -m slow: deployments and a two-node Ray cluster across network namespaces, the
+# manual steps, bad nodes)
 test: setup lint
 	$(PY) -m pytest -q -m "not slow"
 

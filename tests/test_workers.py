@@ -17,11 +17,11 @@ from pflalign.engines.workers import assign, resolve_workers
 from pflalign.results import Reporter
 from scripts.compare_results import compare
 
-#: clients with state (pFLAlign's, Ditto's, SCAFFOLD's) sampled half at a time, so that the
+#: clients with state (pFLAlign's, Ditto's) sampled half at a time, so that the
 #: assignment of clients to workers changes between rounds and states move between workers
 SMALL = {"num-clients": 6, "num-unseen-clients": 1, "max-samples": 2000, "rounds": 3,
          "eval-every": 1, "fraction-train": 0.5, "local-steps": 5, "seed": 5,
-         "methods": "fedavg,pflalign,ditto,scaffold"}
+         "methods": "ditto,pflalign"}
 
 #: run in a subprocess (Ray stays out of the test process): the run on two workers through
 #: run_methods, then a run whose worker 1 is killed at the start of round 2 (a round hook,
@@ -125,7 +125,7 @@ def test_two_workers_give_the_sequential_engines_metrics_and_a_dead_worker_is_re
                             SequentialEngine, Reporter(quiet=True))
     differences, checked = compare(reference, on_workers)
     assert differences == []
-    assert checked > 4 * 3 * 20  # every round's metrics of every entry
+    assert checked > 2 * 3 * 20  # every round's metrics of every entry
     assert any(line.startswith("engine = batched on 2 Ray workers") for line in report["lines"])
 
     # worker 1 killed at the start of round 2: the clients it was given count as failed, the
