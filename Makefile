@@ -9,11 +9,14 @@ setup:
 run: setup
 	$(PY) simulate.py --overwrite
 
-# the default suite (under 15 minutes on 2 cores); `make test-slow`: the extended integration
-# cases (pytest -m slow: deployments and a two-node Ray cluster across network namespaces, the
-# manual steps, bad nodes)
+# the default suite (about 11 minutes on 2 cores: its files spread over TEST_WORKERS pytest-xdist
+# processes, a file's tests in one); `make test-slow`: the extended integration cases (pytest -m
+# slow: deployments and a two-node Ray cluster across network namespaces, the manual steps, bad
+# nodes), one at a time
+TEST_WORKERS ?= 2
+
 test: setup lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow

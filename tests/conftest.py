@@ -23,7 +23,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "deployment: the slow integration test of a real Flower "
                             "deployment (minutes; deselect with -m 'not deployment')")
     config.addinivalue_line("markers", "slow: the extended integration cases, run apart from the "
-                            "default suite (`make test-slow`, about 6.5 minutes on 2 cores): the "
+                            "default suite (`make test-slow`, about 9 minutes on 2 cores): the "
                             "deployment across network namespaces, the deployment page's steps "
                             "word for word, bad nodes at discovery and a killed run, and the "
                             "language-model deployment")

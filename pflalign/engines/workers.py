@@ -67,10 +67,12 @@ class Worker:
     serves."""
 
     def __init__(self, values: Mapping[str, object], index: int, workers: int):
+        import ray
+
         from pflalign.config import build_settings
 
         self.index, self.workers = index, workers
-        self.host = socket.gethostname()
+        self.host = ray.util.get_node_ip_address() if ray.is_initialized() else socket.gethostname()
         settings = build_settings(values)
         configure_threads(settings.run.client_resources_num_cpus)
         try:
@@ -183,8 +185,10 @@ class WorkerPool:
         self.values = dict(settings.to_dict())
         self.said: set[str] = set()
         if not ray.is_initialized():
-            from pflalign.flower_process import bind_ray_to_loopback
+            from pflalign.flower_process import bind_ray_to_loopback, set_flower_environment
             from pflalign.interrupt import reinstall_handlers
+
+            set_flower_environment()  # Ray's usage statistics off, no warning at every start
 
             args: dict = {"include_dashboard": False, "logging_level": "ERROR",
                           "log_to_driver": False, "runtime_env": _runtime_env()}
@@ -361,10 +365,12 @@ def simulate(settings: Settings, reporter: Reporter | None = None, resume: bool 
     import ray
 
     started_here = not ray.is_initialized()
-    pool = WorkerPool(settings, reporter, ray_address)
+    pool = None
     try:
+        pool = WorkerPool(settings, reporter, ray_address)
         return run_methods(settings, lambda s: ActorEngine(s, pool), reporter, resume=resume)
     finally:
-        pool.close()
+        if pool is not None:
+            pool.close()
         if started_here:
             ray.shutdown()
