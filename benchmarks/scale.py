@@ -11,6 +11,7 @@ clients    fraction-train     clients per round
 20         0.4                8 (the default config)
 100        0.2                20
 1,000      0.05               50
+10,000     0.01               100
 =========  =================  ======================
 
 ``--rounds`` training rounds (default 3), then one evaluation of every client at the last round.
@@ -18,21 +19,30 @@ Measured, per cell:
 
 - **clients/s**: clients trained per second of training rounds (``train-seconds``, round 1
   included: it is part of what a user waits for), and **s/round** (training rounds);
-- **eval s**: the one evaluation of all clients (``eval-seconds``);
+- **eval s**: the evaluations (``eval-seconds``), and **final eval s**: the last one, of every
+  client (with ``--set eval-every=1 --set eval-fraction=0.05`` the earlier rounds evaluate a
+  seeded 5% sample);
 - **peak RSS**: the peak over the run of the summed resident memory of the process and all its
   descendants (Ray's GCS, raylet and workers), sampled every 0.2 s from /proc;
+- **disk**: the peak over the run of the bytes under the cell's output folder (client state
+  spilled beyond ``memory-budget-gb``, the batched workers' spill folders, checkpoints), and of
+  the spilled client state alone, sampled every second;
 - **GPU peak**: ``torch.cuda.max_memory_allocated`` of the in-process engines, and for the
   Flower engine the peak of ``nvidia-smi``'s used memory over the run (when a GPU is used);
 - **same metrics**: whether the cell's per-round losses and accuracies equal the sequential
   engine's bit for bit (``=``), or agree to within 1e-3 relative (``~``).
 
 The in-process engines (sequential, batched) get every core as torch threads
-(``client-resources-num-cpus``); the Flower engine runs one client per core. With ``--gpu``
-every engine trains on the GPU (``client-resources-num-gpus``: ``--gpu-share`` per Flower client,
-1 for the in-process engines). Without Ray (``NO_RAY=1``) the Flower engine is skipped.
+(``client-resources-num-cpus``); the Flower engine runs one client per core; ``batched:N`` is the
+batched engine on N Ray workers (``batched-workers = N``), each with its share of the cores.
+With ``--gpu`` every engine trains on the GPU (``client-resources-num-gpus``: ``--gpu-share``
+per Flower client, 1 for the in-process engines, 1/N for each of N batched workers). Without Ray
+(``NO_RAY=1``) the Flower engine is skipped.
 
     python benchmarks/scale.py                               # everything on the CPU
     python benchmarks/scale.py --clients 100 --engines flower,batched
+    python benchmarks/scale.py --clients 1000 --methods pflalign --rounds 5 \
+        --engines batched,batched:2,flower
     python benchmarks/scale.py --gpu --gpu-share 0.25        # on a GPU machine
 
 The table is printed and written, with every cell's numbers, to ``--out``
@@ -52,7 +62,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FRACTION = {20: 0.4, 100: 0.2, 1000: 0.05}
+FRACTION = {20: 0.4, 100: 0.2, 1000: 0.05, 10000: 0.01}
+#: spilled client state lives in folders named so (pflalign/store.py)
+SPILL_PREFIX = ".client-state-"
 #: a child process reports its torch GPU peak here (in-process engines)
 GPU_PEAK_FILE = "gpu-peak.json"
 
@@ -98,19 +110,43 @@ def gpu_used_bytes() -> int | None:
         return None
 
 
-class Sampler(threading.Thread):
-    """Samples a process tree's summed RSS (and the GPU's used memory) until stopped."""
+def disk_bytes(folder: Path) -> tuple[int, int]:
+    """Bytes of the files under ``folder`` now: all of them, and those in spill folders."""
+    total = spilled = 0
+    for root, _, files in os.walk(folder):
+        size = 0
+        for name in files:
+            try:
+                size += os.stat(os.path.join(root, name)).st_size
+            except OSError:  # removed while we looked
+                continue
+        total += size
+        if SPILL_PREFIX in root:
+            spilled += size
+    return total, spilled
 
-    def __init__(self, pid: int, gpu: bool):
+
+class Sampler(threading.Thread):
+    """Samples a process tree's summed RSS (and the GPU's used memory, and the bytes under a
+    folder) until stopped."""
+
+    def __init__(self, pid: int, gpu: bool, folder: Path | None = None):
         super().__init__(daemon=True)
-        self.pid, self.gpu = pid, gpu
+        self.pid, self.gpu, self.folder = pid, gpu, folder
         self.peak_rss, self.peak_gpu = 0, None
+        self.peak_disk = self.peak_spilled = 0
         self.stop = threading.Event()
 
     def run(self) -> None:
         base = gpu_used_bytes() if self.gpu else None
+        last_disk = 0.0
         while not self.stop.is_set():
             self.peak_rss = max(self.peak_rss, tree_rss(self.pid))
+            if self.folder is not None and time.monotonic() - last_disk >= 1.0:
+                total, spilled = disk_bytes(self.folder)
+                self.peak_disk = max(self.peak_disk, total)
+                self.peak_spilled = max(self.peak_spilled, spilled)
+                last_disk = time.monotonic()
             if base is not None:
                 used = gpu_used_bytes()
                 if used is not None:
@@ -135,18 +171,32 @@ sys.exit(code)
 """
 
 
+def engine_settings(spec: str, cpus: int) -> dict[str, object]:
+    """The settings of an engine spec: ``sequential``, ``batched``, ``flower``, or
+    ``batched:N`` (the batched engine on N Ray workers, cpus // N cores each)."""
+    name, _, workers = spec.partition(":")
+    if name not in ("sequential", "batched", "flower") or (workers and name != "batched"):
+        raise SystemExit(f"unknown engine '{spec}': sequential, batched, batched:N or flower")
+    if workers:
+        if not workers.isdigit() or int(workers) < 1:
+            raise SystemExit(f"'{spec}': batched:N takes a whole number of workers N >= 1")
+        n = int(workers)
+        return {"engine": "batched", "batched-workers": n,
+                "client-resources-num-cpus": max(1, cpus // n)}
+    return {"engine": name, "client-resources-num-cpus": 1 if name == "flower" else cpus}
+
+
 def run_cell(engine: str, clients: int, method: str, args: argparse.Namespace,
              out: Path) -> dict:
-    cell = out / f"{engine}-{clients}-{method}"
+    cell = out / f"{engine.replace(':', 'x')}-{clients}-{method}"
     cell.mkdir(parents=True, exist_ok=True)
     cpus = os.cpu_count() or 1
     settings = {
-        "methods": method, "engine": engine, "num-clients": clients,
+        "methods": method, **engine_settings(engine, cpus), "num-clients": clients,
         "fraction-train": FRACTION[clients], "partition": "dirichlet", "dirichlet-alpha": 0.1,
         "rounds": args.rounds, "eval-every": args.rounds, "out-dir": str(cell),
-        "client-resources-num-cpus": 1 if engine == "flower" else cpus,
-        "client-resources-num-gpus": (args.gpu_share if engine == "flower" else 1)
-        if args.gpu else 0,
+        "client-resources-num-gpus": (args.gpu_share if engine == "flower" else
+                                      1 / int(engine.partition(":")[2] or 1)) if args.gpu else 0,
         **dict(item.split("=", 1) for item in args.set)}
     command = [sys.executable, "-c", CHILD.format(peak=str(cell / GPU_PEAK_FILE)),
                str(ROOT / "simulate.py"), "--overwrite", "--quiet"]
@@ -156,7 +206,7 @@ def run_cell(engine: str, clients: int, method: str, args: argparse.Namespace,
     started = time.perf_counter()
     with open(cell / "log.txt", "w") as log:
         child = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        sampler = Sampler(child.pid, args.gpu)
+        sampler = Sampler(child.pid, args.gpu, cell)
         sampler.start()
         code = child.wait()
         sampler.stop.set()
@@ -174,9 +224,14 @@ def run_cell(engine: str, clients: int, method: str, args: argparse.Namespace,
     if (cell / GPU_PEAK_FILE).exists():
         gpu = json.loads((cell / GPU_PEAK_FILE).read_text())["gpu-peak"]
     return {"engine": engine, "clients": clients, "method": method, "rounds": len(rows),
+            "threads": int(settings["client-resources-num-cpus"]),
             "trained": trained, "clients-per-s": trained / train_seconds,
             "s-per-round": train_seconds / len(rows),
             "eval-s": sum(r.get("eval-seconds", 0.0) for r in rows),
+            "final-eval-s": rows[-1].get("eval-seconds"),
+            "evaluated": [r.get("evaluated") for r in rows if "evaluated" in r],
+            "peak-disk-gb": sampler.peak_disk / 1e9,
+            "peak-spilled-gb": sampler.peak_spilled / 1e9,
             "peak-rss-gb": sampler.peak_rss / 1e9, "gpu-peak-gb": None if gpu is None
             else gpu / 1e9, "wall-s": wall,
             "personal-acc": results["methods"][method]["final"].get("personal-acc"),
@@ -194,36 +249,52 @@ def same(a: list[dict], b: list[dict]) -> str:
     return "~"
 
 
+def reference_for(cell: dict, cells: list[dict]) -> tuple[str, list[dict]] | None:
+    """The cell whose metrics ``cell``'s should equal: another engine's at the same clients,
+    method and torch threads per client (the sequential engine's first, then Flower's)."""
+    rank = {"sequential": 0, "flower": 1}
+    others = [o for o in cells if o is not cell and "error" not in o
+              and (o["clients"], o["method"], o.get("threads")) == (
+                  cell["clients"], cell["method"], cell.get("threads"))]
+    others.sort(key=lambda o: rank.get(o["engine"], 2))
+    return (others[0]["engine"], others[0]["metrics"]) if others else None
+
+
 def table(cells: list[dict]) -> str:
-    reference = {(c["clients"], c["method"]): c["metrics"] for c in cells
-                 if c["engine"] == "sequential" and "error" not in c}
     head = (f"{'engine':<11}{'clients':>8}  {'method':<9}{'clients/s':>10}{'s/round':>9}"
-            f"{'eval s':>8}{'peak RSS GB':>13}{'GPU GB':>8}{'personal':>10}{'same':>8}")
-    lines = [head, "-" * len(head)]
+            f"{'eval s':>8}{'final eval':>11}{'peak RSS GB':>13}{'disk GB':>9}{'GPU GB':>8}"
+            f"{'personal':>10}  same as")
+    lines = [head, "-" * (len(head) + 12)]
     for c in cells:
         if "error" in c:
             lines.append(f"{c['engine']:<11}{c['clients']:>8}  {c['method']:<9}  {c['error']}")
             continue
-        ref = reference.get((c["clients"], c["method"]))
+        ref = reference_for(c, cells)
         gpu = "-" if c["gpu-peak-gb"] is None else f"{c['gpu-peak-gb']:.2f}"
+        final = c.get("final-eval-s")
+        same_as = f"{same(ref[1], c['metrics'])} {ref[0]}" if ref else "-"
         lines.append(
             f"{c['engine']:<11}{c['clients']:>8}  {c['method']:<9}{c['clients-per-s']:>10.2f}"
-            f"{c['s-per-round']:>9.2f}{c['eval-s']:>8.2f}{c['peak-rss-gb']:>13.2f}{gpu:>8}"
-            f"{100 * c['personal-acc']:>9.2f}%{same(ref, c['metrics']) if ref else '-':>8}")
+            f"{c['s-per-round']:>9.2f}{c['eval-s']:>8.2f}"
+            f"{'-' if final is None else f'{final:.2f}':>11}{c['peak-rss-gb']:>13.2f}"
+            f"{c.get('peak-disk-gb', 0):>9.2f}{gpu:>8}{100 * c['personal-acc']:>9.2f}%"
+            f"  {same_as}")
     return "\n".join(lines)
 
 
 def ratios(cells: list[dict]) -> list[str]:
-    """The batched engine against the others, per (clients, method)."""
+    """The batched engine (in one process, or on N workers) against the other engines, per
+    (clients, method)."""
     by = {(c["engine"], c["clients"], c["method"]): c for c in cells if "error" not in c}
     out = []
     for (engine, clients, method), c in sorted(by.items()):
-        if engine != "batched":
+        if not engine.startswith("batched"):
             continue
-        for other in ("flower", "sequential"):
+        others = ["batched"] if engine != "batched" else []
+        for other in (*others, "flower", "sequential"):
             o = by.get((other, clients, method))
             if o:
-                out.append(f"{clients:>5} clients {method:<9} batched / {other:<10} clients/s "
+                out.append(f"{clients:>5} clients {method:<9} {engine} / {other:<10} clients/s "
                            f"{c['clients-per-s'] / o['clients-per-s']:5.2f}x   eval "
                            f"{o['eval-s'] / max(c['eval-s'], 1e-9):5.2f}x faster   peak RSS "
                            f"{c['peak-rss-gb']:.2f} vs {o['peak-rss-gb']:.2f} GB")
@@ -256,6 +327,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     cells = []
     total = len(engines) * len(sizes) * len(args.methods.split(","))
+    for spec in engines:
+        engine_settings(spec, os.cpu_count() or 1)  # an unknown engine stops here, not later
     for clients in sizes:
         for method in args.methods.split(","):
             for engine in ["sequential", *[e for e in engines if e != "sequential"]] \

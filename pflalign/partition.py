@@ -60,12 +60,23 @@ def _top_up_small_clients(parts: list[np.ndarray], min_samples: int,
     short = np.flatnonzero(sizes < min_samples)
     for client in short:
         while len(parts[client]) < min_samples:
-            donor = int(np.argmax([len(p) for p in parts]))
+            donor = int(np.argmax(sizes))  # the first largest, as before: sizes kept current
             give = min(min_samples - len(parts[client]), len(parts[donor]) - min_samples)
             order = rng.permutation(len(parts[donor]))
             parts[client] = np.concatenate([parts[client], parts[donor][order[:give]]])
             parts[donor] = parts[donor][np.sort(order[give:])]
+            sizes[client], sizes[donor] = len(parts[client]), len(parts[donor])
     return len(short)
+
+
+def _gather_by_client(drawn: Sequence[np.ndarray], counts: Sequence[np.ndarray],
+                      sizes: np.ndarray) -> list[np.ndarray]:
+    """Each client's indices: its consecutive cut of every class's shuffled ``drawn`` indices
+    (``counts[c][k]`` of class ``c`` to client ``k``, in client order), the classes in order.
+    One stable sort by client instead of a split per class and client."""
+    owners = np.concatenate([np.repeat(np.arange(len(count)), count) for count in counts])
+    order = np.argsort(owners, kind="stable")
+    return np.split(np.concatenate(drawn)[order], np.cumsum(sizes)[:-1])
 
 
 def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float,
@@ -90,20 +101,20 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float,
     best_min = -1
     for _ in range(DIRICHLET_TRIES):
         sizes = np.zeros(num_clients, dtype=np.int64)
-        pieces: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        drawn, counts = [], []  # per class: its shuffled indices and each client's cut of them
         for idx in by_class:
             idx = rng.permutation(idx)
             shares = rng.dirichlet(np.full(num_clients, alpha)) * (sizes < fair_share)
             shares /= shares.sum()
             cuts = (np.cumsum(shares)[:-1] * len(idx)).astype(np.int64)
-            for client, chunk in enumerate(np.split(idx, cuts)):
-                if len(chunk):
-                    pieces[client].append(chunk)
-            sizes += np.diff(np.concatenate([[0], cuts, [len(idx)]]))
+            count = np.diff(np.concatenate([[0], cuts, [len(idx)]]))
+            drawn.append(idx)
+            counts.append(count)
+            sizes += count
         smallest = int(sizes.min())
         if smallest > best_min:
             best_min = smallest
-            best = [np.concatenate(p) if p else np.zeros(0, dtype=np.int64) for p in pieces]
+            best = _gather_by_client(drawn, counts, sizes)
         if smallest >= min_samples:
             break
     assert best is not None
