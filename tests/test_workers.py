@@ -4,6 +4,7 @@ bit; a worker that dies; what cannot run refused in one sentence."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -85,6 +86,23 @@ def test_assignment_keeps_clients_home_within_an_even_share():
     # a home beyond the pool (fewer workers after a resume) is no home
     assert assign([7], {7: 5}, 2) == [0]
     assert assign([], {}, 2) == []
+
+
+def test_assignment_balances_the_work_and_keeps_a_balanced_split_in_place():
+    # largest first to the least loaded worker: loads 11 and 11, not 12 and 10 by count
+    costs = [10, 1, 1, 9, 1]
+    owners = assign([0, 1, 2, 3, 4], {}, 2, costs)
+    assert owners == [0, 1, 0, 1, 1]
+    loads = [sum(c for c, k in zip(costs, owners, strict=True) if k == w) for w in (0, 1)]
+    assert loads == [11, 11]
+    # the next round, the same split stays put (nothing moves) ...
+    home = dict(enumerate(owners))
+    assert assign([0, 1, 2, 3, 4], home, 2, costs, 0.05) == owners
+    # ... homes that would overload their worker beyond the slack are given up, largest first
+    # kept: client 0 (10) and client 1 (1) stay on worker 0, the rest go to worker 1
+    assert assign([0, 1, 2, 3, 4], dict.fromkeys(range(5), 0), 2, costs, 0.05) == [0, 0, 1, 1, 1]
+    # ... unless homes are always kept (evaluation): only the homeless are balanced
+    assert assign([0, 1, 2, 3, 4], {0: 0, 1: 0, 2: 0}, 2, costs, math.inf) == [0, 0, 0, 1, 1]
 
 
 def test_more_workers_than_resources_is_one_sentence():

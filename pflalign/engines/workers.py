@@ -39,12 +39,12 @@ from pflalign.engines.batched import BatchedEngine
 from pflalign.federation import federated_dataset
 from pflalign.messages import Exchange, Outgoing, Reply
 from pflalign.options import ConfigError
-from pflalign.protocol import RESTORE, STATE
+from pflalign.protocol import RESTORE, STATE, TRAIN
 from pflalign.raycluster import LOOPBACK_HOSTS, check_ray_address, parse_ray_address
 from pflalign.results import Reporter
 from pflalign.settings import Settings
 from pflalign.state import State
-from pflalign.train import configure_threads
+from pflalign.train import configure_threads, num_local_steps
 
 
 class _Collecting(Reporter):
@@ -102,10 +102,14 @@ class Worker:
         self.engine = BatchedEngine(settings.replace({"memory-budget-gb": share,
                                                       "out-dir": spill}), self.reporter)
 
-    def exchange(self, action: str, messages: Sequence[Outgoing]) -> tuple[Exchange, list[str]]:
+    def exchange(self, action: str, messages: Sequence[Outgoing]
+                 ) -> tuple[Exchange, list[str], list[int]]:
+        """The exchange's replies, what it said, and which of its clients this worker now
+        holds a saved state of."""
         exchange = self.engine.exchange(action, messages)
         lines, self.reporter.lines = self.reporter.lines, []
-        return exchange, lines
+        states = self.engine.states
+        return exchange, lines, [m.client for m in messages if m.client in states]
 
     def take(self, clients: Sequence[int]) -> dict[int, State]:
         """The saved states of ``clients`` (those it holds), removed from this worker."""
@@ -132,23 +136,33 @@ class Worker:
             self.engine = None
 
 
-def assign(clients: Sequence[int], home: Mapping[int, int], workers: int) -> list[int]:
-    """The worker of each of ``clients`` (one exchange's, in message order): a client stays with
-    the worker ``home`` gives it while that worker has fewer than ceil(n / workers) of them; the
-    others go, in message order, to the worker with the fewest (the lowest index first)."""
-    cap = math.ceil(len(clients) / workers) if clients else 0
-    load = [0] * workers
+#: how far above an even share of the exchange's work a worker may be and still keep a client
+#: whose state it holds (so that assignments balanced by :func:`assign` stay put round to round)
+KEEP_SLACK = 0.05
+
+
+def assign(clients: Sequence[int], home: Mapping[int, int], workers: int,
+           costs: Sequence[float] | None = None, slack: float = 0.0) -> list[int]:
+    """The worker of each of ``clients`` (one exchange's, in message order), balancing their
+    ``costs`` (default 1 each: their count). Clients are taken largest cost first (message order
+    among equals): one stays with the worker ``home`` gives it while that worker's load with it
+    stays within ceil(total / workers) x (1 + ``slack``) (``math.inf``: always); the others go to
+    the least loaded worker (the lowest index first), the longest-processing-time-first rule."""
+    costs = [1.0] * len(clients) if costs is None else [float(c) for c in costs]
+    cap = math.inf if slack == math.inf else math.ceil(sum(costs) / workers) * (1 + slack)
+    order = sorted(range(len(clients)), key=lambda i: (-costs[i], i))
+    load = [0.0] * workers
     out: list[int | None] = [None] * len(clients)
-    for i, cid in enumerate(clients):
-        k = home.get(cid)
-        if k is not None and k < workers and load[k] < cap:
+    for i in order:
+        k = home.get(clients[i])
+        if k is not None and k < workers and load[k] + costs[i] <= cap + 1e-9:
             out[i] = k
-            load[k] += 1
-    for i in range(len(clients)):
+            load[k] += costs[i]
+    for i in order:
         if out[i] is None:
             k = min(range(workers), key=lambda w: (load[w], w))
             out[i] = k
-            load[k] += 1
+            load[k] += costs[i]
     return [int(k) for k in out]
 
 
@@ -270,10 +284,29 @@ class ActorEngine:
         self.ray.get([a.start.remote(self.values) for a in pool.actors])
         #: the worker holding each client's saved state
         self.home: dict[int, int] = {}
+        self.clients: dict = {}  # discovered: their split sizes weigh the assignment
         self._local = BatchedEngine(settings, pool.reporter)  # discovery only: no client runs
 
     def discover(self):
-        return self._local.discover()
+        self.clients = self._local.discover()
+        return self.clients
+
+    def _costs(self, action: str, clients: Sequence[int]) -> list[float]:
+        """Each client's share of an exchange's work: its local steps to train (every method
+        trains in proportion to them), its test samples to evaluate; 1 for a client not
+        discovered."""
+        t = self.settings.training
+        out = []
+        for cid in clients:
+            info = self.clients.get(cid)
+            if info is None:
+                out.append(1.0)
+            elif action == TRAIN:
+                out.append(float(num_local_steps(info.num_train, t.batch_size, t.local_epochs,
+                                                 t.local_steps)))
+            else:
+                out.append(float(max(info.num_test, 1)))
+        return out
 
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
         if not messages:
@@ -283,7 +316,10 @@ class ActorEngine:
         if action == STATE:  # a query goes where the state is, and moves nothing
             owners = [self.home.get(cid, 0) for cid in clients]
         else:
-            owners = assign(clients, self.home, n)
+            # training is balanced (a state moves when its worker has more than its share);
+            # other exchanges are short: a client with a home stays there
+            slack = KEEP_SLACK if action == TRAIN else math.inf
+            owners = assign(clients, self.home, n, self._costs(action, clients), slack)
             self._move(clients, owners, messages)
         shares: dict[int, list[int]] = {}
         for i, k in enumerate(owners):
@@ -295,7 +331,7 @@ class ActorEngine:
         dead = []
         for k, idx in shares.items():
             try:
-                exchange, lines = self.ray.get(calls[k])
+                exchange, lines, held = self.ray.get(calls[k])
             except (self.ray.exceptions.RayActorError, self.ray.exceptions.WorkerCrashedError,
                     self.ray.exceptions.ObjectLostError) as err:
                 dead.append(k)
@@ -310,9 +346,13 @@ class ActorEngine:
             for i, reply in zip(idx, exchange.replies, strict=True):
                 replies[i] = reply
             down, up = down + exchange.bytes_down, up + exchange.bytes_up
-            if action != STATE:
+            if action != STATE:  # a client's home: the worker holding its saved state
+                kept = set(held)
                 for i in idx:
-                    self.home[clients[i]] = k
+                    if clients[i] in kept:
+                        self.home[clients[i]] = k
+                    else:
+                        self.home.pop(clients[i], None)
         for k in dead:
             lost = sorted(cid for cid, w in self.home.items() if w == k)
             for cid in lost:
@@ -336,7 +376,15 @@ class ActorEngine:
                 moves.setdefault((old, k), []).append(cid)
         for (old, new), moved in moves.items():
             states = self.pool.actors[old].take.remote(moved)
-            self.ray.get(self.pool.actors[new].put.remote(states))
+            try:
+                self.ray.get(self.pool.actors[new].put.remote(states))
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.WorkerCrashedError,
+                    self.ray.exceptions.ObjectLostError):
+                # a worker died between exchanges: these states are lost with it (the clients
+                # start afresh, as the method's rule says), and the exchange finds the dead worker
+                for cid in moved:
+                    del self.home[cid]
+                continue
             for cid in moved:
                 self.home[cid] = new
 
