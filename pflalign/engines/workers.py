@@ -28,6 +28,7 @@ time.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -98,9 +99,10 @@ class Worker:
             self.engine.close()
         settings = build_settings(values)
         share = settings.run.memory_budget_gb / self.workers
-        spill = str(Path(settings.run.out_dir) / ".workers" / f"worker-{self.index}")
+        spill = Path(settings.run.out_dir) / ".workers" / f"worker-{self.index}"
+        self.spill = spill
         self.engine = BatchedEngine(settings.replace({"memory-budget-gb": share,
-                                                      "out-dir": spill}), self.reporter)
+                                                      "out-dir": str(spill)}), self.reporter)
 
     def exchange(self, action: str, messages: Sequence[Outgoing]
                  ) -> tuple[Exchange, list[str], list[int]]:
@@ -134,6 +136,9 @@ class Worker:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+            for folder in (self.spill, self.spill.parent):  # the spill folders, once empty
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
 
 
 #: how far above an even share of the exchange's work a worker may be and still keep a client
