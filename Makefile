@@ -9,7 +9,7 @@ setup:
 run: setup
 	$(PY) simulate.py --overwrite
 
-# the default suite (about 11 minutes on 2 cores: its files spread over TEST_WORKERS pytest-xdist
+# the default suite (11-13 minutes on 2 cores: its files spread over TEST_WORKERS pytest-xdist
 # processes, a file's tests in one); `make test-slow`: the extended integration cases (pytest -m
 # slow: deployments and a two-node Ray cluster across network namespaces, the manual steps, bad
 # nodes), one at a time
