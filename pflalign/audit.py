@@ -60,6 +60,11 @@ LOSS_TOLERANCE = 1e-5
 ARRAY_TOLERANCE = 1e-5
 
 
+#: clients whose states one evaluation audit asks for in one exchange (as checkpoints stream
+#: them, :data:`pflalign.rounds.STATE_CHUNK`)
+STATE_QUERY_CHUNK = 64
+
+
 @dataclass
 class AuditOutcome:
     """What one evaluation round's audit found: the replies that stand, how many were
@@ -163,8 +168,13 @@ class Audit:
         outcome = AuditOutcome(good=list(collected.good))
         if not chosen:
             return outcome
-        states = self.states(exchange(STATE, [message(cid) for cid in chosen]), chosen, outcome)
-        return self._compare(server_round, EVALUATE, messages, states, outcome)
+        # a chunk of clients at a time: their states asked for, their replies recomputed, the
+        # states dropped (at 10,000 clients all of them at once would be gigabytes)
+        for start in range(0, len(chosen), STATE_QUERY_CHUNK):
+            part = chosen[start:start + STATE_QUERY_CHUNK]
+            states = self.states(exchange(STATE, [message(cid) for cid in part]), part, outcome)
+            outcome = self._compare(server_round, EVALUATE, messages, states, outcome)
+        return outcome
 
     # --- training ------------------------------------------------------------------------------
     def training_states(self, server_round: int, clients: Sequence[int],
@@ -223,7 +233,7 @@ class Audit:
             self.warn(f"round {server_round}: client {cid}'s {what} reply is rejected by the "
                       f"audit: {why}.")
         outcome.good = [(m, a) for m, a in outcome.good if int(m[PARTITION_ID]) not in bad]
-        outcome.rejected = len(bad)
+        outcome.rejected += len(bad)
         return outcome
 
     def states(self, exchange: Exchange, clients: Sequence[int],
