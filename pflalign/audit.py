@@ -43,6 +43,7 @@ from pflalign.protocol import (
     ID,
     PARTITION_ID,
     STATE,
+    STATE_CHUNK,
     TRAIN,
 )
 from pflalign.server import ServerRuntime
@@ -58,11 +59,6 @@ LOSS_TOLERANCE = 1e-5
 #: how far an uploaded array record may lie from the recomputed one (the norm of the
 #: difference, relative to the recomputed record's norm)
 ARRAY_TOLERANCE = 1e-5
-
-
-#: clients whose states one evaluation audit asks for in one exchange (as checkpoints stream
-#: them, :data:`pflalign.rounds.STATE_CHUNK`)
-STATE_QUERY_CHUNK = 64
 
 
 @dataclass
@@ -170,8 +166,8 @@ class Audit:
             return outcome
         # a chunk of clients at a time: their states asked for, their replies recomputed, the
         # states dropped (at 10,000 clients all of them at once would be gigabytes)
-        for start in range(0, len(chosen), STATE_QUERY_CHUNK):
-            part = chosen[start:start + STATE_QUERY_CHUNK]
+        for start in range(0, len(chosen), STATE_CHUNK):
+            part = chosen[start:start + STATE_CHUNK]
             states = self.states(exchange(STATE, [message(cid) for cid in part]), part, outcome)
             outcome = self._compare(server_round, EVALUATE, messages, states, outcome)
         return outcome

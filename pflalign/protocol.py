@@ -32,6 +32,9 @@ ACTION = "action"  #: a query's purpose beside discovery (``gga``)
 TRAIN, EVALUATE, QUERY = "train", "evaluate", "query"
 #: ask a client for its saved method state (for a checkpoint); it changes nothing on the client
 STATE = "state"
+#: clients asked for their state in one exchange (by a checkpoint, by the evaluation audit), so
+#: that no more than this many clients' states are in flight at once
+STATE_CHUNK = 64
 
 # --- reply metrics -----------------------------------------------------------------------------
 PARTITION_ID = "partition-id"  #: the client's stable id (never Flower's random node id)

@@ -57,6 +57,7 @@ from pflalign.protocol import (
     RESTORE,
     ROUND,
     STATE,
+    STATE_CHUNK,
     TRAIN,
     TRAIN_LOSS,
 )
@@ -71,9 +72,6 @@ from pflalign.validation import (
     state_limit,
     state_problem,
 )
-
-#: clients asked for their state in one exchange when a checkpoint is written
-STATE_CHUNK = 64
 
 
 class _NoCheckpoint(Exception):

@@ -99,10 +99,9 @@ class Worker:
             self.engine.close()
         settings = build_settings(values)
         share = settings.run.memory_budget_gb / self.workers
-        spill = Path(settings.run.out_dir) / ".workers" / f"worker-{self.index}"
-        self.spill = spill
+        self.spill = Path(settings.run.out_dir) / ".workers" / f"worker-{self.index}"
         self.engine = BatchedEngine(settings.replace({"memory-budget-gb": share,
-                                                      "out-dir": str(spill)}), self.reporter)
+                                                      "out-dir": str(self.spill)}), self.reporter)
 
     def exchange(self, action: str, messages: Sequence[Outgoing]
                  ) -> tuple[Exchange, list[str], list[int]]:
@@ -286,6 +285,9 @@ class ActorEngine:
         self.pool = pool
         self.values = dict(settings.to_dict())
         self.ray = pool.ray
+        #: what Ray raises for a call to a worker that died
+        self.gone = (self.ray.exceptions.RayActorError, self.ray.exceptions.WorkerCrashedError,
+                     self.ray.exceptions.ObjectLostError)
         self.ray.get([a.start.remote(self.values) for a in pool.actors])
         #: the worker holding each client's saved state
         self.home: dict[int, int] = {}
@@ -337,8 +339,7 @@ class ActorEngine:
         for k, idx in shares.items():
             try:
                 exchange, lines, held = self.ray.get(calls[k])
-            except (self.ray.exceptions.RayActorError, self.ray.exceptions.WorkerCrashedError,
-                    self.ray.exceptions.ObjectLostError) as err:
+            except self.gone as err:
                 dead.append(k)
                 reason = _first_line(err)[:200]
                 for i in idx:
@@ -383,8 +384,7 @@ class ActorEngine:
             states = self.pool.actors[old].take.remote(moved)
             try:
                 self.ray.get(self.pool.actors[new].put.remote(states))
-            except (self.ray.exceptions.RayActorError, self.ray.exceptions.WorkerCrashedError,
-                    self.ray.exceptions.ObjectLostError):
+            except self.gone:
                 # a worker died between exchanges: these states are lost with it (the clients
                 # start afresh, as the method's rule says), and the exchange finds the dead worker
                 for cid in moved:
