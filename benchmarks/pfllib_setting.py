@@ -17,9 +17,23 @@ Engines (each its own ``simulate.py`` process, ``--rounds`` rounds):
 per-round "time cost" lines are read. ``--pfllib-python`` is the interpreter for it (PFLlib needs
 ujson, h5py, scikit-learn, calmsize and cvxpy beside torch).
 
+``--repeats R`` runs the whole sequence of engines R times, each repeat starting one engine later
+(A B C, B C A, C A B, ...), so that the machine's drift over minutes, and whatever running after
+another engine does, falls on every engine alike (with R a multiple of the engines, each runs
+once in every position).
+
+``--ceiling`` adds, before each repeat's engines, this machine's ceiling for the setting's work:
+a plain training loop of the ``cnn`` at batch 10 (no engine, no data loading), ``--ceiling-steps``
+steps in one process with every core as torch threads, then the same steps split over one
+single-thread process per core started together. The time of the second over the first is the
+least any split of the work over processes can take against one process with every core, so it
+bounds "N workers against one process" from below on this machine.
+
 Printed and written to ``--out`` (``pfllib.json``, ``pfllib.md``): s/round as min-max and mean
-over the rounds, each engine's ratio to the first engine listed, and whether two engines with the
-same torch threads per client gave the same metrics bit for bit.
+over every round of every repeat, each engine's ratio to the first engine listed (the ratio of
+the means, and with repeats the range of the ratios within each repeat, engines run minutes
+apart), and whether each run gave the same metrics bit for bit as the first run of an engine
+with the same torch threads per client.
 
     python benchmarks/pfllib_setting.py --pfllib /tmp/pfllib --pfllib-python /tmp/venv/bin/python
 """
@@ -44,8 +58,8 @@ from scripts.compare_results import compare  # noqa: E402
 PFLLIB_NAMES = {"fedavg": "FedAvg", "ditto": "Ditto"}
 
 
-def run_engine(spec: str, method: str, args: argparse.Namespace, out: Path) -> dict:
-    cell = out / f"{spec.replace(':', 'x')}-{method}"
+def run_engine(spec: str, method: str, args: argparse.Namespace, out: Path, repeat: int) -> dict:
+    cell = out / f"{spec.replace(':', 'x')}-{method}" / str(repeat)
     settings = {"methods": method, **engine_settings(spec, os.cpu_count() or 1),
                 "rounds": args.rounds, "eval-every": 1, "out-dir": str(cell)}
     command = [sys.executable, str(ROOT / "simulate.py"), "--config",
@@ -56,16 +70,18 @@ def run_engine(spec: str, method: str, args: argparse.Namespace, out: Path) -> d
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - started
     if done.returncode != 0:
-        return {"engine": spec, "method": method, "error": (done.stderr or done.stdout)[-500:]}
+        return {"engine": spec, "method": method, "repeat": repeat,
+                "error": (done.stderr or done.stdout)[-500:]}
     results = json.loads((cell / "results.json").read_text())
     rows = results["methods"][method]["rounds"]
-    return {"engine": spec, "method": method, "threads": settings["client-resources-num-cpus"],
+    return {"engine": spec, "method": method, "repeat": repeat,
+            "threads": settings["client-resources-num-cpus"],
             "seconds": [r["round-seconds"] for r in rows], "wall-s": wall,
             "personal-acc": results["methods"][method]["final"]["personal-acc"],
             "results": str(cell / "results.json")}
 
 
-def run_pfllib(method: str, args: argparse.Namespace, out: Path) -> dict:
+def run_pfllib(method: str, args: argparse.Namespace, out: Path, repeat: int) -> dict:
     system = Path(args.pfllib) / "system"
     cpus = str(os.cpu_count() or 1)
     command = [args.pfllib_python, "main.py", "-data", "FashionMNIST", "-m", "CNN", "-algo",
@@ -75,42 +91,102 @@ def run_pfllib(method: str, args: argparse.Namespace, out: Path) -> dict:
     started = time.perf_counter()
     done = subprocess.run(command, cwd=system, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - started
-    (out / f"pfllib-{method}.log").write_text(done.stdout + done.stderr)
+    (out / f"pfllib-{method}-{repeat}.log").write_text(done.stdout + done.stderr)
     seconds = [float(m) for m in re.findall(r"time cost -+ ([0-9.]+)", done.stdout)]
     if done.returncode != 0 or not seconds:
-        return {"engine": "pfllib", "method": method,
+        return {"engine": "pfllib", "method": method, "repeat": repeat,
                 "error": f"exit {done.returncode}: " + (done.stderr or done.stdout)[-500:]}
-    return {"engine": "pfllib", "method": method, "seconds": seconds, "wall-s": wall}
+    return {"engine": "pfllib", "method": method, "repeat": repeat, "seconds": seconds,
+            "wall-s": wall}
+
+
+#: a plain training loop of the cnn at batch 10 for ``steps`` steps on ``threads`` torch threads;
+#: prints its seconds
+PLAIN_LOOP = """
+import sys, time, torch
+import torch.nn.functional as F
+from pflalign.models import build_model
+steps, threads = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(threads)
+torch.manual_seed(0)
+model = build_model("cnn", (1, 28, 28), 10)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.005)
+x, y = torch.randn(10, 1, 28, 28), torch.randint(0, 10, (10,))
+for _ in range(20):
+    optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
+started = time.perf_counter()
+for _ in range(steps):
+    optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
+print(time.perf_counter() - started)
+"""
+
+
+def run_ceiling(args: argparse.Namespace, repeat: int) -> dict:
+    """The plain loop in one process on every core, then split over one process per core."""
+    cores = os.cpu_count() or 1
+
+    def loops(count: int, steps: int, threads: int) -> float:
+        """The slowest of ``count`` loops started together (their own timing: imports aside)."""
+        procs = [subprocess.Popen([sys.executable, "-c", PLAIN_LOOP, str(steps), str(threads)],
+                                  cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                 for _ in range(count)]
+        return max(float(proc.communicate()[0]) for proc in procs)
+
+    one = loops(1, args.ceiling_steps, cores)
+    split = loops(cores, args.ceiling_steps // cores, 1)
+    return {"engine": "ceiling", "repeat": repeat, "cores": cores, "steps": args.ceiling_steps,
+            "one-process-s": one, "split-s": split, "ratio": split / one}
 
 
 def same_metrics(cells: list[dict]) -> list[str]:
-    """Pairs of engines with one torch thread count per client: their metrics compared."""
+    """Each run's metrics against the first run with the same method and torch threads per
+    client (another engine, or the same engine's earlier repeat)."""
     lines = []
-    ours = [c for c in cells if "results" in c]
-    for i, a in enumerate(ours):
-        for b in ours[i + 1:]:
-            if (a["method"], a["threads"]) == (b["method"], b["threads"]):
-                differences, checked = compare(json.loads(Path(a["results"]).read_text()),
-                                               json.loads(Path(b["results"]).read_text()))
-                verdict = "identical" if not differences else f"{len(differences)} differ"
-                lines.append(f"{a['method']}: {a['engine']} vs {b['engine']} ({a['threads']} "
-                             f"thread(s) per client): {checked} values, {verdict}")
+    first: dict[tuple, dict] = {}
+    for cell in (c for c in cells if "results" in c):
+        a = first.setdefault((cell["method"], cell["threads"]), cell)
+        if a is cell:
+            continue
+        differences, checked = compare(json.loads(Path(a["results"]).read_text()),
+                                       json.loads(Path(cell["results"]).read_text()))
+        verdict = "identical" if not differences else f"{len(differences)} differ"
+        lines.append(f"{cell['method']}: {a['engine']} (repeat {a['repeat']}) vs {cell['engine']} "
+                     f"(repeat {cell['repeat']}), {cell['threads']} thread(s) per client: "
+                     f"{checked} values, {verdict}")
     return lines
 
 
-def table(cells: list[dict]) -> str:
-    head = f"{'method':<8}{'engine':<11}{'s/round (min-max)':>20}{'mean':>8}{'ratio':>8}"
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def table(cells: list[dict], engines: list[str]) -> str:
+    """s/round per method and engine over every round of every repeat; ratio: this engine's
+    mean over the first engine's, and with repeats the range of that ratio within a repeat."""
+    head = (f"{'method':<8}{'engine':<11}{'runs':>5}{'s/round (min-max)':>20}{'mean':>8}"
+            f"{'ratio':>8}{'within a repeat':>18}")
     lines = [head, "-" * len(head)]
-    first: dict[str, float] = {}
-    for c in cells:
-        if "error" in c:
-            lines.append(f"{c['method']:<8}{c['engine']:<11}  {c['error'].splitlines()[-1]}")
-            continue
-        mean = sum(c["seconds"]) / len(c["seconds"])
-        base = first.setdefault(c["method"], mean)
-        span = f"{min(c['seconds']):.1f}-{max(c['seconds']):.1f}"
-        lines.append(f"{c['method']:<8}{c['engine']:<11}{span:>20}{mean:>8.2f}"
-                     f"{mean / base:>7.2f}x")
+    for method in dict.fromkeys(c["method"] for c in cells):
+        ok = [c for c in cells if c["method"] == method and "error" not in c]
+        for c in cells:
+            if c["method"] == method and "error" in c:
+                lines.append(f"{method:<8}{c['engine']:<11}  repeat {c['repeat']}: "
+                             f"{c['error'].strip().splitlines()[-1]}")
+        by_repeat = {(c["engine"], c["repeat"]): mean(c["seconds"]) for c in ok}
+        base_engine = next((e for e in engines if any(c["engine"] == e for c in ok)), None)
+        for engine in engines:
+            runs = [c for c in ok if c["engine"] == engine]
+            if not runs:
+                continue
+            seconds = [s for c in runs for s in c["seconds"]]
+            ratio = mean(seconds) / mean([s for c in ok if c["engine"] == base_engine
+                                          for s in c["seconds"]])
+            paired = [by_repeat[(engine, c["repeat"])] / by_repeat[(base_engine, c["repeat"])]
+                      for c in runs if (base_engine, c["repeat"]) in by_repeat]
+            spread = (f"{min(paired):.2f}-{max(paired):.2f}x" if len(paired) > 1 else "")
+            span = f"{min(seconds):.1f}-{max(seconds):.1f}"
+            lines.append(f"{method:<8}{engine:<11}{len(runs):>5}{span:>20}{mean(seconds):>8.2f}"
+                         f"{ratio:>7.2f}x{spread:>18}")
     return "\n".join(lines)
 
 
@@ -120,6 +196,11 @@ def main() -> None:
     parser.add_argument("--engines", default="batched:2,batched,flower")
     parser.add_argument("--methods", default="fedavg,ditto")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the sequence of engines this many times, in turn")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="measure the machine's ceiling before each repeat (see above)")
+    parser.add_argument("--ceiling-steps", type=int, default=2000)
     parser.add_argument("--pfllib", help="a prepared PFLlib checkout (see above)")
     parser.add_argument("--pfllib-python", default=sys.executable)
     parser.add_argument("--out", default=str(ROOT / "results" / "benchmark-pfllib"))
@@ -136,19 +217,34 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cells = []
+    order = [*engines, *(["pfllib"] if args.pfllib else [])]
+    ceilings = []
     for method in methods:
-        for spec in [*engines, *(["pfllib"] if args.pfllib else [])]:
-            print(f"{method} on {spec} ...", end=" ", flush=True)
-            cell = (run_pfllib(method, args, out) if spec == "pfllib"
-                    else run_engine(spec, method, args, out))
+        turns = [(r, order[(r + i) % len(order)]) for r in range(args.repeats)
+                 for i in range(len(order))]
+        for turn, (repeat, spec) in enumerate(turns):
+            if args.ceiling and turn % len(order) == 0:
+                ceilings.append(run_ceiling(args, repeat))
+                c = ceilings[-1]
+                print(f"ceiling (repeat {repeat}): {c['steps']} steps of the plain loop, one "
+                      f"process {c['one-process-s']:.1f} s, {c['cores']} processes "
+                      f"{c['split-s']:.1f} s: {c['ratio']:.2f}x", flush=True)
+            print(f"{method} on {spec} (repeat {repeat}) ...", end=" ", flush=True)
+            cell = (run_pfllib(method, args, out, repeat) if spec == "pfllib"
+                    else run_engine(spec, method, args, out, repeat))
             cells.append(cell)
             print(cell.get("error", "").splitlines()[-1:] or
                   f"{cell['wall-s']:.0f} s, s/round " + ", ".join(f"{s:.1f}" for s in
                                                                   cell["seconds"]), flush=True)
             (out / "pfllib.json").write_text(json.dumps(
                 {"argv": sys.argv[1:], "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
-                 "cells": cells}, indent=1))
-    text = table(cells) + "\n\n" + "\n".join(same_metrics(cells))
+                 "cells": cells, "ceilings": ceilings}, indent=1))
+    text = table(cells, order) + "\n\n" + "\n".join(same_metrics(cells))
+    if ceilings:
+        ratios = [c["ratio"] for c in ceilings]
+        text += (f"\n\nceiling: the plain loop split over {ceilings[0]['cores']} processes takes "
+                 f"{min(ratios):.2f}-{max(ratios):.2f}x (mean {mean(ratios):.2f}x) the time of one "
+                 f"process on every core ({len(ratios)} measurements)")
     print("\n" + text)
     (out / "pfllib.md").write_text("```\n" + text + "\n```\n")
     print(f"\nWritten to {out / 'pfllib.json'} and {out / 'pfllib.md'}")

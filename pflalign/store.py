@@ -8,16 +8,18 @@ to one directory per client (one ``.npy`` file per array) and dropped from memor
 state is read back memory-mapped (:func:`numpy.load` with ``mmap_mode="r"``): only the pages a
 client's rule touches are read, and the rule copies what it keeps (``from_arrays`` copies). A
 client's new state replaces its file. Nothing is lost or changed by spilling: a run gives the same
-metrics under any budget (a test checks it).
+metrics under any budget (a test checks it). The store may be used from two threads at once (a
+Ray worker hands states over while it trains other clients): every access holds its lock.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 from pathlib import Path
 
 import numpy as np
@@ -46,42 +48,60 @@ class ClientStateStore(MutableMapping[int, State]):
         self.spilled_bytes = 0
         self.spills = 0
         self.peak_resident = 0
+        self._lock = threading.RLock()
 
     # --- mapping ---------------------------------------------------------------------------
     def __getitem__(self, client: int) -> State:
-        if client in self._memory:
-            self._memory.move_to_end(client)
-            return self._memory[client]
-        if client in self._disk:
-            folder = self._disk[client]
-            names = (folder / "names.txt").read_text().splitlines()
-            return {name: np.load(folder / f"{k}.npy", mmap_mode="r")
-                    for k, name in enumerate(names)}
+        with self._lock:
+            if client in self._memory:
+                self._memory.move_to_end(client)
+                return self._memory[client]
+            if client in self._disk:
+                folder = self._disk[client]
+                names = (folder / "names.txt").read_text().splitlines()
+                return {name: np.load(folder / f"{k}.npy", mmap_mode="r")
+                        for k, name in enumerate(names)}
         raise KeyError(client)
 
     def __setitem__(self, client: int, arrays: State) -> None:
-        self._drop(client)
-        size = arrays_bytes(arrays)
-        self._memory[client] = arrays
-        self._sizes[client] = size
-        self.resident += size
-        self._enforce()
-        self.peak_resident = max(self.peak_resident, self.resident)
+        with self._lock:
+            self._drop(client)
+            size = arrays_bytes(arrays)
+            self._memory[client] = arrays
+            self._sizes[client] = size
+            self.resident += size
+            self._enforce()
+            self.peak_resident = max(self.peak_resident, self.resident)
 
     def __delitem__(self, client: int) -> None:
-        if client not in self:
-            raise KeyError(client)
-        self._drop(client)
+        with self._lock:
+            if client not in self:
+                raise KeyError(client)
+            self._drop(client)
 
     def __contains__(self, client: object) -> bool:
-        return client in self._memory or client in self._disk
+        with self._lock:
+            return client in self._memory or client in self._disk
 
     def __iter__(self) -> Iterator[int]:
-        yield from list(self._memory)
-        yield from [c for c in list(self._disk) if c not in self._memory]
+        with self._lock:
+            clients = [*self._memory, *(c for c in self._disk if c not in self._memory)]
+        yield from clients
 
     def __len__(self) -> int:
-        return len(self._memory) + len(self._disk)
+        with self._lock:
+            return len(self._memory) + len(self._disk)
+
+    def take(self, clients: Iterable[int]) -> dict[int, State]:
+        """The states of those of ``clients`` held here, as copies, and removed from the store
+        in one step (another thread sees each state either here or gone)."""
+        out = {}
+        with self._lock:
+            for client in clients:
+                if client in self:
+                    out[client] = {k: np.array(v) for k, v in self[client].items()}
+                    self._drop(client)
+        return out
 
     # --- spilling --------------------------------------------------------------------------
     @property
@@ -131,6 +151,7 @@ class ClientStateStore(MutableMapping[int, State]):
 
     def close(self) -> None:
         """Remove the spill files now (also done when the store is collected)."""
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-        self._disk.clear()
+        with self._lock:
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+            self._disk.clear()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -266,6 +267,53 @@ def test_the_store_round_trips_and_spills_under_its_budget(tmp_path):
     folder = store._dir
     store.close()
     assert not folder.exists()
+
+
+def test_the_store_hands_states_over_as_copies_from_memory_and_disk(tmp_path):
+    size = sum(a.nbytes for a in _state(0).values())
+    store = ClientStateStore(budget_bytes=2 * size + 1, spill_root=tmp_path)
+    for c in range(4):
+        store[c] = _state(c)
+    assert store.on_disk == 2  # clients 0 and 1 in files, 2 and 3 in memory
+    taken = store.take([0, 3, 9])  # one spilled, one in memory, one never held
+    assert sorted(taken) == [0, 3] and sorted(store) == [1, 2]
+    for c in (0, 3):
+        for k, v in _state(c).items():
+            assert type(taken[c][k]) is np.ndarray  # a copy, not a view of a removed file
+            np.testing.assert_array_equal(taken[c][k], v)
+    assert store.on_disk == 1 and store.resident == size
+    store.close()
+
+
+def test_the_store_is_safe_to_use_from_two_threads(tmp_path):
+    # one thread saves states past the budget (spilling), the other takes them as they come:
+    # every state ends up exactly once, taken or kept, with its values
+    size = sum(a.nbytes for a in _state(0).values())
+    store = ClientStateStore(budget_bytes=3 * size, spill_root=tmp_path)
+    taken: dict = {}
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def take() -> None:
+        try:
+            while not done.is_set():
+                taken.update(store.take(list(store)[::2]))
+        except BaseException as err:  # noqa: BLE001 (reported by the assertion below)
+            errors.append(err)
+
+    thief = threading.Thread(target=take)
+    thief.start()
+    for c in range(300):
+        store[c] = _state(c)
+        _ = list(store), c in store, len(store)
+    done.set()
+    thief.join(timeout=60)
+    assert errors == []
+    kept = {c: store[c] for c in store}
+    assert sorted([*taken, *kept]) == list(range(300)) and taken
+    for c, state in [*taken.items(), *kept.items()]:
+        np.testing.assert_array_equal(state["offset/w"], _state(c)["offset/w"])
+    store.close()
 
 
 def test_a_store_without_a_budget_never_spills(tmp_path):

@@ -14,23 +14,25 @@ from conftest import ROOT, needs_fashion_mnist
 from pflalign.config import ConfigError, build_settings
 from pflalign.engines import run_methods
 from pflalign.engines.sequential import SequentialEngine
-from pflalign.engines.workers import assign, resolve_workers
+from pflalign.engines.workers import PIECES, WorkQueues, assign, resolve_workers
 from pflalign.results import Reporter
 from scripts.compare_results import compare
 
 #: clients with state (pFLAlign's, Ditto's) sampled half at a time, so that the
 #: assignment of clients to workers changes between rounds and states move between workers
-SMALL = {"num-clients": 6, "num-unseen-clients": 1, "max-samples": 2000, "rounds": 3,
+SMALL = {"num-clients": 10, "num-unseen-clients": 1, "max-samples": 2000, "rounds": 3,
          "eval-every": 1, "fraction-train": 0.5, "local-steps": 5, "seed": 5,
          "methods": "ditto,pflalign"}
 
 #: run in a subprocess (Ray stays out of the test process): the run on two workers through
-#: run_methods, then a run whose worker 1 is killed at the start of round 2 (a round hook,
+#: run_methods, its costs skewed so that a worker steals from the other's queue (each steal
+#: counted), then a run whose worker 1 is killed at the start of round 2 (a round hook,
 #: before the round's training exchange), recording each round's row and the warnings
 DRIVER = r"""
 import json, sys
 from pflalign.config import build_settings
 from pflalign.engines import initial_model, run_methods, template_model
+from pflalign.engines import workers
 from pflalign.engines.workers import ActorEngine, WorkerPool
 from pflalign.methods import METHODS
 from pflalign.results import Reporter
@@ -46,12 +48,29 @@ class Lines(Reporter):
     def warn(self, text):
         self.lines.append("WARNING: " + text)
 
+steals = []
+steal = workers.WorkQueues.steal
+
+def counted(self, k, movable=lambda i: True):
+    taken = steal(self, k, movable)
+    if taken is not None:
+        steals.append(len(taken[1]))
+    return taken
+
+workers.WorkQueues.steal = counted
+
+class Skewed(ActorEngine):
+    # the split mispredicts: an exchange's lowest client is counted as 100, so it is one
+    # worker's whole share, the others the other's, and the first runs out of work first
+    def _costs(self, action, clients):
+        return [100.0 if c == min(clients) else 1.0 for c in clients]
+
 values = json.loads(sys.argv[1])
 settings = build_settings(values)
 reporter = Lines()
 pool = WorkerPool(settings, reporter)
 try:
-    run_methods(settings, lambda s: ActorEngine(s, pool), reporter)
+    run_methods(settings, lambda s: Skewed(s, pool), reporter)
     killed = settings.replace({"methods": "pflalign", "fraction-train": 1.0})
     engine = ActorEngine(killed, pool)
     dead = []
@@ -73,7 +92,7 @@ try:
 finally:
     pool.close()
 print(json.dumps({"rows": result["rounds"], "lines": reporter.lines, "dead": dead,
-                  "after": after}))
+                  "after": after, "steals": steals}))
 """
 
 
@@ -103,6 +122,42 @@ def test_assignment_balances_the_work_and_keeps_a_balanced_split_in_place():
     assert assign([0, 1, 2, 3, 4], dict.fromkeys(range(5), 0), 2, costs, 0.05) == [0, 0, 1, 1, 1]
     # ... unless homes are always kept (evaluation): only the homeless are balanced
     assert assign([0, 1, 2, 3, 4], {0: 0, 1: 0, 2: 0}, 2, costs, math.inf) == [0, 0, 0, 1, 1]
+
+
+def test_pieces_shrink_as_a_queue_empties():
+    # worker 0: costs 8, 4, 2, 1, 1 (16 in all); worker 1: nothing
+    queues = WorkQueues([0, 0, 0, 0, 0], [1, 8, 2, 4, 1], 2)
+    assert list(queues.queues[0]) == [1, 3, 2, 0, 4]  # largest first, then message order
+    assert PIECES == 4
+    # each piece reaches a quarter of what is queued: 16/4 -> [8]; 8/4 -> [4]; 4/4 -> [2]; ...
+    assert [queues.piece(0) for _ in range(5)] == [[1], [3], [2], [0], [4]]
+    assert queues.piece(0) == [] and queues.piece(1) == []
+    # many small messages: a piece takes as many as reach a quarter of the queue
+    # (12/4 = 3; 9/4 -> 3; 6/4 -> 2; 4/4 = 1; then one at a time)
+    queues = WorkQueues([0] * 12, [1] * 12, 1)
+    assert [len(queues.piece(0)) for _ in range(8)] == [3, 3, 2, 1, 1, 1, 1, 0]
+    # a cohort's worth at least (min_items)
+    queues = WorkQueues([0] * 12, [1] * 12, 1, min_items=5)
+    assert [len(queues.piece(0)) for _ in range(3)] == [5, 5, 2]
+    # and at least the cost the engine names (its minimum seconds at the pace measured)
+    queues = WorkQueues([0] * 12, [1] * 12, 1)
+    assert [len(queues.piece(0, min_cost=4)) for _ in range(4)] == [4, 4, 4, 0]
+
+
+def test_an_idle_worker_steals_the_smallest_half_of_the_fullest_queue():
+    owners = [0, 0, 0, 0, 1, 2, 2]
+    costs = [5, 4, 3, 2, 9, 1, 1]
+    queues = WorkQueues(owners, costs, 4)
+    # worker 3 has nothing: it takes from worker 0 (14 queued) its smallest, up to half (7)
+    assert queues.steal(3) == (0, [3, 2, 1])
+    assert list(queues.queues[0]) == [0] and list(queues.queues[3]) == [1, 2, 3]
+    # now the fullest is worker 3 itself, then worker 1 (9), a single message: taken whole
+    assert queues.steal(0) == (1, [4])
+    # only what movable allows; nothing movable is nothing to steal
+    assert queues.steal(1, movable=lambda i: i == 5) == (2, [5])
+    assert queues.steal(1, movable=lambda i: False) is None
+    assert queues.drop(3) == [1, 2, 3] and not queues.queues[3]
+    assert WorkQueues([0], [1], 2).steal(0) is None  # nothing anywhere else
 
 
 def test_more_workers_than_resources_is_one_sentence():
@@ -144,6 +199,7 @@ def test_two_workers_give_the_sequential_engines_metrics_and_a_dead_worker_is_re
     differences, checked = compare(reference, on_workers)
     assert differences == []
     assert checked > 2 * 3 * 20  # every round's metrics of every entry
+    assert sum(report["steals"]) > 0  # clients (and their states) taken by an idle worker
     assert any(line.startswith("engine = batched on 2 Ray workers") for line in report["lines"])
 
     # worker 1 killed at the start of round 2: the clients it was given count as failed, the
@@ -152,9 +208,9 @@ def test_two_workers_give_the_sequential_engines_metrics_and_a_dead_worker_is_re
     rows = report["rows"]
     (dead,) = report["dead"]
     assert dead["held"] and report["after"] != dead["pid"]
-    assert [r["failures"] for r in rows] == [0, 3, 0]
-    assert [r["clients-trained"] for r in rows] == [6, 3, 6]
-    assert rows[1]["evaluated"] == 7 and rows[2]["evaluated"] == 7
+    assert [r["failures"] for r in rows] == [0, 5, 0]
+    assert [r["clients-trained"] for r in rows] == [10, 5, 10]
+    assert rows[1]["evaluated"] == 11 and rows[2]["evaluated"] == 11
     died = [line for line in report["lines"] if "Ray worker 1 died" in line]
     assert len(died) == 1 and f"{len(dead['held'])} client(s)' saved state went with it" in died[0]
     came_back = [line for line in report["lines"] if "came back without it" in line]

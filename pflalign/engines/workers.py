@@ -10,20 +10,25 @@ its node's own ``out-dir``), and runs its share of every exchange with the one c
 round loop, so validation, aggregation, metrics and checkpoints are those of one process.
 
 Each exchange, the driver assigns the messages to the actors (:func:`assign`): a client goes to
-the actor that holds its state while that actor has fewer than its share (ceil(n / N)) of the
-exchange's messages, the others to the least loaded actor; a client whose state is elsewhere has
-it moved first, actor to actor through Ray's object store. Each actor's share goes out as one
-call and comes back as one :class:`~pflalign.messages.Exchange`; the replies are put back in
-message order. Uploads come back through the object store (NumPy arrays are read from it without
-a copy). Which actor serves a client changes nothing it computes: every draw is derived from (seed,
-round, client), so with one torch thread per actor the metrics equal the sequential engine's at
-one thread, bit for bit, for every N.
+the actor that holds its state while that actor has less than an even share of the exchange's
+work, the others to the least loaded actor; a client whose state is elsewhere has it moved
+first, actor to actor through Ray's object store. Each actor's share is then handed out in
+pieces (:class:`WorkQueues`), at most two calls queued on an actor at a time, pieces shrinking as
+its share empties; an actor that runs out of work while another still has clients waiting takes
+the smallest of them, up to half of their work (work stealing: a training client's state moves
+with it, an evaluated client moves only if it holds none), so that actors of unequal speed, or
+clients whose cost the split mispredicted, finish together. Each piece comes back as one
+:class:`~pflalign.messages.Exchange`; the replies are put back in message order. Uploads come
+back through the object store (NumPy arrays are read from it without a copy). Which actor serves
+a client changes nothing it computes: every draw is derived from (seed, round, client), so with
+one torch thread per actor the metrics equal the sequential engine's at one thread, bit for bit,
+for every N.
 
-An actor that dies during an exchange fails the clients of its share (error replies naming it, as
-a failed client is named), the round completes without them, and a new actor takes its place
-before the next exchange; the state of the clients it held is lost with it, and each such client
-is warned about when it next replies without it. Needs Ray; nothing here imports it at import
-time.
+An actor that dies during an exchange fails the clients of its share not yet answered (error
+replies naming it, as a failed client is named), the round completes without them, and a new
+actor takes its place before the next exchange; the state of the clients it held is lost with
+it, and each such client is warned about when it next replies without it. Needs Ray; nothing
+here imports it at import time.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ import contextlib
 import math
 import os
 import socket
-from collections.abc import Mapping, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pflalign.engines import check_resources, run_methods
@@ -40,12 +47,17 @@ from pflalign.engines.batched import BatchedEngine
 from pflalign.federation import federated_dataset
 from pflalign.messages import Exchange, Outgoing, Reply
 from pflalign.options import ConfigError
-from pflalign.protocol import RESTORE, STATE, TRAIN
+from pflalign.protocol import EVALUATE, RESTORE, STATE, TRAIN
 from pflalign.raycluster import LOOPBACK_HOSTS, check_ray_address, parse_ray_address
 from pflalign.results import Reporter
 from pflalign.settings import Settings
 from pflalign.state import State
 from pflalign.train import configure_threads, num_local_steps
+
+#: the concurrency group of a worker's state hand-overs (:meth:`Worker.take`,
+#: :meth:`Worker.put`): a thread of their own, so that a worker hands a state over while it
+#: trains other clients
+STATE_GROUP = "state"
 
 
 class _Collecting(Reporter):
@@ -104,22 +116,19 @@ class Worker:
                                                       "out-dir": str(self.spill)}), self.reporter)
 
     def exchange(self, action: str, messages: Sequence[Outgoing]
-                 ) -> tuple[Exchange, list[str], list[int]]:
-        """The exchange's replies, what it said, and which of its clients this worker now
-        holds a saved state of."""
+                 ) -> tuple[Exchange, list[str], list[int], float]:
+        """The exchange's replies, what it said, which of its clients this worker now holds a
+        saved state of, and the seconds it took."""
+        started = time.perf_counter()
         exchange = self.engine.exchange(action, messages)
+        seconds = time.perf_counter() - started
         lines, self.reporter.lines = self.reporter.lines, []
         states = self.engine.states
-        return exchange, lines, [m.client for m in messages if m.client in states]
+        return exchange, lines, [m.client for m in messages if m.client in states], seconds
 
     def take(self, clients: Sequence[int]) -> dict[int, State]:
         """The saved states of ``clients`` (those it holds), removed from this worker."""
-        states = self.engine.states
-        out = {cid: {k: v.copy() for k, v in states[cid].items()} for cid in clients
-               if cid in states}
-        for cid in out:
-            del states[cid]
-        return out
+        return self.engine.states.take(clients)
 
     def put(self, states: Mapping[int, State]) -> None:
         for cid, state in states.items():
@@ -168,6 +177,86 @@ def assign(clients: Sequence[int], home: Mapping[int, int], workers: int,
             out[i] = k
             load[k] += costs[i]
     return [int(k) for k in out]
+
+
+#: calls an exchange keeps queued on one worker: one running, one waiting, so that the worker
+#: does not wait for the driver between pieces
+DEPTH = 2
+#: a piece is at least 1/PIECES of what the worker's queue holds (guided self-scheduling)
+PIECES = 4
+#: and at least this many seconds of work, by the rate measured so far (a call costs a worker
+#: about 5 ms of its own: at 1,000 clients an evaluation's last pieces of one client each took
+#: less than that)
+MIN_PIECE_SECONDS = 0.1
+
+
+class WorkQueues:
+    """One exchange's messages queued per worker and handed out in pieces; a worker left without
+    work takes the smallest messages of the fullest queue, up to half of its cost.
+
+    Each worker's queue holds the message indices ``owners`` gives it, largest cost first (as
+    :func:`assign` placed them). :meth:`piece` hands out the head of a queue: at least
+    ``min_items`` messages, at least 1/:data:`PIECES` of the queue's cost and at least the cost
+    its caller names, so that pieces shrink as the queue empties (guided self-scheduling;
+    Polychronopoulos and Kuck, IEEE Trans. Computers 36(12), 1987). :meth:`steal` moves messages
+    from the tail (the smallest) of the queue holding the most cost to an idle worker's, up to
+    half of that queue's cost and at least one message, taking only those ``movable`` allows
+    (work stealing; Blumofe and Leiserson, JACM 46(5), 1999)."""
+
+    def __init__(self, owners: Sequence[int], costs: Sequence[float], workers: int,
+                 min_items: int = 1):
+        self.costs = [float(c) for c in costs]
+        self.min_items = max(1, int(min_items))
+        order = sorted(range(len(owners)), key=lambda i: (-self.costs[i], i))
+        self.queues = [deque(i for i in order if owners[i] == k) for k in range(workers)]
+
+    def queued(self, k: int) -> float:
+        """The cost waiting in worker ``k``'s queue."""
+        return sum(self.costs[i] for i in self.queues[k])
+
+    def piece(self, k: int, min_cost: float = 0.0) -> list[int]:
+        """The next messages for worker ``k`` (none when its queue is empty), at least
+        ``min_cost`` of them where the queue holds that much."""
+        queue, target = self.queues[k], max(self.queued(k) / PIECES, min_cost)
+        out: list[int] = []
+        cost = 0.0
+        while queue and (len(out) < self.min_items or cost < target):
+            out.append(queue.popleft())
+            cost += self.costs[out[-1]]
+        return out
+
+    def steal(self, k: int, movable: Callable[[int], bool] = lambda i: True,
+              ) -> tuple[int, list[int]] | None:
+        """Move to worker ``k``'s queue the smallest movable messages of the other queue with the
+        most movable cost, up to half of it; returns that queue's worker and the messages moved
+        (None: nothing to take)."""
+        others = [(sum(self.costs[i] for i in q if movable(i)), -v)
+                  for v, q in enumerate(self.queues) if v != k and any(movable(i) for i in q)]
+        if not others:
+            return None
+        load, victim = max(others)  # the most movable cost, the lowest index among equals
+        victim, half = -victim, load / 2
+        taken: list[int] = []
+        cost = 0.0
+        for i in reversed(self.queues[victim]):
+            if not movable(i):
+                continue
+            if taken and cost >= half:
+                break
+            taken.append(i)
+            cost += self.costs[i]
+        if not taken:
+            return None
+        gone = set(taken)
+        self.queues[victim] = deque(i for i in self.queues[victim] if i not in gone)
+        self.queues[k].extend(sorted(taken, key=lambda i: (-self.costs[i], i)))
+        return victim, taken
+
+    def drop(self, k: int) -> list[int]:
+        """Empty worker ``k``'s queue (it died); returns what was in it."""
+        out = list(self.queues[k])
+        self.queues[k].clear()
+        return out
 
 
 def resolve_workers(settings: Settings, cluster: Mapping[str, float]) -> int:
@@ -230,7 +319,8 @@ class WorkerPool:
         self.places = places
 
     def _new(self, k: int):
-        actor = self.ray.remote(Worker).options(**self.options).remote(self.values, k, self.n)
+        remote = self.ray.remote(concurrency_groups={STATE_GROUP: 1})(Worker)
+        actor = remote.options(**self.options).remote(self.values, k, self.n)
         try:
             self.ray.get(actor.where.remote())
         except self.ray.exceptions.RayActorError as err:
@@ -293,6 +383,14 @@ class ActorEngine:
         self.home: dict[int, int] = {}
         self.clients: dict = {}  # discovered: their split sizes weigh the assignment
         self._local = BatchedEngine(settings, pool.reporter)  # discovery only: no client runs
+        run = settings.run
+        #: the fewest clients of a piece: a whole cohort where the workers stack one (vmap)
+        vmap = run.batched_backend == "vmap" or (run.batched_backend == "auto"
+                                                 and run.client_resources_num_gpus > 0)
+        self.min_items = run.cohort_size if vmap else 1
+        #: per action, the workers' seconds and the cost they served so far: a piece is sized
+        #: to at least MIN_PIECE_SECONDS of work by their ratio
+        self.pace: dict[str, list[float]] = {}
 
     def discover(self):
         self.clients = self._local.discover()
@@ -320,73 +418,122 @@ class ActorEngine:
             return Exchange([], 0, 0)
         n = len(self.pool.actors)
         clients = [m.client for m in messages]
+        costs = self._costs(action, clients)
         if action == STATE:  # a query goes where the state is, and moves nothing
             owners = [self.home.get(cid, 0) for cid in clients]
         else:
             # training is balanced (a state moves when its worker has more than its share);
             # other exchanges are short: a client with a home stays there
             slack = KEEP_SLACK if action == TRAIN else math.inf
-            owners = assign(clients, self.home, n, self._costs(action, clients), slack)
-            self._move(clients, owners, messages)
-        shares: dict[int, list[int]] = {}
-        for i, k in enumerate(owners):
-            shares.setdefault(k, []).append(i)
-        calls = {k: self.pool.actors[k].exchange.remote(action, [messages[i] for i in idx])
-                 for k, idx in shares.items()}
+            owners = assign(clients, self.home, n, costs, slack)
+            self._move({cid: k for cid, k, message in zip(clients, owners, messages, strict=True)
+                        if RESTORE not in message.payload.arrays})
+        queues = WorkQueues(owners, costs, n, self.min_items)
+        return self._run(action, messages, queues)
+
+    def _movable(self, action: str, messages: Sequence[Outgoing]) -> Callable[[int], bool]:
+        """Which messages an idle worker may take from another's queue: a training client (its
+        state moves with it), an evaluated client holding no state, never a state query."""
+        if action == TRAIN:
+            return lambda i: True
+        if action == EVALUATE:
+            return lambda i: messages[i].client not in self.home
+        return lambda i: False
+
+    def _run(self, action: str, messages: Sequence[Outgoing], queues: WorkQueues) -> Exchange:
+        """Hand the queued messages to the workers in pieces, an idle worker stealing, until every
+        message has its reply; a worker that dies fails what it had not answered."""
+        actors, n = self.pool.actors, len(self.pool.actors)
+        clients = [m.client for m in messages]
+        movable = self._movable(action, messages)
+        pace = self.pace.setdefault(action, [0.0, 0.0])  # seconds, cost
         replies: list[Reply | None] = [None] * len(messages)
+        pending: dict = {}  # a call in flight -> (its worker, its messages)
+        running = [0] * n
+        failed: dict[int, list[int]] = {}  # a dead worker -> the messages it failed
+        reasons: dict[int, str] = {}
         down = up = 0
-        dead = []
-        for k, idx in shares.items():
+
+        def submit(k: int, steal: bool = True) -> None:
+            least = MIN_PIECE_SECONDS * pace[1] / pace[0] if pace[0] > 0 else 0.0
+            while k not in failed and running[k] < DEPTH:
+                piece = queues.piece(k, least)
+                if not piece and steal and running[k] == 0:
+                    taken = queues.steal(k, movable)
+                    if taken is not None:
+                        victim, stolen = taken
+                        self._move({clients[i]: k for i in stolen
+                                    if self.home.get(clients[i]) == victim
+                                    and RESTORE not in messages[i].payload.arrays})
+                        piece = queues.piece(k, least)
+                if not piece:
+                    return
+                call = actors[k].exchange.remote(action, [messages[i] for i in piece])
+                pending[call] = (k, piece)
+                running[k] += 1
+
+        for k in range(n):  # every worker's own share first, then the idle steal
+            submit(k, steal=False)
+        for k in range(n):
+            submit(k)
+        while pending:
+            (call,), _ = self.ray.wait(list(pending), num_returns=1)
+            k, piece = pending.pop(call)
+            running[k] -= 1
             try:
-                exchange, lines, held = self.ray.get(calls[k])
+                exchange, lines, held, seconds = self.ray.get(call)
             except self.gone as err:
-                dead.append(k)
-                reason = _first_line(err)[:200]
-                for i in idx:
-                    cid = clients[i]
-                    replies[i] = Reply(cid, f"client {cid}", error=(
-                        f"failed: its worker (Ray actor {k}) died during the exchange "
-                        f"({reason})"))
+                if k not in failed:
+                    failed[k], reasons[k] = queues.drop(k), _first_line(err)[:200]
+                failed[k].extend(piece)
                 continue
             self.pool.say(lines)
-            for i, reply in zip(idx, exchange.replies, strict=True):
+            pace[0] += seconds
+            pace[1] += sum(queues.costs[i] for i in piece)
+            for i, reply in zip(piece, exchange.replies, strict=True):
                 replies[i] = reply
             down, up = down + exchange.bytes_down, up + exchange.bytes_up
             if action != STATE:  # a client's home: the worker holding its saved state
                 kept = set(held)
-                for i in idx:
+                for i in piece:
                     if clients[i] in kept:
                         self.home[clients[i]] = k
                     else:
                         self.home.pop(clients[i], None)
-        for k in dead:
+            submit(k)
+        for k, lost_messages in failed.items():
+            for i in lost_messages:
+                cid = clients[i]
+                replies[i] = Reply(cid, f"client {cid}", error=(
+                    f"failed: its worker (Ray actor {k}) died during the exchange "
+                    f"({reasons[k]})"))
             lost = sorted(cid for cid, w in self.home.items() if w == k)
             for cid in lost:
                 del self.home[cid]
             self.pool.reporter.warn(
-                f"Ray worker {k} died; its {len(shares[k])} client(s) of this exchange count as "
-                "failed, "
-                f"{len(lost)} client(s)' saved state went with it, and a new worker takes its "
-                "place for the next exchange.")
+                f"Ray worker {k} died; its {len(lost_messages)} client(s) of this exchange count "
+                f"as failed, {len(lost)} client(s)' saved state went with it, and a new worker "
+                "takes its place for the next exchange.")
             self.pool.restart(k, self.values)
         return Exchange(replies, down, up)  # type: ignore[arg-type]
 
-    def _move(self, clients: Sequence[int], owners: Sequence[int],
-              messages: Sequence[Outgoing]) -> None:
-        """Move the saved state of each client assigned away from the worker holding it (a
-        message carrying a restored state brings its own)."""
+    def _move(self, targets: Mapping[int, int]) -> None:
+        """Move the saved state of each client in ``targets`` held by a worker other than its
+        target to that target, worker to worker, by the workers' state threads."""
         moves: dict[tuple[int, int], list[int]] = {}
-        for cid, k, message in zip(clients, owners, messages, strict=True):
+        for cid, k in targets.items():
             old = self.home.get(cid)
-            if old is not None and old != k and RESTORE not in message.payload.arrays:
+            if old is not None and old != k:
                 moves.setdefault((old, k), []).append(cid)
+        actors = self.pool.actors
         for (old, new), moved in moves.items():
-            states = self.pool.actors[old].take.remote(moved)
+            states = actors[old].take.options(concurrency_group=STATE_GROUP).remote(moved)
             try:
-                self.ray.get(self.pool.actors[new].put.remote(states))
+                self.ray.get(actors[new].put.options(concurrency_group=STATE_GROUP)
+                             .remote(states))
             except self.gone:
-                # a worker died between exchanges: these states are lost with it (the clients
-                # start afresh, as the method's rule says), and the exchange finds the dead worker
+                # a worker died: these states are lost with it (the clients start afresh, as
+                # the method's rule says), and the exchange finds the dead worker
                 for cid in moved:
                     del self.home[cid]
                 continue
