@@ -39,7 +39,7 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from pflalign.engines import check_resources, run_methods
@@ -426,8 +426,7 @@ class ActorEngine:
             # other exchanges are short: a client with a home stays there
             slack = KEEP_SLACK if action == TRAIN else math.inf
             owners = assign(clients, self.home, n, costs, slack)
-            self._move({cid: k for cid, k, message in zip(clients, owners, messages, strict=True)
-                        if RESTORE not in message.payload.arrays})
+            self._move(messages, enumerate(owners))
         queues = WorkQueues(owners, costs, n, self.min_items)
         return self._run(action, messages, queues)
 
@@ -461,10 +460,7 @@ class ActorEngine:
                 if not piece and steal and running[k] == 0:
                     taken = queues.steal(k, movable)
                     if taken is not None:
-                        victim, stolen = taken
-                        self._move({clients[i]: k for i in stolen
-                                    if self.home.get(clients[i]) == victim
-                                    and RESTORE not in messages[i].payload.arrays})
+                        self._move(messages, ((i, k) for i in taken[1]))
                         piece = queues.piece(k, least)
                 if not piece:
                     return
@@ -517,13 +513,14 @@ class ActorEngine:
             self.pool.restart(k, self.values)
         return Exchange(replies, down, up)  # type: ignore[arg-type]
 
-    def _move(self, targets: Mapping[int, int]) -> None:
-        """Move the saved state of each client in ``targets`` held by a worker other than its
-        target to that target, worker to worker, by the workers' state threads."""
+    def _move(self, messages: Sequence[Outgoing], targets: Iterable[tuple[int, int]]) -> None:
+        """For each (message index, worker) of ``targets``, move the saved state of the message's
+        client to that worker from the worker holding it, worker to worker, by the workers' state
+        threads (a message carrying a restored state brings its own)."""
         moves: dict[tuple[int, int], list[int]] = {}
-        for cid, k in targets.items():
-            old = self.home.get(cid)
-            if old is not None and old != k:
+        for i, k in targets:
+            cid, old = messages[i].client, self.home.get(messages[i].client)
+            if old is not None and old != k and RESTORE not in messages[i].payload.arrays:
                 moves.setdefault((old, k), []).append(cid)
         actors = self.pool.actors
         for (old, new), moved in moves.items():
