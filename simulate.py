@@ -23,14 +23,28 @@ import sys
 import textwrap
 from pathlib import Path
 
-from pflalign.config import OPTIONS, format_settings, left_out_by_all, resolve
-from pflalign.interrupt import Interrupted, exit_status, handle_signals, signal_name, stop_signal
-from pflalign.methods import METHODS
-from pflalign.options import ConfigError
-from pflalign.report import leaderboard_text
-from pflalign.results import Reporter, make_reporter, prepare_output
-from pflalign.settings import Settings
-from pflalign.study import Plan, Study, parse_seeds, parse_sweep, scenario_names, scenario_values
+from pflalign.methods.registry import METHODS
+from pflalign.outputs.report import leaderboard_text
+from pflalign.outputs.results import Reporter, make_reporter, prepare_output
+from pflalign.process.interrupt import (
+    Interrupted,
+    exit_status,
+    handle_signals,
+    signal_name,
+    stop_signal,
+)
+from pflalign.run.config import OPTIONS, format_settings, left_out_by_all, resolve
+from pflalign.run.driver import check_resources, simulate
+from pflalign.run.study import (
+    Plan,
+    Study,
+    parse_seeds,
+    parse_sweep,
+    scenario_names,
+    scenario_values,
+)
+from pflalign.settings.options import ConfigError
+from pflalign.settings.schema import Settings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
 
@@ -148,14 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for name in plan.scenarios:
             settings = plan.settings(name)
-            if args.ray_address and settings.run.engine == "sequential":
-                raise ConfigError("--ray-address runs the clients on a Ray cluster, which needs "
-                                  "engine = 'flower' or 'batched' (this run has engine = "
-                                  "'sequential').")
-            if not args.ray_address:
-                from pflalign.engines import check_resources
-
-                check_resources(settings)  # a config error comes before any complaint about --out
+            # a config error comes before any complaint about --out
+            check_resources(settings, args.ray_address)
         if not args.resume:
             prepare_output(plan.out_dir, overwrite=args.overwrite)
         reporter = make_reporter(quiet=args.quiet)
@@ -183,23 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 def group_runner(args: argparse.Namespace):
     """Runs one group of method entries (one scenario, setting and seed) on its engine."""
     def run_group(settings: Settings, reporter: Reporter, resume: bool) -> dict:
-        if settings.run.engine == "sequential":
-            from pflalign.engines.sequential import simulate as simulate_sequential
-
-            return simulate_sequential(settings, reporter, resume=resume)
-        if settings.run.engine == "batched":
-            if str(settings.run.batched_workers).strip() != "1" or args.ray_address:
-                from pflalign.engines.workers import simulate as simulate_on_workers
-
-                return simulate_on_workers(settings, reporter, resume=resume,
-                                           ray_address=args.ray_address)
-            from pflalign.engines.batched import simulate as simulate_batched
-
-            return simulate_batched(settings, reporter, resume=resume)
-        from strategies.simulation import simulate
-
-        return simulate(settings, reporter, verbose=args.verbose, ray_address=args.ray_address,
-                        resume=resume)
+        return simulate(settings, reporter, resume=resume, ray_address=args.ray_address,
+                        verbose=args.verbose)
     return run_group
 
 

@@ -29,8 +29,8 @@ CHILD = """
 import sys, time
 began = time.perf_counter()
 import clients.app  # what a flwr-clientapp process imports for this app (torch, flwr, pflalign)
-from pflalign.config import resolve
-from pflalign.node import node_data_from_file, pooled_node_data
+from pflalign.run.config import resolve
+from pflalign.data.node import node_data_from_file, pooled_node_data
 settings = resolve(None, sys.argv[3:])
 client = int(sys.argv[2])
 started = time.perf_counter()
@@ -57,8 +57,8 @@ def main() -> int:
     parser.add_argument("--client", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    from pflalign.config import resolve
-    from pflalign.node import export_partitions
+    from pflalign.data.node import export_partitions
+    from pflalign.run.config import resolve
 
     settings = resolve(None, args.overrides)
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pflalign.models import build_model  # noqa: E402
-from pflalign.optim import GENIE, PFLAlign  # noqa: E402
+from pflalign.models.registry import build_model  # noqa: E402
+from pflalign.training.optim import GENIE, PFLAlign  # noqa: E402
 
 
 class Subject:

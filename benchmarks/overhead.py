@@ -25,9 +25,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pflalign.config import resolve  # noqa: E402
-from pflalign.engines.sequential import simulate as simulate_sequential  # noqa: E402
-from pflalign.results import Reporter  # noqa: E402
+from pflalign.outputs.results import Reporter  # noqa: E402
+from pflalign.run.config import resolve  # noqa: E402
+from pflalign.run.driver import simulate as simulate_run  # noqa: E402
 
 
 def main() -> None:
@@ -45,9 +45,7 @@ def main() -> None:
 
     print(f"(a) Flower simulation on Ray: {settings.run.num_clients} clients, "
           f"fraction-train {settings.run.fraction_train}, {args.rounds} rounds", flush=True)
-    from strategies.simulation import simulate
-
-    results = simulate(settings, Reporter())
+    results = simulate_run(settings, Reporter())
     rows = results["methods"]["fedavg"]["rounds"]
     sim_seconds = [r["train-seconds"] for r in rows]
     sim_losses = [r["train-loss"] for r in rows]
@@ -55,7 +53,7 @@ def main() -> None:
     packing = [r["train-seconds"] / (r["client-seconds"] / workers) for r in rows[1:]]
 
     print(f"(b) the sequential engine, {args.threads} torch thread(s)", flush=True)
-    sequential = simulate_sequential(settings.replace({
+    sequential = simulate_run(settings.replace({
         "engine": "sequential", "client-resources-num-cpus": args.threads,
         "out-dir": str(ROOT / "results" / "benchmark-overhead" / "sequential")}), Reporter())
     plain_rows = sequential["methods"]["fedavg"]["rounds"]

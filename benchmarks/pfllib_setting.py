@@ -105,7 +105,7 @@ def run_pfllib(method: str, args: argparse.Namespace, out: Path, repeat: int) ->
 PLAIN_LOOP = """
 import sys, time, torch
 import torch.nn.functional as F
-from pflalign.models import build_model
+from pflalign.models.registry import build_model
 steps, threads = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(threads)
 torch.manual_seed(0)

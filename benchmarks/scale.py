@@ -63,7 +63,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FRACTION = {20: 0.4, 100: 0.2, 1000: 0.05, 10000: 0.01}
-#: spilled client state lives in folders named so (pflalign/store.py)
+#: spilled client state lives in folders named so (pflalign/engines/store.py)
 SPILL_PREFIX = ".client-state-"
 #: a child process reports its torch GPU peak here (in-process engines)
 GPU_PEAK_FILE = "gpu-peak.json"

@@ -9,19 +9,19 @@ methods left behind: less to carry per message). For checkpoints, a ``query.stat
 for that state, and a train or evaluate message carrying a ``restore-state`` record (the state
 from a checkpoint, after a resume) makes the node run on it and keep it.
 
-A deployed SuperNode may also name, in its node config (:mod:`pflalign.node`):
+A deployed SuperNode may also name, in its node config (:mod:`pflalign.data.node`):
 
-- ``data-path``: its own partition file (``python -m pflalign.export_partitions``); the node then
-  reads only that file, never the pooled dataset, and refuses one made for another config;
+- ``data-path``: its own partition file (``python -m pflalign.run.export_partitions``); the node
+  then reads only that file, never the pooled dataset, and refuses one made for another config;
 - ``state-dir``: a directory where its method state is saved atomically after every training
   action and read back when ``context.state`` has none (a restarted SuperNode resumes exactly);
 - ``auth-key``: its SuperNode private key (the file given to ``flower-supernode
   --auth-supernode-private-key``), with which it proves at discovery that it holds the key its
-  ``partition-id`` is bound to, when the run has ``node-keys`` (:mod:`pflalign.binding`);
+  ``partition-id`` is bound to, when the run has ``node-keys`` (:mod:`pflalign.wire.binding`);
 - ``cache-dir``: where a node without ``data-path`` caches its own partition after the first
   message, and where a node keeps a float32 copy of a language model's base, so that only its
   first message loads the model's files and the later ones map the copy
-  (:func:`pflalign.language.use_node_copies`); default: ``state-dir``, else
+  (:func:`pflalign.models.language.use_node_copies`); default: ``state-dir``, else
   ``$XDG_CACHE_HOME/pflalign`` when every message runs in a new ``flwr-clientapp`` process;
   ``cache-dir=""`` turns both off.
 """
@@ -37,13 +37,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
-from pflalign.binding import CHALLENGE, PROOF, sign
-from pflalign.caches import cached
-from pflalign.config import build_settings
-from pflalign.engines.host import discovery, handle
-from pflalign.faults import ClientDropout
-from pflalign.language import use_node_copies
-from pflalign.node import (
+from pflalign.data.node import (
     NodeData,
     StateStore,
     cached_node_data,
@@ -51,7 +45,14 @@ from pflalign.node import (
     file_sha256,
     node_data_from_file,
 )
-from pflalign.protocol import (
+from pflalign.engines.faults import ClientDropout
+from pflalign.engines.host import discovery, handle
+from pflalign.models.language import use_node_copies
+from pflalign.process.caches import cached
+from pflalign.run.config import build_settings
+from pflalign.settings.schema import Settings
+from pflalign.wire.binding import CHALLENGE, PROOF, sign
+from pflalign.wire.protocol import (
     CONFIG,
     EVALUATE,
     LABEL,
@@ -62,7 +63,6 @@ from pflalign.protocol import (
     STATE,
     TRAIN,
 )
-from pflalign.settings import Settings
 
 app = ClientApp()
 

@@ -29,8 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pflalign.config import build_settings  # noqa: E402
-from pflalign.faults import malicious_clients  # noqa: E402
+from pflalign.engines.faults import malicious_clients  # noqa: E402
+from pflalign.run.config import build_settings  # noqa: E402
 
 #: attack -> attack-scale used for it (the factor is unused by signflip, labelflip and hang)
 ATTACKS = {"signflip": 1.0, "scale": 100.0, "noise": 10.0, "labelflip": 1.0,

@@ -209,9 +209,9 @@ make_certificates() {
     chmod 600 "$CERTS/ca.key" "$CERTS/server.key"
 }
 
-bind_keys() {  # each partition-id bound to SuperNode i's public key (pflalign.binding)
+bind_keys() {  # each partition-id bound to SuperNode i's public key (pflalign.wire.binding)
     config_args
-    python -m pflalign.export_partitions "${CONFIG_ARGS[@]}" --bind-keys "$KEYS" >/dev/null
+    python -m pflalign.run.export_partitions "${CONFIG_ARGS[@]}" --bind-keys "$KEYS" >/dev/null
     log "bound each partition-id to its SuperNode's key in $PARTS/node-keys.json"
 }
 
@@ -242,7 +242,7 @@ EOF
 export_partitions() {
     config_args
     log "exporting one partition file per client to $PARTS"
-    python -m pflalign.export_partitions "${CONFIG_ARGS[@]}" --out "$PARTS" \
+    python -m pflalign.run.export_partitions "${CONFIG_ARGS[@]}" --out "$PARTS" \
         --write-config "$PARTS/run-config.toml"
     local expected
     expected=$(python - "$PARTS/run-config.toml" <<'EOF'
@@ -372,7 +372,7 @@ cmd_run() {
     if [[ -n ${CLI[methods]:-} ]]; then extra+=("methods=${CLI[methods]}"); fi
     extra+=("${CLI_SETS[@]}" "out-dir=$out")
     config_args "${extra[@]}"
-    python -m pflalign.export_partitions "${CONFIG_ARGS[@]}" \
+    python -m pflalign.run.export_partitions "${CONFIG_ARGS[@]}" \
         --write-config "$rundir/run-config.toml" >/dev/null
     log "flwr run $ROOT $NAME --stream --run-config $rundir/run-config.toml"
     local status=0 tail_pid
@@ -395,7 +395,7 @@ cmd_run() {
     # `flwr run` exits 0 even when the ServerApp fails: results.json decides
     if ! python - "$rundir/run-config.toml" "$out/results.json" <<'EOF'
 import json, sys, tomllib
-from pflalign.config import build_settings, method_labels
+from pflalign.run.config import build_settings, method_labels
 settings = build_settings(tomllib.load(open(sys.argv[1], "rb")))
 try:
     results = json.load(open(sys.argv[2]))

@@ -5,6 +5,6 @@ A package is imported before any of its modules, so this sets Flower's and Ray's
 (no telemetry, no update checks, no package installs) before any module here imports flwr.
 """
 
-from pflalign.flower_process import set_flower_environment
+from pflalign.engines.flower_process import set_flower_environment
 
 set_flower_environment()

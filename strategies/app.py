@@ -1,6 +1,6 @@
 """The ServerApp. ``flwr run .`` uses the module-level ``app`` (settings from the run config);
 ``simulate.py`` builds one with :func:`make_server_app` around already-resolved settings. Both run
-every method entry through :func:`pflalign.engines.run_methods` on the Flower engine."""
+every method entry through :func:`pflalign.run.driver.run_methods` on the Flower engine."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from collections.abc import Callable
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from pflalign.config import build_settings
-from pflalign.engines import run_methods
-from pflalign.options import ConfigError
-from pflalign.results import Reporter
-from pflalign.settings import Settings
+from pflalign.outputs.results import Reporter
+from pflalign.run.config import build_settings
+from pflalign.run.driver import run_methods
+from pflalign.settings.options import ConfigError
+from pflalign.settings.schema import Settings
 from strategies.flower import FlowerEngine
 
 app = ServerApp()
@@ -22,7 +22,7 @@ app = ServerApp()
 def run_on_grid(grid: Grid, settings: Settings, reporter: Reporter | None = None,
                 resume: bool = False) -> dict:
     """Run every method of ``settings`` over the Flower engine on ``grid`` (``resume``: continue
-    a killed run in ``out-dir``, :func:`~pflalign.engines.run_methods`)."""
+    a killed run in ``out-dir``, :func:`~pflalign.run.driver.run_methods`)."""
     reporter = reporter or Reporter()
     return run_methods(settings, lambda s: FlowerEngine(grid, s, reporter), reporter,
                        resume=resume)

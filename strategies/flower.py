@@ -1,11 +1,10 @@
 """The Flower engine: a federation's messages as Flower Messages through a Grid.
 
-:class:`FlowerEngine` is what :class:`~pflalign.server.Federation` runs on under ``flwr run`` and
-``simulate.py`` (a Flower simulation on Ray), and in a real deployment of SuperNodes. It
+:class:`FlowerEngine` is what :class:`~pflalign.server.runtime.Federation` runs on under ``flwr
+run`` and ``simulate.py`` (a Flower simulation on Ray), and in a real deployment of SuperNodes. It
 discovers the nodes (a QUERY for each one's stable ``partition-id`` and split sizes), turns each
-outgoing payload into a Message to that client's node, and turns replies back into metrics and
-NumPy state dicts. Everything else, from sampling to aggregation, is the round loop's and the
-method's.
+outgoing payload into a Message to that client's node, and turns replies back into metrics and NumPy
+state dicts. Everything else, from sampling to aggregation, is the round loop's and the method's.
 """
 
 from __future__ import annotations
@@ -17,11 +16,15 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from pflalign.binding import CHALLENGE, PROOF, new_challenge, proof_problem, read_bindings
-from pflalign.federation import federated_dataset
-from pflalign.interrupt import check_stop
-from pflalign.messages import ClientInfo, Exchange, Outgoing, Reply
-from pflalign.protocol import (
+from pflalign.data.federated import federated_dataset
+from pflalign.engines.base import Engine
+from pflalign.outputs.results import Reporter
+from pflalign.process.interrupt import check_stop
+from pflalign.server.validation import quote, quote_names
+from pflalign.settings.schema import Settings
+from pflalign.wire.binding import CHALLENGE, PROOF, new_challenge, proof_problem, read_bindings
+from pflalign.wire.messages import ClientInfo, Exchange, Outgoing, Reply
+from pflalign.wire.protocol import (
     ARRAYS_FACTOR,
     ARRAYS_SLACK,
     CONFIG,
@@ -37,10 +40,7 @@ from pflalign.protocol import (
     TRAIN,
     UNSEEN,
 )
-from pflalign.results import Reporter
-from pflalign.settings import Settings
-from pflalign.state import State
-from pflalign.validation import quote, quote_names
+from pflalign.wire.state import State
 
 #: a checkpoint's state query is a query routed to its own ClientApp function (``query.state``)
 MESSAGE_TYPES = {TRAIN: MessageType.TRAIN, EVALUATE: MessageType.EVALUATE,
@@ -85,7 +85,7 @@ def short_reason(reason: str) -> str:
     return first if len(first) <= 300 else first[:300] + " ..."
 
 
-class FlowerEngine:
+class FlowerEngine(Engine):
     """Reaches a run's clients as Flower SuperNodes through ``grid``."""
 
     #: seconds between two "waiting for clients ..." lines
@@ -301,7 +301,7 @@ class FlowerEngine:
 
     @property
     def reply_limit(self) -> int:
-        """The most array bytes a reply may carry now: :data:`~pflalign.protocol.ARRAYS_FACTOR`
+        """The most array bytes a reply may carry now: :data:`~pflalign.wire.protocol.ARRAYS_FACTOR`
         times the largest message sent so far (the model and what goes with it), plus
         ``ARRAYS_SLACK``."""
         return ARRAYS_FACTOR * self.largest_sent + ARRAYS_SLACK
@@ -309,7 +309,7 @@ class FlowerEngine:
     def reply(self, cid: int, msg: Message, limits: Mapping[str, int] | None = None) -> Reply:
         """The reply ``msg`` of client ``cid`` as the round loop reads it. Refused unread: one
         with records a reply never has (config records, metric records beside
-        :data:`~pflalign.protocol.METRICS`), one with an array record ``limits`` does not name
+        :data:`~pflalign.wire.protocol.METRICS`), one with an array record ``limits`` does not name
         or bigger than it allows, and (without ``limits``) one over :attr:`reply_limit`."""
         who = f"client {cid}"
         if msg.has_error():

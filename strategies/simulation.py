@@ -6,19 +6,18 @@ Flower's working folders live in a temporary directory of the run (with the owne
 so that a later run removes it if this one is killed), removed afterwards, and Ray is shut down
 so that no process outlives the run.
 
-Ray is started here rather than by Flower's Ray backend (which skips its own ``ray.init`` when
-Ray is already up), with the same arguments, for three reasons: a local Ray listens on
-127.0.0.1 only (:func:`pflalign.flower_process.bind_ray_to_loopback`); ``ray_address`` joins an
-existing cluster instead, with a one-line error when it cannot be reached; and ``ray.init``
-replaces the process's SIGTERM handler, which must be given back to
-:mod:`pflalign.interrupt` afterwards.
+Ray is started here rather than by Flower's Ray backend (which skips its own ``ray.init`` when Ray
+is already up), with the same arguments, for three reasons: a local Ray listens on 127.0.0.1 only
+(:func:`pflalign.engines.flower_process.bind_ray_to_loopback`); ``ray_address`` joins an existing
+cluster instead, with a one-line error when it cannot be reached; and ``ray.init`` replaces the
+process's SIGTERM handler, which must be given back to :mod:`pflalign.process.interrupt` afterwards.
 
-A stop request (Ctrl-C, SIGTERM; :mod:`pflalign.interrupt`) makes the round loop, which runs in
-the ServerApp thread, raise :class:`~pflalign.interrupt.Interrupted` at its next check (while it
-waits for replies, or at the start of a round); ``run_methods`` writes the finished entries and
-the ServerApp ends. Flower's ``run_simulation`` installs no signal handlers of its own: when its
-ServerApp thread raises, it stops its simulation runtime (whose workers first finish the client
-messages in flight) and re-raises that exception in the main thread, here, after which Ray is
+A stop request (Ctrl-C, SIGTERM; :mod:`pflalign.process.interrupt`) makes the round loop, which runs
+in the ServerApp thread, raise :class:`~pflalign.process.interrupt.Interrupted` at its next check
+(while it waits for replies, or at the start of a round); ``run_methods`` writes the finished
+entries and the ServerApp ends. Flower's ``run_simulation`` installs no signal handlers of its own:
+when its ServerApp thread raises, it stops its simulation runtime (whose workers first finish the
+client messages in flight) and re-raises that exception in the main thread, here, after which Ray is
 shut down and the temporary folder removed.
 """
 
@@ -30,24 +29,24 @@ import shutil
 import signal
 import sys
 
-from pflalign.engines import check_resources
-from pflalign.federation import federated_dataset
-from pflalign.flower_process import (
+from pflalign.data.federated import federated_dataset
+from pflalign.engines.flower_process import (
     bind_ray_to_loopback,
     make_run_dir,
     set_flower_environment,
     terminate_children,
 )
-from pflalign.interrupt import (
+from pflalign.engines.ray_cluster import LOOPBACK_HOSTS, check_ray_address, parse_ray_address
+from pflalign.outputs.results import Reporter
+from pflalign.process.interrupt import (
     check_stop,
     cleanup_on_forced_exit,
     reinstall_handlers,
     request_stop,
 )
-from pflalign.options import ConfigError
-from pflalign.raycluster import LOOPBACK_HOSTS, check_ray_address, parse_ray_address
-from pflalign.results import Reporter
-from pflalign.settings import Settings
+from pflalign.run.driver import check_resources
+from pflalign.settings.options import ConfigError
+from pflalign.settings.schema import Settings
 
 
 class _DropDeprecation(logging.Filter):
@@ -112,7 +111,7 @@ def simulate(settings: Settings, reporter: Reporter | None = None, verbose: bool
 
     ``ray_address`` (or Ray's own ``RAY_ADDRESS`` variable): run the clients on that existing
     Ray cluster instead of a local Ray started (and stopped) here. ``resume``: continue a killed
-    run in ``out-dir`` (:func:`~pflalign.engines.run_methods`). ``client_app``: a ClientApp
+    run in ``out-dir`` (:func:`~pflalign.run.driver.run_methods`). ``client_app``: a ClientApp
     to serve the clients in place of the project's (a test's, wrapping its handlers)."""
     address = ray_address or os.environ.get("RAY_ADDRESS") or None
     if address is not None:

@@ -11,8 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pflalign.data import DEBIAN_FASHION_MNIST  # noqa: E402
-from pflalign.flower_process import set_flower_environment  # noqa: E402
+from pflalign.data.datasets import DEBIAN_FASHION_MNIST  # noqa: E402
+from pflalign.engines.flower_process import set_flower_environment  # noqa: E402
 
 set_flower_environment()
 # transformers never tries the network in the tests (a subprocess inherits it)

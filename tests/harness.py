@@ -13,16 +13,16 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from pflalign.client import ClientRuntime
-from pflalign.config import build_settings
-from pflalign.engines import initial_model, template_model
-from pflalign.local import Rule, complete
-from pflalign.messages import ClientInfo, Received, Upload
-from pflalign.method import Method
-from pflalign.methods import METHODS
-from pflalign.server import ServerRuntime
-from pflalign.settings import Settings
-from pflalign.state import ArrayState
+from pflalign.methods.base import Method
+from pflalign.methods.registry import METHODS
+from pflalign.run.config import build_settings
+from pflalign.run.driver import initial_model, template_model
+from pflalign.server.runtime import ServerRuntime
+from pflalign.settings.schema import Settings
+from pflalign.training.client import ClientRuntime
+from pflalign.training.runs import Rule, complete
+from pflalign.wire.messages import ClientInfo, Received, Upload
+from pflalign.wire.state import ArrayState
 
 CPU = torch.device("cpu")
 
@@ -110,13 +110,12 @@ def three_engines(values: Mapping[str, object], out, compared_at_least: int) -> 
 
     from conftest import ROOT
 
-    from pflalign.engines.batched import simulate as simulate_batched
-    from pflalign.engines.sequential import simulate as simulate_sequential
+    from pflalign.run.driver import simulate
     from scripts.compare_results import compare
 
-    sequential = simulate_sequential(build_settings({**values, "engine": "sequential",
+    sequential = simulate(build_settings({**values, "engine": "sequential",
                                                      "out-dir": str(out / "s")}))
-    batched = simulate_batched(build_settings({**values, "engine": "batched",
+    batched = simulate(build_settings({**values, "engine": "batched",
                                                "out-dir": str(out / "b")}))
     flags = [arg for k, v in values.items()
              for arg in ("--set", f"{k}={json.dumps(v) if isinstance(v, str) else v}")]
@@ -133,6 +132,6 @@ def three_engines(values: Mapping[str, object], out, compared_at_least: int) -> 
 
 def train_metrics(cid: int, examples: int = 10, loss: float = 0.5, **extra: float) -> dict:
     """The metrics of an honest training reply of client ``cid`` (every key of
-    :data:`pflalign.protocol.TRAIN_METRICS`), with ``extra`` (a method's own)."""
+    :data:`pflalign.wire.protocol.TRAIN_METRICS`), with ``extra`` (a method's own)."""
     return {"partition-id": cid, "num-examples": examples, "train-loss": loss, "local-steps": 5,
             "client-seconds": 0.1, "had-state": 0, "kept-state": 0, **extra}

@@ -20,7 +20,15 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp
 
 import clients.app as project
-from pflalign.protocol import CLIENT_STATE, EVALUATE, METRICS, MODEL, PARTITION_ID, STATE, TRAIN
+from pflalign.wire.protocol import (
+    CLIENT_STATE,
+    EVALUATE,
+    METRICS,
+    MODEL,
+    PARTITION_ID,
+    STATE,
+    TRAIN,
+)
 
 #: each case: the action whose reply it changes
 CASES = {

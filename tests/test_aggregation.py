@@ -4,13 +4,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, Metadata, Metric
 from flwr.serverapp.strategy import FedAvg
 from harness import train_metrics
 
-from pflalign.aggregation import FlatSpec, fedavg, weighted_average
-from pflalign.config import build_settings
-from pflalign.messages import ClientInfo, Exchange
-from pflalign.methods import METHODS
-from pflalign.results import Reporter
-from pflalign.rounds import RoundLoop
-from pflalign.server import ServerRuntime
+from pflalign.methods.registry import METHODS
+from pflalign.outputs.results import Reporter
+from pflalign.run.config import build_settings
+from pflalign.run.rounds import RoundLoop
+from pflalign.server.aggregation import FlatSpec, fedavg, weighted_average
+from pflalign.server.runtime import ServerRuntime
+from pflalign.wire.messages import ClientInfo, Exchange
 from strategies.flower import FlowerEngine, to_record
 
 
@@ -221,7 +221,7 @@ def test_evaluation_metrics_from_client_replies():
 
 
 def test_personal_offset_and_personalized_init_by_hand():
-    from pflalign.aggregation import l2_norm, personal_offset, personalized_init
+    from pflalign.server.aggregation import l2_norm, personal_offset, personalized_init
 
     theta_g = {"w": np.array([1.0, 2.0], np.float32), "bn": np.array([5.0], np.float32)}
     end = {"w": np.array([4.0, -2.0], np.float32), "bn": np.array([7.0], np.float32)}
@@ -235,7 +235,7 @@ def test_personal_offset_and_personalized_init_by_hand():
 
 
 def test_mean_cosine_by_hand():
-    from pflalign.aggregation import mean_cosine
+    from pflalign.server.aggregation import mean_cosine
 
     ref = np.array([1.0, 0.0])
     assert mean_cosine([np.array([2.0, 0.0]), np.array([0.0, 3.0]), np.array([-1.0, 0.0])],

@@ -10,10 +10,10 @@ import pytest
 from conftest import needs_fashion_mnist
 from test_robustness import BASE, _run
 
-from pflalign.audit import AUDIT_STREAM, audit_sample, disagreement
-from pflalign.config import build_settings
-from pflalign.faults import malicious_clients
-from pflalign.results import comparison_table
+from pflalign.engines.faults import malicious_clients
+from pflalign.outputs.results import comparison_table
+from pflalign.run.audit import AUDIT_STREAM, audit_sample, disagreement
+from pflalign.run.config import build_settings
 
 # --- the rules, by hand ----------------------------------------------------------------------
 

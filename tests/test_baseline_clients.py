@@ -7,18 +7,18 @@ import torch.nn.functional as F
 from conftest import needs_fashion_mnist
 from harness import build, evaluate, global_state, persist, server, train, train_metrics
 
-from pflalign.config import ConfigError, build_settings
-from pflalign.local import LocalRun
-from pflalign.messages import Exchange, Received, Reply, Update
-from pflalign.methods import METHODS, method_overrides
 from pflalign.methods.apfl import APFLClientState
 from pflalign.methods.ditto import DittoClientState
+from pflalign.methods.registry import METHODS, method_overrides
 from pflalign.methods.scaffold import CONTROL, CONTROL_DELTA, ScaffoldClientState
-from pflalign.models import batch_norm_keys, head_keys
-from pflalign.protocol import MODEL
-from pflalign.results import Reporter
-from pflalign.rounds import RoundLoop
-from pflalign.train import STREAM_PERSONAL
+from pflalign.models.registry import batch_norm_keys, head_keys
+from pflalign.outputs.results import Reporter
+from pflalign.run.config import ConfigError, build_settings
+from pflalign.run.rounds import RoundLoop
+from pflalign.training.loops import STREAM_PERSONAL
+from pflalign.training.runs import LocalRun
+from pflalign.wire.messages import Exchange, Received, Reply, Update
+from pflalign.wire.protocol import MODEL
 
 pytestmark = needs_fashion_mnist
 

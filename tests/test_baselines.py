@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from pflalign.aggregation import fedavg
-from pflalign.baselines import (
+from pflalign.server.aggregation import fedavg
+from pflalign.server.baselines import (
     ala_converged,
     ala_merge,
     ala_weight_step_,
@@ -18,7 +18,7 @@ from pflalign.baselines import (
     scaffold_client_control,
     scaffold_server_update,
 )
-from pflalign.local import ControlVariates, Proximal
+from pflalign.training.runs import ControlVariates, Proximal
 
 
 def _param(values, grad=None) -> torch.Tensor:

@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import ROOT, assert_reported_accuracy_matches_its_clients, needs_fashion_mnist
 
-from pflalign.methods import METHODS
+from pflalign.methods.registry import METHODS
 from scripts.compare_results import compare
 
 pytestmark = needs_fashion_mnist
@@ -58,7 +58,7 @@ def test_the_sequential_engine_gives_the_flower_engines_metrics_for_every_method
 
 
 def test_all_runs_every_registered_method_but_ablation_variants():
-    from pflalign.config import parse_methods
+    from pflalign.run.config import parse_methods
 
     names = [c.name for c in parse_methods("all")]
     assert set(BASELINES) | {"fedavg", "fedavg-ft", "local", "pflalign"} == set(names)

@@ -22,19 +22,17 @@ import numpy as np
 import pytest
 import torch
 
-from pflalign import interrupt
-from pflalign.client import ClientRuntime
-from pflalign.config import build_settings
-from pflalign.engines import initial_model
-from pflalign.engines.batched import simulate as simulate_batched
-from pflalign.engines.sequential import simulate as simulate_sequential
-from pflalign.interrupt import Interrupted
-from pflalign.local import LocalRun, PFLAlignRule, Proximal, is_generator_rule
-from pflalign.methods import METHODS
-from pflalign.results import Reporter
-from pflalign.store import ClientStateStore
-from pflalign.train import STREAM_FINETUNE, num_local_steps
-from pflalign.vectorised import execute_together, unstackable
+from pflalign.engines.store import ClientStateStore
+from pflalign.methods.registry import METHODS
+from pflalign.outputs.results import Reporter
+from pflalign.process import interrupt
+from pflalign.process.interrupt import Interrupted
+from pflalign.run.config import build_settings
+from pflalign.run.driver import initial_model, simulate
+from pflalign.training.client import ClientRuntime
+from pflalign.training.loops import STREAM_FINETUNE, num_local_steps
+from pflalign.training.runs import LocalRun, PFLAlignRule, Proximal, is_generator_rule
+from pflalign.training.vectorised import execute_together, unstackable
 from tests.test_checkpoint import _StopAt
 
 #: every registered method (the variants among them), fedavg with each local optimizer,
@@ -78,13 +76,13 @@ def _run(tmp_path, name: str, simulate, **changes) -> tuple[dict, list[str]]:
 
 @pytest.fixture(scope="module")
 def sequential(tmp_path_factory) -> dict:
-    return _run(tmp_path_factory.mktemp("seq"), "run", simulate_sequential,
+    return _run(tmp_path_factory.mktemp("seq"), "run", simulate,
                 engine="sequential")[0]
 
 
 def test_the_batched_engine_gives_the_sequential_engines_results_bit_for_bit(sequential,
                                                                             tmp_path):
-    batched, lines = _run(tmp_path, "batched", simulate_batched, engine="batched",
+    batched, lines = _run(tmp_path, "batched", simulate, engine="batched",
                           **{"batched-backend": "loop"})
     assert comparable(batched["methods"]) == comparable(sequential["methods"])
     assert not [line for line in lines if "one at a time" in line]  # nothing to say on loop
@@ -115,7 +113,7 @@ def _close(a: object, b: object, where: str = "") -> None:
 
 
 def test_the_vmap_backend_agrees_within_float32_rounding(sequential, tmp_path):
-    vmapped, lines = _run(tmp_path, "vmap", simulate_batched, engine="batched",
+    vmapped, lines = _run(tmp_path, "vmap", simulate, engine="batched",
                           **{"batched-backend": "vmap"})
     assert "pflalign" in VECTORISED and "fedrep" in VECTORISED and "apfl" not in VECTORISED
     for label in [*VECTORISED, 'fedavg(local-optimizer="adam")']:
@@ -141,7 +139,7 @@ def test_the_vmap_backend_agrees_within_float32_rounding(sequential, tmp_path):
 
 def test_a_spilled_run_gives_the_same_results(sequential, tmp_path):
     entries = ["pflalign", 'pflalign(pflalign-state="server")', "ditto", "scaffold"]
-    spilled, lines = _run(tmp_path, "spilled", simulate_batched, engine="batched",
+    spilled, lines = _run(tmp_path, "spilled", simulate, engine="batched",
                           methods=",".join(entries), **{"memory-budget-gb": 1e-5})
     assert comparable(spilled["methods"]) == comparable(
         {k: sequential["methods"][k] for k in entries})
@@ -347,11 +345,11 @@ def test_a_stopped_batched_run_resumes_to_the_uninterrupted_results(sequential, 
     settings = build_settings({**TINY, "engine": "batched", "methods": "pflalign,ditto",
                          "checkpoint-every": 1, "out-dir": str(tmp_path)})
     with pytest.raises(Interrupted):
-        simulate_batched(settings, _StopAt("[ditto] round   1/2"))
+        simulate(settings, _StopAt("[ditto] round   1/2"))
     interrupt.reset()
     assert (tmp_path / "checkpoints" / "ditto.npz").exists()
     reporter = _StopAt()
-    resumed = simulate_batched(settings, reporter, resume=True)
+    resumed = simulate(settings, reporter, resume=True)
     assert any(line.startswith("[ditto] resumed from round 1") for line in reporter.lines)
     assert comparable(resumed["methods"]) == comparable(
         {k: sequential["methods"][k] for k in ("pflalign", "ditto")})

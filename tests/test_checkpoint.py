@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from conftest import ROOT, needs_fashion_mnist
 
-from pflalign import interrupt
-from pflalign.checkpoint import Checkpoint, Snapshot, checkpoint_path, entry_fingerprint, slug
-from pflalign.config import ConfigError, build_settings
-from pflalign.engines import run_methods
 from pflalign.engines.sequential import SequentialEngine
-from pflalign.interrupt import Interrupted, request_stop
-from pflalign.results import Reporter
+from pflalign.outputs.results import Reporter
+from pflalign.process import interrupt
+from pflalign.process.interrupt import Interrupted, request_stop
+from pflalign.run.checkpoint import Checkpoint, Snapshot, checkpoint_path, entry_fingerprint, slug
+from pflalign.run.config import ConfigError, build_settings
+from pflalign.run.driver import run_methods
 
 #: fedavg (nothing but the model), scaffold (server state), ditto (client state), pflalign with
 #: each client's offset held by the client and by the server
@@ -33,9 +33,9 @@ TINY = {"engine": "sequential", "num-clients": 6, "max-samples": 1500, "rounds":
 
 #: runs ``simulate`` on the sequential engine: argv = settings as JSON, then "resume" or not
 DRIVER = ("import json, sys\n"
-          "from pflalign.config import build_settings\n"
+          "from pflalign.run.config import build_settings\n"
           "from pflalign.engines.sequential import simulate\n"
-          "from pflalign.results import Reporter\n"
+          "from pflalign.outputs.results import Reporter\n"
           "simulate(build_settings(json.loads(sys.argv[1])), Reporter(quiet=False),\n"
           "         resume=sys.argv[2] == 'resume')\n")
 
@@ -307,8 +307,8 @@ def test_a_checkpoint_streams_client_states_and_a_resume_reads_them_one_by_one(t
                                                                                monkeypatch):
     """States are asked STATE_CHUNK clients at a time and written as they come; a resumed run
     reads each from the file when it sends it back, and ends as the uninterrupted run does."""
-    from pflalign import rounds
-    from pflalign.checkpoint import StoredStates
+    from pflalign.run import rounds
+    from pflalign.run.checkpoint import StoredStates
 
     monkeypatch.setattr(rounds, "STATE_CHUNK", 2)
     settings = build_settings({**TINY, "fraction-train": 1.0, "checkpoint-every": 2,

@@ -11,9 +11,9 @@ import time
 import pytest
 from conftest import ROOT, needs_fashion_mnist
 
-from pflalign.data import DEBIAN_FASHION_MNIST
-from pflalign.options import ConfigError
-from pflalign.results import prepare_output
+from pflalign.data.datasets import DEBIAN_FASHION_MNIST
+from pflalign.outputs.results import prepare_output
+from pflalign.settings.options import ConfigError
 
 TINY = ["--set", "num-clients=3", "--set", "max-samples=600", "--set", "rounds=1",
         "--set", "engine=sequential", "--set", "local-steps=2", "--methods", "fedavg", "--quiet"]

@@ -6,7 +6,8 @@ import tomllib
 import pytest
 from conftest import ROOT
 
-from pflalign.config import (
+from pflalign.methods.registry import METHODS
+from pflalign.run.config import (
     OPTIONS,
     ConfigError,
     build_settings,
@@ -17,9 +18,8 @@ from pflalign.config import (
     parse_override,
     resolve,
 )
-from pflalign.methods import METHODS
-from pflalign.params import param
-from pflalign.settings import DATA_KEYS, NON_RUN_KEYS, RUN_WIDE_KEYS
+from pflalign.settings.params import param
+from pflalign.settings.schema import DATA_KEYS, NON_RUN_KEYS, RUN_WIDE_KEYS
 
 
 def test_defaults_are_valid_and_complete():
@@ -109,7 +109,7 @@ def test_format_settings_round_trips_through_toml():
 def test_pyproject_app_config_matches_the_schema_defaults():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     app_config = pyproject["tool"]["flwr"]["app"]["config"]
-    assert app_config == defaults(), "run `python -m pflalign.docs`"
+    assert app_config == defaults(), "run `python -m pflalign.run.docs`"
 
 
 def _simulate(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

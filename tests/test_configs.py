@@ -3,7 +3,7 @@
 import pytest
 from conftest import ROOT
 
-from pflalign.config import method_labels, resolve
+from pflalign.run.config import method_labels, resolve
 
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 
@@ -28,15 +28,15 @@ def test_pfllib_config_matches_pfllibs_benchmark():
 
 
 def test_generated_docs_are_current():
-    from pflalign.docs import stale
+    from pflalign.run.docs import stale
 
-    assert stale() == [], "run `python -m pflalign.docs`"
+    assert stale() == [], "run `python -m pflalign.run.docs`"
 
 
 def test_methods_doc_has_every_method_its_paper_state_and_keys_and_config_doc_every_key():
-    from pflalign.config import OPTIONS
-    from pflalign.docs import render_config, render_methods
-    from pflalign.methods import METHODS
+    from pflalign.methods.registry import METHODS
+    from pflalign.run.config import OPTIONS
+    from pflalign.run.docs import render_config, render_methods
 
     methods = render_methods()
     for name, spec in METHODS.items():

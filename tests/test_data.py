@@ -4,9 +4,9 @@ import struct
 import numpy as np
 import pytest
 
-from pflalign import caches
-from pflalign.config import ConfigError
-from pflalign.data import _read_idx, load_dataset
+from pflalign.data.datasets import _read_idx, load_dataset
+from pflalign.process import caches
+from pflalign.run.config import ConfigError
 
 
 def _write_idx(path, array: np.ndarray) -> None:
@@ -69,7 +69,7 @@ def test_missing_dataset_names_what_to_do(tmp_path):
 
 
 def test_missing_debian_fashion_mnist_says_apt_get(monkeypatch, tmp_path):
-    import pflalign.data as data
+    import pflalign.data.datasets as data
 
     monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST", tmp_path / "nowhere")
     caches.reset()

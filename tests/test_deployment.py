@@ -94,9 +94,9 @@ def _reference_run(run_config: Path, out: Path, missed: set[int]) -> dict:
     import tomllib
 
     import pflalign.engines.sequential as sequential
-    from pflalign.config import build_settings
-    from pflalign.engines import run_methods
-    from pflalign.results import Reporter
+    from pflalign.outputs.results import Reporter
+    from pflalign.run.config import build_settings
+    from pflalign.run.driver import run_methods
 
     settings = build_settings({**tomllib.loads(run_config.read_text()), "out-dir": str(out),
                          "engine": "sequential"})

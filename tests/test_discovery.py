@@ -11,10 +11,10 @@ import pytest
 from conftest import needs_fashion_mnist
 from flwr.app import Message, MetricRecord, RecordDict
 
-from pflalign.config import ConfigError, build_settings
-from pflalign.federation import federated_dataset
-from pflalign.protocol import METRICS, NUM_TEST, NUM_TRAIN, PARTITION_ID, UNSEEN
-from pflalign.results import Reporter
+from pflalign.data.federated import federated_dataset
+from pflalign.outputs.results import Reporter
+from pflalign.run.config import ConfigError, build_settings
+from pflalign.wire.protocol import METRICS, NUM_TEST, NUM_TRAIN, PARTITION_ID, UNSEEN
 from strategies.flower import FlowerEngine
 
 pytestmark = needs_fashion_mnist
@@ -143,7 +143,7 @@ def _keys(tmp_path, count: int):
 def test_a_node_must_prove_it_holds_the_key_bound_to_its_partition_id(tmp_path):
     """With node-keys, a node claiming another's id with its own key, and a node that gives no
     proof, are left out and named; the honest holder of the id keeps it (no duplicate claim)."""
-    from pflalign.binding import write_bindings
+    from pflalign.wire.binding import write_bindings
 
     _keys(tmp_path, 4)
     bindings = write_bindings(tmp_path / "node-keys.json", tmp_path, [0, 1, 2, 3])
@@ -173,7 +173,13 @@ def test_a_node_must_prove_it_holds_the_key_bound_to_its_partition_id(tmp_path):
 
 
 def test_a_proof_is_bound_to_the_challenge_and_the_id(tmp_path):
-    from pflalign.binding import new_challenge, proof_problem, read_bindings, sign, write_bindings
+    from pflalign.wire.binding import (
+        new_challenge,
+        proof_problem,
+        read_bindings,
+        sign,
+        write_bindings,
+    )
 
     _keys(tmp_path, 2)
     bindings = read_bindings(write_bindings(tmp_path / "b.json", tmp_path, [0, 1]))

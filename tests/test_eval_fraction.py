@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from conftest import needs_fashion_mnist
 
-from pflalign.config import build_settings
-from pflalign.engines import run_methods
 from pflalign.engines.sequential import SequentialEngine
-from pflalign.results import Reporter
-from pflalign.sampling import EVAL_SAMPLING_STREAM, sample_clients
+from pflalign.outputs.results import Reporter
+from pflalign.run.config import build_settings
+from pflalign.run.driver import run_methods
+from pflalign.server.sampling import EVAL_SAMPLING_STREAM, sample_clients
 
 BASE = {"engine": "sequential", "num-clients": 10, "max-samples": 2000, "rounds": 3,
         "eval-every": 1, "fraction-train": 0.3, "local-steps": 3, "seed": 4,

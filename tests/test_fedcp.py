@@ -10,8 +10,6 @@ from conftest import needs_fashion_mnist
 from harness import build, evaluate, global_state, server, train
 from torch import nn
 
-from pflalign.config import build_settings
-from pflalign.messages import Update
 from pflalign.methods.fedcp import (
     CPN,
     ConditionalPolicy,
@@ -20,8 +18,10 @@ from pflalign.methods.fedcp import (
     mmd2,
     new_policy,
 )
-from pflalign.models import head_of, without_head
-from pflalign.protocol import MODEL
+from pflalign.models.registry import head_of, without_head
+from pflalign.run.config import build_settings
+from pflalign.wire.messages import Update
+from pflalign.wire.protocol import MODEL
 
 SMALL = {"num-clients": 2, "max-samples": 400, "local-steps": 3, "batch-size": 16, "seed": 1}
 

@@ -7,8 +7,6 @@ import torch.nn.functional as F
 from conftest import needs_fashion_mnist
 from harness import build, evaluate, global_state, server, train
 
-from pflalign.config import build_settings
-from pflalign.messages import Update
 from pflalign.methods.feddbe import (
     FEATURE_MEAN,
     GLOBAL_MEAN,
@@ -18,8 +16,10 @@ from pflalign.methods.feddbe import (
     mean_regularization,
     running_mean,
 )
-from pflalign.models import head_of, without_head
-from pflalign.protocol import MODEL
+from pflalign.models.registry import head_of, without_head
+from pflalign.run.config import build_settings
+from pflalign.wire.messages import Update
+from pflalign.wire.protocol import MODEL
 
 SMALL = {"num-clients": 2, "max-samples": 400, "local-steps": 3, "batch-size": 16, "seed": 1}
 

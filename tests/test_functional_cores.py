@@ -13,8 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pflalign.optim import GAMMA_MODES, GENIE, GenieBuffers, PFLAlign, genie_update, pflalign_update
-from pflalign.optim.pflalign import hyperparameters
+from pflalign.training.optim import (
+    GAMMA_MODES,
+    GENIE,
+    GenieBuffers,
+    PFLAlign,
+    genie_update,
+    pflalign_update,
+)
+from pflalign.training.optim.pflalign import hyperparameters
 
 SHAPES = [(6, 5), (7,), (3, 2, 4)]
 CLIENTS = 3

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pflalign.gga import (
+from pflalign.training.gga import (
     GGA,
     domain_gradients,
     gga_anneal,
@@ -77,7 +77,7 @@ def test_acceptance_needs_a_strictly_higher_minimum_cosine():
         cosines.append(value)
         return value
 
-    import pflalign.gga as gga
+    import pflalign.training.gga as gga
 
     gga.min_pairwise_cosine = spy
     try:
@@ -138,7 +138,7 @@ def test_gga_l_noise_scales_with_disagreement():
 
 # --- federated warm start pieces ---------------------------------------------------------------
 def test_count_sketch_preserves_cosines_roughly_and_is_seeded():
-    from pflalign.gga import count_sketch
+    from pflalign.training.gga import count_sketch
 
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(20_000, generator=gen)
@@ -153,7 +153,7 @@ def test_count_sketch_preserves_cosines_roughly_and_is_seeded():
 def test_candidate_statistics_and_server_application_agree():
     import numpy as np
 
-    from pflalign.gga import apply_candidate, candidate_statistics
+    from pflalign.training.gga import apply_candidate, candidate_statistics
 
     (x, y), _ = _conflicting_domains()
     model = _model()
@@ -176,7 +176,7 @@ def test_candidate_statistics_and_server_application_agree():
 
 
 def test_choose_candidate_takes_the_best_aligned_within_tolerance():
-    from pflalign.gga import choose_candidate
+    from pflalign.training.gga import choose_candidate
 
     e = torch.eye(3)
     # candidate 0: clients orthogonal; 1: aligned but loss +1; 2: fairly aligned; 3: aligned

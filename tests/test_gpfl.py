@@ -7,8 +7,6 @@ import torch.nn.functional as F
 from conftest import needs_fashion_mnist
 from harness import build, evaluate, global_state, server, train
 
-from pflalign.config import ConfigError, build_settings
-from pflalign.messages import Update
 from pflalign.methods.gpfl import (
     COV,
     GCE,
@@ -18,9 +16,11 @@ from pflalign.methods.gpfl import (
     guidance_losses,
     new_modules,
 )
-from pflalign.models import head_keys, head_of, without_head
-from pflalign.protocol import MODEL
-from pflalign.train import STREAM_FINETUNE
+from pflalign.models.registry import head_keys, head_of, without_head
+from pflalign.run.config import ConfigError, build_settings
+from pflalign.training.loops import STREAM_FINETUNE
+from pflalign.wire.messages import Update
+from pflalign.wire.protocol import MODEL
 
 SMALL = {"num-clients": 2, "max-samples": 400, "local-steps": 3, "batch-size": 16, "seed": 1}
 

@@ -1,49 +1,86 @@
-"""The module graph: layers bottom up, no import cycles (guarded imports included), and the
-library never imports an engine's framework."""
+"""The module graph, read from the code: layers bottom up by folder, no import cycles, and the
+library never imports an engine's framework.
+
+Every import counts: those inside functions, and those a package's ``__init__`` makes. Importing
+``pflalign.data.node`` runs ``pflalign/__init__.py`` and ``pflalign/data/__init__.py`` first, so
+a module that imports it depends on both package faces too. A module's layer is the layer of the
+folder it stands in (:data:`FOLDER_LAYERS`, the architecture of docs/design.md); a new module
+takes its folder's layer, and a new folder must be given one here.
+"""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import ROOT
 
 PACKAGES = ("pflalign", "clients", "strategies")
 
+#: each folder's layer, bottom up: a module imports only from its own layer or below
+FOLDER_LAYERS = {
+    "pflalign": 0,  # the package face, which imports nothing
+    "pflalign/process": 1, "pflalign/settings": 1, "pflalign/wire": 1,
+    "pflalign/data": 2, "pflalign/models": 2, "pflalign/outputs": 2,
+    "pflalign/training": 3, "pflalign/training/optim": 3, "pflalign/server": 3,
+    "pflalign/methods": 4,
+    "pflalign/engines": 5,
+    "pflalign/run": 6,
+    "clients": 7, "strategies": 7,  # the apps
+}
 
-def _module_name(path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(tree: ast.AST) -> set[str]:
-    """Every module imported anywhere (functions and ``if TYPE_CHECKING:`` blocks included: an
-    import for type hints only is still a dependency of the module)."""
-    found: set[str] = set()
+def folder_of(path: Path, root: Path) -> str:
+    return path.parent.relative_to(root).as_posix()
 
-    def visit(node: ast.AST) -> None:
+
+def imported(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    """Every module ``module``'s code imports, anywhere in it (functions included), relative
+    imports resolved; ``from a import b`` names both ``a`` and ``a.b``."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Project module -> the project modules it imports."""
-    files = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py")]
-    modules = {_module_name(p): p for p in files}
-    graph = {}
+def with_package_faces(name: str) -> set[str]:
+    """``name`` and every package above it, whose ``__init__`` importing ``name`` runs."""
+    parts = name.split(".")
+    return {".".join(parts[:k]) for k in range(1, len(parts) + 1)}
+
+
+def import_graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES,
+                 ) -> tuple[dict[str, set[str]], dict[str, str]]:
+    """Project module -> the project modules its import statements load (package faces
+    included), and each module's folder."""
+    files = [p for package in packages for p in (root / package).rglob("*.py")]
+    modules = {module_name(p, root): p for p in files}
+    graph, folders = {}, {}
     for name, path in modules.items():
-        imported = _imports(ast.parse(path.read_text()))
-        graph[name] = {m for m in imported if m in modules and m != name}
-    return graph
+        loaded = set()
+        for target in imported(ast.parse(path.read_text()), name, path.stem == "__init__"):
+            loaded |= with_package_faces(target)
+        own_faces = with_package_faces(name) - {name}  # loaded before the module itself runs
+        graph[name] = {m for m in loaded if m in modules and m != name and m not in own_faces}
+        folders[name] = folder_of(path, root)
+    return graph, folders
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -69,56 +106,119 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_cycle_finder_finds_a_cycle():
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert find_cycle({"a": {"b"}, "b": set()}) is None
+def upward_imports(graph: dict[str, set[str]], folders: dict[str, str],
+                   layers: dict[str, int]) -> list[str]:
+    """Every import from a module to one in a higher layer, as 'a (folder, layer) imports b
+    (folder, layer)'."""
+    def where(m: str) -> str:
+        return f"{folders[m]}, layer {layers[folders[m]]}"
+
+    return sorted(f"{m} ({where(m)}) imports {d} ({where(d)})" for m, deps in graph.items()
+                  for d in deps if layers[folders[d]] > layers[folders[m]])
 
 
-def test_no_import_cycles_in_the_project():
-    graph = import_graph()
-    assert "pflalign.config" in graph and "pflalign.methods" in graph
-    assert find_cycle(graph) is None
+def problems(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES,
+             layers: dict[str, int] = FOLDER_LAYERS) -> list[str]:
+    """What is wrong with the module graph under ``root``: folders without a layer, an import
+    cycle (its path), imports up a layer."""
+    graph, folders = import_graph(root, packages)
+    unplaced = sorted({f for f in folders.values() if f not in layers})
+    if unplaced:
+        return [f"folder {f} has no layer in FOLDER_LAYERS" for f in unplaced]
+    cycle = find_cycle(graph)
+    found = [f"import cycle: {' -> '.join(cycle)}"] if cycle else []
+    return found + upward_imports(graph, folders, layers)
 
 
-#: the layers, bottom up (docs/design.md): a module imports only from its own layer or below
-LAYERS = {
-    1: {"pflalign", "pflalign.options", "pflalign.params", "pflalign.protocol",
-        "pflalign.messages", "pflalign.settings", "pflalign.state", "pflalign.caches"},
-    2: {"pflalign.data", "pflalign.shakespeare", "pflalign.language", "pflalign.partition",
-        "pflalign.federation", "pflalign.models", "pflalign.node", "pflalign.train",
-        "pflalign.optim", "pflalign.optim.common",
-        "pflalign.optim.genie", "pflalign.optim.pflalign", "pflalign.local", "pflalign.client",
-        "pflalign.vectorised", "pflalign.server", "pflalign.aggregation", "pflalign.baselines",
-        "pflalign.sampling", "pflalign.metrics", "pflalign.gga", "pflalign.store",
-        "pflalign.interrupt", "pflalign.checkpoint"},
-    3: {"pflalign.method"},
-    4: {"pflalign.methods"} | {f"pflalign.methods.{p.stem}"
-                               for p in (ROOT / "pflalign" / "methods").glob("*.py")
-                               if p.stem != "__init__"},
-}
+def _plant(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
 
-def layer_of(module: str) -> int:
-    return next((n for n, members in LAYERS.items() if module in members), 5)
+PLANTED_LAYERS = {"lib": 0, "lib/low": 1, "lib/high": 2}
 
 
-def test_imports_go_down_the_layers():
-    graph = import_graph()
-    upward = sorted(f"{m} (layer {layer_of(m)}) imports {d} (layer {layer_of(d)})"
-                    for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m))
-    assert upward == []
-    assert all(layer_of(m) == 5 for m in graph if m.startswith(("clients", "strategies")))
-    # nothing below the top imports the config parser, and no module guards an import
-    assert not [m for m, deps in graph.items() if "pflalign.config" in deps and layer_of(m) < 5]
+def test_the_checker_finds_a_cycle_through_a_package_face(tmp_path):
+    """``lib.low.a`` imports ``lib.high.b`` only inside a function; importing ``lib.high.b``
+    runs ``lib/high/__init__.py``, which imports ``lib.high.c``, which imports ``lib.low.a``."""
+    _plant(tmp_path, {"lib/__init__.py": "", "lib/low/__init__.py": "",
+                      "lib/low/a.py": "def f():\n    from lib.high import b\n",
+                      "lib/high/__init__.py": "from lib.high import c\n",
+                      "lib/high/b.py": "", "lib/high/c.py": "import lib.low.a\n"})
+    found = problems(tmp_path, ("lib",), PLANTED_LAYERS)
+    assert found[0] == "import cycle: lib.high -> lib.high.c -> lib.low.a -> lib.high"
+    assert "lib.low.a (lib/low, layer 1) imports lib.high (lib/high, layer 2)" in found
+    assert "lib.low.a (lib/low, layer 1) imports lib.high.b (lib/high, layer 2)" in found
+
+
+def test_the_checker_finds_an_upward_import_and_an_unplaced_folder(tmp_path):
+    _plant(tmp_path, {"lib/__init__.py": "", "lib/low/__init__.py": "",
+                      "lib/low/a.py": "from ..high.b import thing\n",
+                      "lib/high/__init__.py": "", "lib/high/b.py": "thing = 1\n"})
+    assert problems(tmp_path, ("lib",), PLANTED_LAYERS) == [
+        "lib.low.a (lib/low, layer 1) imports lib.high (lib/high, layer 2)",
+        "lib.low.a (lib/low, layer 1) imports lib.high.b (lib/high, layer 2)"]
+    _plant(tmp_path, {"lib/new/__init__.py": ""})
+    assert problems(tmp_path, ("lib",), PLANTED_LAYERS) == [
+        "folder lib/new has no layer in FOLDER_LAYERS"]
+    (tmp_path / "lib/new/__init__.py").unlink()
+    (tmp_path / "lib/new").rmdir()
+    _plant(tmp_path, {"lib/low/a.py": "import lib.low\n"})  # its own package: no edge
+    assert problems(tmp_path, ("lib",), PLANTED_LAYERS) == []
+
+
+def test_the_project_has_no_cycle_and_no_import_up_a_layer():
+    graph, _ = import_graph()
+    assert {"pflalign.run.config", "pflalign.methods.registry", "clients.app"} <= set(graph)
+    assert problems() == []
+
+
+def test_no_module_guards_an_import():
     guarded = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py")
                if "TYPE_CHECKING" in p.read_text()]
     assert guarded == []
 
 
+def test_package_faces_define_nothing():
+    """A package's ``__init__`` in the library is its docstring, or gathers its own modules'
+    public names (``pflalign.training.optim``, as ``torch.optim`` does): importing one module of
+    a package loads nothing of another."""
+    faces = list((ROOT / "pflalign").rglob("__init__.py"))
+    assert len(faces) >= 12
+    for face in faces:
+        package = module_name(face, ROOT)
+        body = ast.parse(face.read_text()).body
+        code = [node for node in body if not (isinstance(node, ast.Expr)
+                                              and isinstance(node.value, ast.Constant))]
+        if face == ROOT / "pflalign" / "__init__.py":  # the package's version
+            assert [ast.unparse(node) for node in code] == ["__version__ = '0.1.0'"]
+            continue
+        for node in code:
+            if isinstance(node, ast.ImportFrom):
+                assert (node.module or "").startswith(f"{package}."), (face, node.module)
+            else:  # the list of names it gathers
+                assert isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == \
+                    "__all__", (face, ast.unparse(node))
+
+
 def test_the_library_imports_neither_flwr_nor_ray():
-    code = ("import sys, pflalign.config, pflalign.engines.sequential, pflalign.docs, "
-            "pflalign.engines.batched, pflalign.vectorised, pflalign.store; "
+    code = ("import sys, pflalign.run.config, pflalign.run.driver, pflalign.run.docs, "
+            "pflalign.engines.sequential, pflalign.engines.batched, pflalign.engines.workers, "
+            "pflalign.training.vectorised, pflalign.engines.store; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('flwr', 'ray')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_client_process_does_not_load_the_round_loop():
+    """The Flower ClientApp's imports stop at the engines' client-side handler: no driver,
+    round loop, audit or study in a client process."""
+    code = ("import sys, clients.app; "
+            "print(sorted(m for m in sys.modules if m.startswith(('pflalign.run.', "
+            "'strategies'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    assert out.strip() == "['pflalign.run.config']"

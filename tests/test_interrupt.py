@@ -15,8 +15,9 @@ import pytest
 from conftest import ROOT, needs_fashion_mnist
 from processes import listening_addresses, session_processes, stop_session
 
-from pflalign import interrupt
-from pflalign.interrupt import (
+from pflalign.outputs.results import Reporter
+from pflalign.process import interrupt
+from pflalign.process.interrupt import (
     Interrupted,
     check_stop,
     handle_signals,
@@ -24,7 +25,6 @@ from pflalign.interrupt import (
     request_stop,
     stop_requested,
 )
-from pflalign.results import Reporter
 
 #: a run long enough to be interrupted (50 rounds), small enough to reach round 1 quickly
 LONG_RUN = ["--set", "num-clients=4", "--set", "max-samples=2000", "--set", "rounds=50",
@@ -76,7 +76,7 @@ def test_a_second_signal_exits_at_once_after_the_quick_cleanups(tmp_path):
     marker = tmp_path / "cleaned"
     code = (
         "import os, signal, time, pathlib\n"
-        "from pflalign.interrupt import handle_signals, cleanup_on_forced_exit\n"
+        "from pflalign.process.interrupt import handle_signals, cleanup_on_forced_exit\n"
         f"marker = pathlib.Path({str(marker)!r})\n"
         "with handle_signals(), cleanup_on_forced_exit(lambda: marker.write_text('yes')):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
@@ -109,9 +109,9 @@ class _StopAfter(Reporter):
 
 @needs_fashion_mnist
 def test_an_interrupted_run_keeps_its_finished_entries_and_rounds(tmp_path):
-    from pflalign.config import build_settings
-    from pflalign.engines import run_methods
     from pflalign.engines.sequential import SequentialEngine
+    from pflalign.run.config import build_settings
+    from pflalign.run.driver import run_methods
 
     settings = build_settings({"num-clients": 3, "max-samples": 600, "rounds": 3, "eval-every": 1,
                          "fraction-train": 1.0, "local-steps": 2, "engine": "sequential",

@@ -14,16 +14,16 @@ from harness import three_engines
 from test_shakespeare import PLAYS
 from tiny_lm import write_tiny_lm
 
-from pflalign import caches, language
-from pflalign.client import ClientRuntime
-from pflalign.config import build_settings
-from pflalign.engines.batched import simulate as simulate_batched
-from pflalign.engines.sequential import simulate as simulate_sequential
-from pflalign.federation import federated_dataset
-from pflalign.language import AdapterLM, LoraSpec, build_adapter_model
-from pflalign.models import head_keys
-from pflalign.options import ConfigError
-from pflalign.protocol import MODEL
+from pflalign.data.federated import federated_dataset
+from pflalign.models import language
+from pflalign.models.language import AdapterLM, LoraSpec, build_adapter_model
+from pflalign.models.registry import head_keys
+from pflalign.process import caches
+from pflalign.run.config import build_settings
+from pflalign.run.driver import simulate
+from pflalign.settings.options import ConfigError
+from pflalign.training.client import ClientRuntime
+from pflalign.wire.protocol import MODEL
 from scripts.compare_results import compare
 
 pytest.importorskip("peft", reason="the [text] extra (transformers, peft) is not installed")
@@ -90,7 +90,7 @@ def test_language_model_windows_predict_the_next_token_at_every_place(tiny, text
     federation = federated_dataset(settings)
     dataset = federation.dataset
     tokenizer = language.tokenizer_of(tiny)
-    roles = [r for r in __import__("pflalign.shakespeare", fromlist=["read_roles"])
+    roles = [r for r in __import__("pflalign.data.shakespeare", fromlist=["read_roles"])
              .read_roles(texts)]
     ids = tokenizer(roles[0].text, add_special_tokens=False)["input_ids"]
     first = dataset.samples[dataset.groups == 0]
@@ -238,8 +238,8 @@ def test_what_cannot_run_on_a_language_model_refuses_before_data(tiny, texts, ch
 
 
 def test_methods_all_runs_what_a_language_model_can_and_names_the_rest(tiny, texts):
-    from pflalign.config import left_out_by_all, method_labels
-    from pflalign.methods import METHODS
+    from pflalign.methods.registry import METHODS
+    from pflalign.run.config import left_out_by_all, method_labels
 
     settings = build_settings(_run(tiny, texts, methods="all"))
     left_out = left_out_by_all(settings)
@@ -281,7 +281,7 @@ def test_multi_adapter_batching_agrees_with_client_by_client(tiny, texts, tmp_pa
     with its own client's adapters; it equals the loop backend within float32 rounding."""
     base = _run(tiny, texts, methods="fedavg,pflalign,fedrep,ditto", engine="batched",
                 **{"fraction-train": 1.0})
-    results = {backend: simulate_batched(build_settings({
+    results = {backend: simulate(build_settings({
         **base, "batched-backend": backend, "out-dir": str(tmp_path / backend)}))
         for backend in ("loop", "vmap")}
     for label in ("fedavg", "pflalign", "fedrep", "ditto"):
@@ -296,7 +296,7 @@ def test_multi_adapter_batching_agrees_with_client_by_client(tiny, texts, tmp_pa
 def test_a_nodes_partition_file_holds_its_roles_token_windows(tiny, texts, tmp_path):
     """Deployment: a SuperNode's file holds its role's windows (not the others', not the text of
     any other role), read back exactly as the pooled data gives them."""
-    from pflalign.node import export_partitions, load_partition, pooled_node_data
+    from pflalign.data.node import export_partitions, load_partition, pooled_node_data
 
     settings = build_settings(_run(tiny, texts))
     paths = export_partitions(settings, tmp_path)
@@ -312,14 +312,14 @@ def test_lora_dropout_is_seeded_per_run_so_engines_agree(tiny, texts, tmp_path):
     """lora-dropout > 0 draws masks from torch's global generator, seeded per local run from
     (seed, round, client, stream): the engines agree, and the masks do act on training."""
     base = _run(tiny, texts, methods="fedavg,ditto", **{"lora-dropout": 0.3, "rounds": 1})
-    sequential = simulate_sequential(build_settings({**base, "engine": "sequential",
+    sequential = simulate(build_settings({**base, "engine": "sequential",
                                                      "out-dir": str(tmp_path / "s")}))
     torch.manual_seed(12345)  # whatever the global generator held before does not matter
-    batched = simulate_batched(build_settings({**base, "engine": "batched",
+    batched = simulate(build_settings({**base, "engine": "batched",
                                                "out-dir": str(tmp_path / "b")}))
     differences, compared = compare(sequential, batched)
     assert differences == [] and compared > 50
-    plain = simulate_sequential(build_settings({**base, "lora-dropout": 0.0,
-                                                "out-dir": str(tmp_path / "p")}))
+    plain = simulate(build_settings({**base, "engine": "sequential", "lora-dropout": 0.0,
+                                     "out-dir": str(tmp_path / "p")}))
     loss = lambda r: r["methods"]["fedavg"]["rounds"][0]["train-loss"]  # noqa: E731
     assert loss(plain) != loss(sequential)

@@ -5,11 +5,11 @@ import torch
 from conftest import needs_fashion_mnist
 from harness import build, train
 
-from pflalign.config import ConfigError, build_settings
-from pflalign.local import local_optimizer
-from pflalign.optim import GENIE
-from pflalign.protocol import MODEL
-from pflalign.settings import LocalTraining
+from pflalign.run.config import ConfigError, build_settings
+from pflalign.settings.schema import LocalTraining
+from pflalign.training.optim import GENIE
+from pflalign.training.runs import local_optimizer
+from pflalign.wire.protocol import MODEL
 
 SMALL = {"num-clients": 2, "max-samples": 400, "local-steps": 4, "batch-size": 16, "seed": 1,
          "methods": "fedavg"}

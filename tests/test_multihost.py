@@ -150,7 +150,7 @@ def test_a_deployment_across_network_namespaces_equals_the_simulation(tmp_path):
             subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f",
                             str(keys / f"node-{i}")], check=True, timeout=30)
         run_config = work / "partitions" / "run-config.toml"
-        subprocess.run([sys.executable, "-m", "pflalign.export_partitions",
+        subprocess.run([sys.executable, "-m", "pflalign.run.export_partitions",
                         *CONFIG, "--set", f"out-dir={work / 'out'}", "--set",
                         f"node-keys={work / 'partitions' / 'node-keys.json'}",
                         "--out", str(work / "partitions"), "--bind-keys", str(keys),

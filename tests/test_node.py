@@ -16,12 +16,10 @@ import pytest
 import torch
 from conftest import needs_fashion_mnist
 
-import pflalign.client
 import pflalign.engines.sequential as sequential
-from pflalign.config import ConfigError, build_settings
-from pflalign.engines import run_methods
-from pflalign.federation import federated_dataset
-from pflalign.node import (
+import pflalign.training.client
+from pflalign.data.federated import federated_dataset
+from pflalign.data.node import (
     StateStore,
     cached_node_data,
     data_fingerprint,
@@ -31,8 +29,19 @@ from pflalign.node import (
     pooled_node_data,
     read_metadata,
 )
-from pflalign.protocol import CONFIG, HAD_STATE, LABEL, METHOD, METRICS, MODEL, ROUND, RUN_CONFIG
-from pflalign.settings import Settings
+from pflalign.run.config import ConfigError, build_settings
+from pflalign.run.driver import run_methods
+from pflalign.settings.schema import Settings
+from pflalign.wire.protocol import (
+    CONFIG,
+    HAD_STATE,
+    LABEL,
+    METHOD,
+    METRICS,
+    MODEL,
+    ROUND,
+    RUN_CONFIG,
+)
 
 pytestmark = needs_fashion_mnist
 
@@ -99,7 +108,7 @@ def test_handle_from_the_partition_file_is_bit_identical(tmp_path, monkeypatch):
     def no_pool(*_args, **_kwargs):
         raise AssertionError("a client with a partition file read the pooled dataset")
 
-    monkeypatch.setattr(pflalign.client, "pooled_node_data", no_pool)
+    monkeypatch.setattr(pflalign.training.client, "pooled_node_data", no_pool)
     from_files = run_methods(settings.replace({"out-dir": str(tmp_path / "files")}),
                              sequential.SequentialEngine)
     for label in ("fedavg-ft", "pflalign"):
@@ -136,7 +145,7 @@ def test_the_partition_cache_is_written_once_then_read(tmp_path, monkeypatch):
     def no_pool(*_args, **_kwargs):
         raise AssertionError("the cached partition was not used")
 
-    monkeypatch.setattr("pflalign.node.pooled_node_data", no_pool)
+    monkeypatch.setattr("pflalign.data.node.pooled_node_data", no_pool)
     again = cached_node_data(settings, 2, tmp_path)
     assert torch.equal(first.data.train_x, again.data.train_x)
     assert torch.equal(first.data.test_y, again.data.test_y)
@@ -202,7 +211,7 @@ def _train_message(settings: Settings, model: dict, server_round: int):
 
 def test_a_restarted_node_resumes_its_state_exactly(tmp_path):
     from clients import app as client_app
-    from pflalign.engines import initial_model
+    from pflalign.run.driver import initial_model
 
     settings = build_settings({**SMALL, "methods": "pflalign"})
     model, _ = initial_model(settings)
@@ -250,7 +259,7 @@ def test_a_node_with_data_path_reads_only_its_file(tmp_path, monkeypatch):
     settings = build_settings({**SMALL, "methods": "pflalign"})
     path = export_partitions(settings, tmp_path, clients=[3])[0]
     context = _context({"partition-id": 3, "data-path": str(path)})
-    monkeypatch.setattr("pflalign.node.federated_dataset", None)  # any pool access would fail
+    monkeypatch.setattr("pflalign.data.node.federated_dataset", None)  # any pool access would fail
     monkeypatch.setattr("pflalign.engines.host.federated_dataset", None)
     node = client_app.node_data_of(context, settings)
     from pflalign.engines.host import discovery

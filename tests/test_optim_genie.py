@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pflalign.optim import GENIE
+from pflalign.training.optim import GENIE
 
 
 def _param(values) -> torch.Tensor:
@@ -170,7 +170,7 @@ def test_invalid_arguments_are_rejected(kwargs, match):
 
 
 def test_float32_tanh_is_exactly_one_from_the_fast_path_threshold():
-    from pflalign.optim import GENIE_CLAMP, TANH_ONE
+    from pflalign.training.optim import GENIE_CLAMP, TANH_ONE
 
     lo = int(torch.tensor(TANH_ONE).view(torch.int32))
     hi = int(torch.tensor(GENIE_CLAMP).view(torch.int32))

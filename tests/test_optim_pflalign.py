@@ -6,7 +6,7 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from pflalign.optim import PFLAlign
+from pflalign.training.optim import PFLAlign
 
 BETA, EPS = 0.9, 1e-12
 

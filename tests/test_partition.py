@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 from conftest import needs_fashion_mnist
 
-from pflalign.config import ConfigError
-from pflalign.data import ClientData
-from pflalign.partition import (
+from pflalign.data.datasets import ClientData
+from pflalign.data.partition import (
     dirichlet_partition,
     iid_partition,
     make_partition,
@@ -14,6 +13,7 @@ from pflalign.partition import (
     quantity_partition,
     split_train_test,
 )
+from pflalign.run.config import ConfigError
 
 
 def _assert_exact_cover(parts, n):
@@ -133,7 +133,7 @@ def test_unseen_clients_are_the_last_ids(labels_10k):
 
 @needs_fashion_mnist
 def test_dirichlet_for_10000_clients_of_fashion_mnist_under_two_seconds():
-    from pflalign.data import load_dataset
+    from pflalign.data.datasets import load_dataset
 
     labels = load_dataset("fashion-mnist").labels
     started = time.perf_counter()
@@ -166,7 +166,7 @@ def test_iid_sizes_differ_by_at_most_one(labels_10k):
 
 
 def test_rotated_partition_holds_out_groups_for_the_unseen_clients(labels_10k):
-    from pflalign.partition import rotated_partition
+    from pflalign.data.partition import rotated_partition
 
     rng = np.random.default_rng(0)
     parts, rotations, _ = rotated_partition(labels_10k, 8, 3, (0, 30, 60, 90), 1, 0.5, rng, 10,
@@ -188,8 +188,8 @@ def test_rotated_partition_holds_out_groups_for_the_unseen_clients(labels_10k):
 def test_rotated_clients_see_rotated_images_and_the_config_is_checked():
     import torch
 
-    from pflalign.config import build_settings
-    from pflalign.federation import federated_dataset
+    from pflalign.data.federated import federated_dataset
+    from pflalign.run.config import build_settings
 
     settings = build_settings({"partition": "rotated", "num-clients": 3, "num-unseen-clients": 1,
                          "rotation-angles": "0,180,90", "max-samples": 2000})

@@ -9,10 +9,10 @@ import torch
 from conftest import needs_fashion_mnist
 from harness import build, evaluate, global_state, persist, server, train
 
-from pflalign.config import build_settings
-from pflalign.messages import Update
 from pflalign.methods.pflalign import EVALUATE_AFTER_FIT, OFFSET, PERSONAL, PFLAlignClientState
-from pflalign.protocol import MODEL
+from pflalign.run.config import build_settings
+from pflalign.wire.messages import Update
+from pflalign.wire.protocol import MODEL
 
 SMALL = {"num-clients": 2, "max-samples": 400, "local-steps": 3, "batch-size": 16,
          "methods": "pflalign", "seed": 1}

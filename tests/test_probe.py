@@ -14,13 +14,13 @@ import numpy as np
 from conftest import ROOT, needs_fashion_mnist
 from tampering import CASES, DROPPED, tampering_handle
 
-from pflalign.config import build_settings
-from pflalign.engines import initial_model, template_model
 from pflalign.engines import sequential as sequential_engine
-from pflalign.methods import METHODS
-from pflalign.results import Reporter
-from pflalign.rounds import RoundLoop
-from pflalign.server import ServerRuntime
+from pflalign.methods.registry import METHODS
+from pflalign.outputs.results import Reporter
+from pflalign.run.config import build_settings
+from pflalign.run.driver import initial_model, template_model
+from pflalign.run.rounds import RoundLoop
+from pflalign.server.runtime import ServerRuntime
 
 pytestmark = needs_fashion_mnist
 
@@ -94,8 +94,8 @@ def test_every_case_is_contained_in_the_sequential_engine(monkeypatch):
 
 DRIVER = ("import json, sys\n"
           f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
-          "from pflalign.config import build_settings\n"
-          "from pflalign.results import Reporter\n"
+          "from pflalign.run.config import build_settings\n"
+          "from pflalign.outputs.results import Reporter\n"
           "from strategies.simulation import simulate\n"
           "from tampering import tampering_app\n"
           "cases = {int(k): v for k, v in json.loads(sys.argv[2]).items()}\n"

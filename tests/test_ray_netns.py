@@ -20,11 +20,11 @@ import pytest
 from conftest import ROOT, needs_fashion_mnist
 from test_multihost import _counter, _in, _ip, _namespaces_or_skip, _stop_namespace
 
-from pflalign.config import build_settings
-from pflalign.data import DEBIAN_FASHION_MNIST
-from pflalign.engines import run_methods
+from pflalign.data.datasets import DEBIAN_FASHION_MNIST
 from pflalign.engines.sequential import SequentialEngine
-from pflalign.results import Reporter
+from pflalign.outputs.results import Reporter
+from pflalign.run.config import build_settings
+from pflalign.run.driver import run_methods
 from scripts.compare_results import compare
 
 pytestmark = [needs_fashion_mnist, pytest.mark.slow]

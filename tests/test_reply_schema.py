@@ -1,5 +1,5 @@
 """The strict reply schema: every metric a method's replies carry is declared with its range
-(:data:`pflalign.protocol.TRAIN_METRICS`, ``EVAL_METRICS``, each method's ``train_metrics`` and
+(:data:`pflalign.wire.protocol.TRAIN_METRICS`, ``EVAL_METRICS``, each method's ``train_metrics`` and
 ``eval_metrics``); a reply without a required metric, with one it does not declare, with a value
 outside its range or with an array record the action does not have is rejected, naming the
 client, in a warning of bounded length. The honest replies of every method through the real
@@ -15,9 +15,9 @@ import pytest
 from conftest import needs_fashion_mnist
 from harness import method_settings, server, train_metrics
 
-from pflalign.messages import Reply
-from pflalign.protocol import EVALUATE, LOSS_BOUND_FACTOR, MODEL, TRAIN
-from pflalign.validation import ClientFailure, ReplyValidator
+from pflalign.server.validation import ClientFailure, ReplyValidator
+from pflalign.wire.messages import Reply
+from pflalign.wire.protocol import EVALUATE, LOSS_BOUND_FACTOR, MODEL, TRAIN
 
 INITIAL = {"fc.weight": np.zeros((2, 3), np.float32), "fc.bias": np.zeros(2, np.float32)}
 
@@ -137,7 +137,7 @@ def test_a_huge_value_is_never_echoed_whole():
 
 def test_a_saved_client_state_is_checked_before_a_checkpoint_stores_it():
     from pflalign.methods.pflalign import PFLAlignClientState
-    from pflalign.validation import state_problem
+    from pflalign.server.validation import state_problem
 
     honest = {"offset/fc.weight": np.ones((2, 3), np.float32),
               "offset/fc.bias": np.ones(2, np.float32),
@@ -169,10 +169,10 @@ def test_a_tampered_saved_state_is_refused_and_no_checkpoint_takes_it(tmp_path):
     import torch
 
     import pflalign.engines.sequential as sequential
-    from pflalign.config import build_settings
-    from pflalign.engines import run_methods
-    from pflalign.protocol import CLIENT_STATE, STATE
-    from pflalign.results import Reporter
+    from pflalign.outputs.results import Reporter
+    from pflalign.run.config import build_settings
+    from pflalign.run.driver import run_methods
+    from pflalign.wire.protocol import CLIENT_STATE, STATE
 
     warnings: list[str] = []
 

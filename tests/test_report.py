@@ -1,4 +1,5 @@
-"""pflalign.report: the mean ± std table over runs, and a study's report.md with its plots."""
+"""pflalign.outputs.report: the mean ± std table over runs, and a study's report.md with its
+plots."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, needs_fashion_mnist
 
-from pflalign.report import load, summarize, summarize_study, write_report
+from pflalign.outputs.report import load, summarize, summarize_study, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOT_KINDS = ("accuracy", "clients", "paired", "partition", "diagnostics", "bytes")
@@ -121,7 +122,7 @@ def _check_png(path) -> None:
 
 
 def _report_cli(directory, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pflalign.report", str(directory), *extra],
+    return subprocess.run([sys.executable, "-m", "pflalign.outputs.report", str(directory), *extra],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
@@ -301,7 +302,7 @@ def _audit(event: str, args: tuple) -> None:
 @needs_fashion_mnist
 def test_real_study_report_reads_only_results_json(real_study, tmp_path):
     global _OPENED, _HOOKED
-    from pflalign.report import main
+    from pflalign.outputs.report import main
 
     source, doc = real_study
     shutil.copy(source / "results.json", tmp_path / "results.json")  # nothing else comes along

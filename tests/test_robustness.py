@@ -14,24 +14,24 @@ import pytest
 from conftest import ROOT, needs_fashion_mnist
 from harness import server
 
-from pflalign.aggregation import (
+from pflalign.engines.faults import injected_fault, malicious_clients
+from pflalign.engines.sequential import SequentialEngine
+from pflalign.methods.registry import METHODS
+from pflalign.outputs.results import Reporter
+from pflalign.run.config import ConfigError, build_settings
+from pflalign.run.driver import initial_model, template_model
+from pflalign.run.rounds import RoundLoop
+from pflalign.server.aggregation import (
     FlatSpec,
     combine,
     coordinate_median,
     trimmed_mean,
     weighted_average,
 )
-from pflalign.config import ConfigError, build_settings
-from pflalign.engines import initial_model, template_model
-from pflalign.engines.sequential import SequentialEngine
-from pflalign.faults import injected_fault, malicious_clients
-from pflalign.messages import Update
-from pflalign.methods import METHODS
-from pflalign.results import Reporter
-from pflalign.rounds import RoundLoop
-from pflalign.server import ServerRuntime
-from pflalign.state import ServerState
-from pflalign.validation import non_finite
+from pflalign.server.runtime import ServerRuntime
+from pflalign.server.validation import non_finite
+from pflalign.wire.messages import Update
+from pflalign.wire.state import ServerState
 
 # --- the rules, by hand ----------------------------------------------------------------------
 
@@ -362,7 +362,7 @@ def test_discovery_takes_sizes_from_the_partition_not_from_what_a_node_declares(
     from types import SimpleNamespace
 
     import strategies.flower as flower
-    from pflalign.federation import federated_dataset
+    from pflalign.data.federated import federated_dataset
 
     # outgoing messages need a running Flower run; the grid here only reads their destination
     monkeypatch.setattr(flower, "Message", lambda **kw: SimpleNamespace(

@@ -11,7 +11,7 @@ import sys
 
 from conftest import ROOT
 
-from pflalign.flower_process import OWNER_FILE, make_run_dir, remove_stale_run_dirs
+from pflalign.engines.flower_process import OWNER_FILE, make_run_dir, remove_stale_run_dirs
 
 
 def _dead_pid() -> int:
@@ -61,7 +61,7 @@ def test_only_folders_of_gone_owners_are_removed(tmp_path):
 def test_the_folder_of_a_killed_run_is_removed_by_the_next_run(tmp_path):
     # a real process makes its run folder, then dies by SIGKILL, as `kill -9` on a run does
     code = ("import os, signal, sys\n"
-            "from pflalign.flower_process import make_run_dir\n"
+            "from pflalign.engines.flower_process import make_run_dir\n"
             "print(make_run_dir(sys.argv[1]), flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
     killed = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,

@@ -14,13 +14,10 @@ import torch
 from conftest import ROOT
 from harness import three_engines
 
-from pflalign.config import build_settings
-from pflalign.data import TOKENS, load_dataset
-from pflalign.federation import federated_dataset
-from pflalign.models import build_model
-from pflalign.options import ConfigError
-from pflalign.partition import make_partition, split_in_order
-from pflalign.shakespeare import (
+from pflalign.data.datasets import TOKENS, load_dataset
+from pflalign.data.federated import federated_dataset
+from pflalign.data.partition import make_partition, split_in_order
+from pflalign.data.shakespeare import (
     SEQUENCE_LENGTH,
     SOURCE,
     VOCABULARY,
@@ -29,6 +26,9 @@ from pflalign.shakespeare import (
     parse_play,
     read_roles,
 )
+from pflalign.models.registry import build_model
+from pflalign.run.config import build_settings
+from pflalign.settings.options import ConfigError
 
 PLAY = """THE TRAGEDY OF TESTING
 
@@ -266,7 +266,7 @@ def test_the_real_texts_parse_into_leaf_sized_clients():
 
 def test_a_nodes_partition_file_holds_its_roles_text_only(tiny_texts, tmp_path):
     """Deployment: a SuperNode's file holds its own role's windows, read back as token ids."""
-    from pflalign.node import export_partitions, load_partition, pooled_node_data
+    from pflalign.data.node import export_partitions, load_partition, pooled_node_data
 
     settings = build_settings({**TINY, "data-root": str(tiny_texts / "sdist")})
     paths = export_partitions(settings, tmp_path)

@@ -1,4 +1,4 @@
-"""pflalign.stats against values computed by hand (or from closed forms)."""
+"""pflalign.outputs.stats against values computed by hand (or from closed forms)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pflalign.stats import (
+from pflalign.outputs.stats import (
     average_ranks,
     betainc,
     mean_ci,

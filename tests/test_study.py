@@ -10,8 +10,13 @@ import numpy as np
 import pytest
 from conftest import needs_fashion_mnist
 
-from pflalign import caches, federation
-from pflalign.config import (
+from pflalign.data import federated
+from pflalign.data.federated import federated_dataset, validation_partition
+from pflalign.methods.registry import METHODS
+from pflalign.outputs.results import Reporter
+from pflalign.process import caches
+from pflalign.process.interrupt import Interrupted, request_stop, reset
+from pflalign.run.config import (
     ConfigError,
     MethodChoice,
     build_settings,
@@ -19,13 +24,8 @@ from pflalign.config import (
     parse_methods,
     resolve,
 )
-from pflalign.engines.sequential import simulate as simulate_sequential
-from pflalign.federation import federated_dataset, validation_partition
-from pflalign.interrupt import Interrupted, request_stop, reset
-from pflalign.methods import METHODS
-from pflalign.results import Reporter
-from pflalign.settings import DATA_KEYS, Settings
-from pflalign.study import (
+from pflalign.run.driver import simulate
+from pflalign.run.study import (
     Plan,
     Study,
     entry,
@@ -36,6 +36,7 @@ from pflalign.study import (
     scenario_values,
     trials,
 )
+from pflalign.settings.schema import DATA_KEYS, Settings
 
 TINY = {"engine": "sequential", "num-clients": 4, "max-samples": 800, "rounds": 2,
         "fraction-train": 0.5, "eval-every": 1, "methods": "fedavg,pflalign",
@@ -43,7 +44,7 @@ TINY = {"engine": "sequential", "num-clients": 4, "max-samples": 800, "rounds": 
 
 
 def run_group(settings: Settings, reporter: Reporter, resume: bool) -> dict:
-    return simulate_sequential(settings, reporter, resume=resume)
+    return simulate(settings, reporter, resume=resume)
 
 
 def tiny_plan(tmp_path, **changes) -> Plan:
@@ -156,9 +157,9 @@ def test_tuning_never_reads_test_data(tmp_path, monkeypatch):
     clean = Study(tiny_plan(tmp_path / "clean", **plan_args), run_group,
                   Reporter(quiet=True)).run()
 
-    real_build = federation._build.__wrapped__
+    real_build = federated._build.__wrapped__
 
-    def poisoned(key: tuple) -> federation.FederatedDataset:
+    def poisoned(key: tuple) -> federated.FederatedDataset:
         built = real_build(key)
         cfg = dict(zip(DATA_KEYS, key, strict=True))
         test_key = tuple("test" if k == "evaluate-on" else v for k, v in cfg.items())
@@ -172,7 +173,7 @@ def test_tuning_never_reads_test_data(tmp_path, monkeypatch):
                                                                       images=images))
 
     caches.reset()
-    monkeypatch.setattr(federation, "_build", poisoned)
+    monkeypatch.setattr(federated, "_build", poisoned)
     try:
         dirty = Study(tiny_plan(tmp_path / "dirty", **plan_args), run_group,
                       Reporter(quiet=True)).run()
@@ -198,7 +199,7 @@ def test_a_study_over_seeds_and_a_sweep_and_its_resume_after_a_stop(tmp_path, mo
     assert [(r["setting"]["lr"], r["seed"]) for r in whole["runs"]] == [
         (0.02, 0), (0.02, 1), (0.05, 0), (0.05, 1)]
     # the runs are the plain runs of each seed and setting
-    plain = simulate_sequential(build_settings({**TINY, "lr": 0.05, "seed": 1,
+    plain = simulate(build_settings({**TINY, "lr": 0.05, "seed": 1,
                                           "out-dir": str(tmp_path / "plain")}),
                                 Reporter(quiet=True))
     assert (whole["runs"][3]["methods"]["pflalign"]["final"]["personal-acc"]

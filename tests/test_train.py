@@ -5,11 +5,17 @@ import pytest
 import torch
 from conftest import needs_fashion_mnist
 
-from pflalign.data import ClientData, Dataset, Normalizer
-from pflalign.metrics import accuracy_summary
-from pflalign.models import MODEL_INPUTS, MODELS, build_model
-from pflalign.options import ConfigError
-from pflalign.train import derive_seed, evaluate, make_generator, num_local_steps, train_local
+from pflalign.data.datasets import ClientData, Dataset, Normalizer
+from pflalign.models.registry import MODEL_INPUTS, MODELS, build_model
+from pflalign.server.metrics import accuracy_summary
+from pflalign.settings.options import ConfigError
+from pflalign.training.loops import (
+    derive_seed,
+    evaluate,
+    make_generator,
+    num_local_steps,
+    train_local,
+)
 
 
 def _tiny_dataset(n=64, channels=1, side=28, classes=10, seed=0) -> Dataset:
@@ -141,7 +147,7 @@ def test_accuracy_summary_matches_hand_computation():
 
 @needs_fashion_mnist
 def test_fashion_mnist_loads_pooled_with_balanced_classes():
-    from pflalign.data import load_dataset
+    from pflalign.data.datasets import load_dataset
 
     ds = load_dataset("fashion-mnist")
     assert ds.images.shape == (70000, 1, 28, 28) and ds.images.dtype == np.uint8

@@ -11,11 +11,11 @@ import sys
 import pytest
 from conftest import ROOT, needs_fashion_mnist
 
-from pflalign.config import ConfigError, build_settings
-from pflalign.engines import run_methods
 from pflalign.engines.sequential import SequentialEngine
 from pflalign.engines.workers import PIECES, WorkQueues, assign, resolve_workers
-from pflalign.results import Reporter
+from pflalign.outputs.results import Reporter
+from pflalign.run.config import ConfigError, build_settings
+from pflalign.run.driver import run_methods
 from scripts.compare_results import compare
 
 #: clients with state (pFLAlign's, Ditto's) sampled half at a time, so that the
@@ -30,14 +30,14 @@ SMALL = {"num-clients": 10, "num-unseen-clients": 1, "max-samples": 2000, "round
 #: before the round's training exchange), recording each round's row and the warnings
 DRIVER = r"""
 import json, sys
-from pflalign.config import build_settings
-from pflalign.engines import initial_model, run_methods, template_model
+from pflalign.run.config import build_settings
+from pflalign.run.driver import initial_model, run_methods, template_model
 from pflalign.engines import workers
 from pflalign.engines.workers import ActorEngine, WorkerPool
-from pflalign.methods import METHODS
-from pflalign.results import Reporter
-from pflalign.rounds import RoundLoop
-from pflalign.server import ServerRuntime
+from pflalign.methods.registry import METHODS
+from pflalign.outputs.results import Reporter
+from pflalign.run.rounds import RoundLoop
+from pflalign.server.runtime import ServerRuntime
 
 class Lines(Reporter):
     def __init__(self):

@@ -11,7 +11,7 @@ client rule; ``batched-backend`` chooses how the rule's local runs are executed:
 - ``vmap``: the clients of a cohort (``cohort-size`` of them) step through their rules
   together. Each time they yield a local run, the runs that can go together are executed
   stacked, in lockstep, with one vectorised gradient call per step for the whole cohort
-  (:mod:`pflalign.vectorised`; equal to ``loop`` within float32 rounding);
+  (:mod:`pflalign.training.vectorised`; equal to ``loop`` within float32 rounding);
 - ``auto``: vmap on a GPU, loop on the CPU.
 
 On either backend a record sent to many clients (the global model) is converted to torch once
@@ -31,18 +31,16 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from pflalign.engines import check_resources, run_methods
+from pflalign.engines.faults import ClientDropout
 from pflalign.engines.host import Call, begin, finish, method_of, to_torch
 from pflalign.engines.sequential import SequentialEngine, failure_reply
-from pflalign.faults import ClientDropout
-from pflalign.federation import federated_dataset
-from pflalign.local import LocalRun, RunResult, is_generator_rule
-from pflalign.messages import Exchange, Outgoing, Reply
-from pflalign.protocol import EVALUATE, METHOD, RESTORE, TRAIN
-from pflalign.results import Reporter
-from pflalign.settings import Settings
-from pflalign.train import pick_device
-from pflalign.vectorised import cohort_key, execute_together, unstackable
+from pflalign.outputs.results import Reporter
+from pflalign.settings.schema import Settings
+from pflalign.training.loops import pick_device
+from pflalign.training.runs import LocalRun, RunResult, is_generator_rule
+from pflalign.training.vectorised import cohort_key, execute_together, unstackable
+from pflalign.wire.messages import Exchange, Outgoing, Reply
+from pflalign.wire.protocol import EVALUATE, METHOD, RESTORE, TRAIN
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -196,11 +194,3 @@ class BatchedEngine(SequentialEngine):
                 continue
             groups.setdefault(cohort_key(calls[cid].client, run), []).append(cid)
         return list(groups.values())
-
-
-def simulate(settings: Settings, reporter: Reporter | None = None, resume: bool = False) -> dict:
-    """Validate the data and resources, run every method of ``settings`` on the batched engine,
-    and return the results (``resume``: as :func:`~pflalign.engines.run_methods`)."""
-    federated_dataset(settings)  # data and partition errors surface here, before any training
-    check_resources(settings)
-    return run_methods(settings, lambda s: BatchedEngine(s, reporter), reporter, resume=resume)

@@ -1,17 +1,18 @@
 """The client side of every engine: one message in, a method's client rule, one reply out.
 
-:func:`handle` takes what an engine delivered to a client (the action, the message config, the
-array records as NumPy state dicts, and the client's saved state as flat arrays), runs the
-method's rule on a :class:`~pflalign.client.ClientRuntime` (its local runs one after another on
-that client), and returns the reply's metrics and
-array records and the client's new saved state. The Flower ClientApp and the sequential engine
-both call it, so a method behaves the same under each; the batched engine calls its two halves,
-:func:`begin` and :func:`finish`, around rules it runs together.
+:func:`handle` takes what an engine delivered to a client (the action, the message config, the array
+records as NumPy state dicts, and the client's saved state as flat arrays), runs the method's rule
+on a :class:`~pflalign.training.client.ClientRuntime` (its local runs one after another on that
+client), and returns the reply's metrics and array records and the client's new saved state. The
+Flower ClientApp and the sequential engine both call it, so a method behaves the same under each;
+the batched engine calls its two halves, :func:`begin` and :func:`finish`, around rules it runs
+together.
 
-Two records serve checkpoints (:mod:`pflalign.checkpoint`): a :data:`~pflalign.protocol.STATE`
-action returns the client's saved state as it is, changing nothing; and a message carrying a
-:data:`~pflalign.protocol.RESTORE` record (the client's state from a checkpoint, sent once after a
-resume) runs on that state in place of the saved one, which the client then keeps.
+Two records serve checkpoints (:mod:`pflalign.run.checkpoint`): a
+:data:`~pflalign.wire.protocol.STATE` action returns the client's saved state as it is, changing
+nothing; and a message carrying a :data:`~pflalign.wire.protocol.RESTORE` record (the client's state
+from a checkpoint, sent once after a resume) runs on that state in place of the saved one, which the
+client then keeps.
 """
 
 from __future__ import annotations
@@ -23,18 +24,20 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from pflalign import faults
-from pflalign.annealing_client import GGA_ACTION, client_answer
-from pflalign.caches import cached
-from pflalign.client import ClientRuntime
-from pflalign.federation import federated_dataset
-from pflalign.local import Rule, complete
-from pflalign.messages import Received, Upload
-from pflalign.method import Method
-from pflalign.methods import METHODS
-from pflalign.node import NodeData
-from pflalign.options import Value
-from pflalign.protocol import (
+from pflalign.data.federated import federated_dataset
+from pflalign.data.node import NodeData
+from pflalign.engines import faults
+from pflalign.methods.base import Method
+from pflalign.methods.registry import METHODS
+from pflalign.process.caches import cached
+from pflalign.settings.options import Value
+from pflalign.settings.schema import Settings
+from pflalign.training.client import ClientRuntime
+from pflalign.training.gga_client import GGA_ACTION, client_answer
+from pflalign.training.loops import configure_threads, pick_device
+from pflalign.training.runs import Rule, complete
+from pflalign.wire.messages import Received, Upload
+from pflalign.wire.protocol import (
     ACTION,
     CLIENT_SECONDS,
     CLIENT_STATE,
@@ -54,9 +57,7 @@ from pflalign.protocol import (
     TRAIN,
     UNSEEN,
 )
-from pflalign.settings import Settings
-from pflalign.state import ArrayState, State
-from pflalign.train import configure_threads, pick_device
+from pflalign.wire.state import ArrayState, State
 
 Metrics = dict[str, float | int]
 ReplyArrays = dict[str, Mapping[str, torch.Tensor]]
@@ -125,17 +126,17 @@ def handle(action: str, settings: Settings, client_id: int,
     """Run one action of the method named in ``config`` for ``client_id``.
 
     ``arrays`` are the received records as torch state dicts, ``saved`` the client's state as
-    :meth:`~pflalign.state.ArrayState.to_arrays` left it (None when it has none), ``node`` the
+    :meth:`~pflalign.wire.state.ArrayState.to_arrays` left it (None when it has none), ``node`` the
     client's data as its node holds it (None: from the pooled dataset). Returns the reply's
     metrics and array records and the new saved state (None: unchanged).
 
-    A :data:`~pflalign.protocol.STATE` action replies with ``saved`` as the record
-    :data:`~pflalign.protocol.CLIENT_STATE` (no fault is injected, nothing changes). A
-    :data:`~pflalign.protocol.RESTORE` record in ``arrays`` replaces ``saved`` and is returned as
-    the new saved state unless the action saves another (a resumed client keeps it). The
-    method's rule runs to its end here, its local runs one after another on this client.
-    ``inject``: apply the run's fault injection (:mod:`pflalign.faults`); false gives what an
-    honest client replies (the server's evaluation audit, :mod:`pflalign.audit`)."""
+    A :data:`~pflalign.wire.protocol.STATE` action replies with ``saved`` as the record
+    :data:`~pflalign.wire.protocol.CLIENT_STATE` (no fault is injected, nothing changes). A
+    :data:`~pflalign.wire.protocol.RESTORE` record in ``arrays`` replaces ``saved`` and is returned
+    as the new saved state unless the action saves another (a resumed client keeps it). The method's
+    rule runs to its end here, its local runs one after another on this client. ``inject``: apply
+    the run's fault injection (:mod:`pflalign.engines.faults`); false gives what an honest client
+    replies (the server's evaluation audit, :mod:`pflalign.run.audit`)."""
     call = begin(action, settings, client_id, config, arrays, saved, node, inject)
     if not isinstance(call, Call):
         return call

@@ -1,35 +1,36 @@
 """The sequential engine: every client's rule called in turn, in this process, without Flower.
 
 Messages carry what Flower's would (the arrays the Flower engine serializes, the message config),
-each client's state is kept as the flat arrays :meth:`~pflalign.state.ArrayState.to_arrays` gives,
-as a Flower client keeps it in its node state (in a :class:`~pflalign.store.ClientStateStore`:
-in memory up to ``memory-budget-gb``, spilled to memory-mapped files beyond it), and the bytes
-counted are those Flower would send.
-A client rule that raises becomes an error reply naming the exception and where it was raised,
-which the round loop skips with a warning, as under Flower. Torch uses
-``client-resources-num-cpus`` threads. Needs neither Ray nor flwr.
+each client's state is kept as the flat arrays :meth:`~pflalign.wire.state.ArrayState.to_arrays`
+gives, as a Flower client keeps it in its node state (in a
+:class:`~pflalign.engines.store.ClientStateStore`: in memory up to ``memory-budget-gb``, spilled to
+memory-mapped files beyond it), and the bytes counted are those Flower would send. A client rule
+that raises becomes an error reply naming the exception and where it was raised, which the round
+loop skips with a warning, as under Flower. Torch uses ``client-resources-num-cpus`` threads. Needs
+neither Ray nor flwr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from pflalign.caches import cached
-from pflalign.engines import check_resources, run_methods
+from pflalign.data.federated import federated_dataset
+from pflalign.engines.base import Engine, EngineFactory
+from pflalign.engines.faults import ClientDropout
 from pflalign.engines.host import discovery, handle, to_torch
-from pflalign.faults import ClientDropout
-from pflalign.federation import federated_dataset
-from pflalign.messages import ClientInfo, Exchange, Outgoing, Reply
-from pflalign.protocol import NUM_TEST, NUM_TRAIN, RESTORE, UNSEEN
-from pflalign.results import Reporter
-from pflalign.settings import Settings
-from pflalign.state import State
-from pflalign.store import ClientStateStore
+from pflalign.engines.store import ClientStateStore
+from pflalign.outputs.results import Reporter
+from pflalign.process.caches import cached
+from pflalign.settings.schema import Settings
+from pflalign.wire.messages import ClientInfo, Exchange, Outgoing, Reply
+from pflalign.wire.protocol import NUM_TEST, NUM_TRAIN, RESTORE, UNSEEN
+from pflalign.wire.state import State
 
 
 @cached(maxsize=256)
@@ -55,7 +56,7 @@ def payload_bytes(records: Iterable[Mapping[str, np.ndarray | torch.Tensor]]) ->
 
 def sent_records(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict]:
     """A message's array records as the Flower engine serializes them (to_record: C-contiguous,
-    0-d arrays as 1-d), and a client's restored state (:data:`~pflalign.protocol.RESTORE`)
+    0-d arrays as 1-d), and a client's restored state (:data:`~pflalign.wire.protocol.RESTORE`)
     exactly."""
     return {name: ({k: np.array(v, order="C", copy=True) for k, v in record.items()}
                    if name == RESTORE else {k: np.ascontiguousarray(v) for k, v in record.items()})
@@ -82,7 +83,7 @@ def numpy_records(arrays: Mapping[str, Mapping[str, torch.Tensor]],
             for name, record in arrays.items()}
 
 
-class SequentialEngine:
+class SequentialEngine(Engine):
     """Clients called one after another in this process, with their states kept in memory."""
 
     def __init__(self, settings: Settings):
@@ -156,10 +157,10 @@ class SequentialEngine:
         return Exchange(replies, down, up)
 
 
-def simulate(settings: Settings, reporter: Reporter | None = None, resume: bool = False) -> dict:
-    """Validate the data and resources, run every method of ``settings`` on the sequential
-    engine, and return the results (``resume``: continue a killed run in ``out-dir``,
-    :func:`~pflalign.engines.run_methods`)."""
-    federated_dataset(settings)  # data and partition errors surface here, before any training
-    check_resources(settings)
-    return run_methods(settings, SequentialEngine, reporter, resume=resume)
+@contextlib.contextmanager
+def session(settings: Settings, reporter: Reporter, ray_address: str | None,
+            ) -> Iterator[EngineFactory]:
+    """The sequential engine for a run (:data:`~pflalign.engines.base.Session`): nothing to set
+    up (it runs in this process, never on a cluster: :func:`pflalign.run.driver.check_resources`
+    refuses ``ray_address`` for it)."""
+    yield SequentialEngine

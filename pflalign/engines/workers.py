@@ -2,12 +2,12 @@
 
 With ``batched-workers`` = N > 1 (or ``auto``, or a ``--ray-address`` cluster), the batched engine
 runs in N Ray actors, each a :class:`Worker`: it holds the pooled data once and the model's frozen
-parts once (both by the process caches of :mod:`pflalign.federation` and :mod:`pflalign.models`),
-keeps the saved state of the clients it serves in its own
-:class:`~pflalign.store.ClientStateStore` (spilled beyond its share of ``memory-budget-gb``, in
-its node's own ``out-dir``), and runs its share of every exchange with the one client path (a
-:class:`~pflalign.engines.batched.BatchedEngine`). The driver (:class:`ActorEngine`) keeps the
-round loop, so validation, aggregation, metrics and checkpoints are those of one process.
+parts once (both by the process caches of :mod:`pflalign.data.federated` and
+:mod:`pflalign.models.registry`), keeps the saved state of the clients it serves in its own
+:class:`~pflalign.engines.store.ClientStateStore` (spilled beyond its share of ``memory-budget-gb``,
+in its node's own ``out-dir``), and runs its share of every exchange with the one client path (a
+:class:`~pflalign.engines.batched.BatchedEngine`). The driver (:class:`ActorEngine`) keeps the round
+loop, so validation, aggregation, metrics and checkpoints are those of one process.
 
 Each exchange, the driver assigns the messages to the actors (:func:`assign`): a client goes to
 the actor that holds its state while that actor has less than an even share of the exchange's
@@ -18,7 +18,7 @@ its share empties; an actor that runs out of work while another still has client
 the smallest of them, up to half of their work (work stealing: a training client's state moves
 with it, an evaluated client moves only if it holds none), so that actors of unequal speed, or
 clients whose cost the split mispredicted, finish together. Each piece comes back as one
-:class:`~pflalign.messages.Exchange`; the replies are put back in message order. Uploads come
+:class:`~pflalign.wire.messages.Exchange`; the replies are put back in message order. Uploads come
 back through the object store (NumPy arrays are read from it without a copy). Which actor serves
 a client changes nothing it computes: every draw is derived from (seed, round, client), so with
 one torch thread per actor the metrics equal the sequential engine's at one thread, bit for bit,
@@ -39,20 +39,20 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from pflalign.engines import check_resources, run_methods
+from pflalign.data.federated import federated_dataset
+from pflalign.engines.base import Engine, EngineFactory
 from pflalign.engines.batched import BatchedEngine
-from pflalign.federation import federated_dataset
-from pflalign.messages import Exchange, Outgoing, Reply
-from pflalign.options import ConfigError
-from pflalign.protocol import EVALUATE, RESTORE, STATE, TRAIN
-from pflalign.raycluster import LOOPBACK_HOSTS, check_ray_address, parse_ray_address
-from pflalign.results import Reporter
-from pflalign.settings import Settings
-from pflalign.state import State
-from pflalign.train import configure_threads, num_local_steps
+from pflalign.engines.ray_cluster import LOOPBACK_HOSTS, check_ray_address, parse_ray_address
+from pflalign.outputs.results import Reporter
+from pflalign.settings.options import ConfigError
+from pflalign.settings.schema import Settings
+from pflalign.training.loops import configure_threads, num_local_steps
+from pflalign.wire.messages import Exchange, Outgoing, Reply
+from pflalign.wire.protocol import EVALUATE, RESTORE, STATE, TRAIN
+from pflalign.wire.state import State
 
 #: the concurrency group of a worker's state hand-overs (:meth:`Worker.take`,
 #: :meth:`Worker.put`): a thread of their own, so that a worker hands a state over while it
@@ -79,14 +79,11 @@ class Worker:
     the running method entry a :class:`BatchedEngine` holding the state of the clients it
     serves."""
 
-    def __init__(self, values: Mapping[str, object], index: int, workers: int):
+    def __init__(self, settings: Settings, index: int, workers: int):
         import ray
-
-        from pflalign.config import build_settings
 
         self.index, self.workers = index, workers
         self.host = ray.util.get_node_ip_address() if ray.is_initialized() else socket.gethostname()
-        settings = build_settings(values)
         configure_threads(settings.run.client_resources_num_cpus)
         try:
             federated_dataset(settings)  # the pooled data, once per process
@@ -103,13 +100,10 @@ class Worker:
 
         return ray.util.get_node_ip_address(), os.getpid()
 
-    def start(self, values: Mapping[str, object]) -> None:
+    def start(self, settings: Settings) -> None:
         """A new method entry: its settings, and no client state (the last entry's files go)."""
-        from pflalign.config import build_settings
-
         if self.engine is not None:
             self.engine.close()
-        settings = build_settings(values)
         share = settings.run.memory_budget_gb / self.workers
         self.spill = Path(settings.run.out_dir) / ".workers" / f"worker-{self.index}"
         self.engine = BatchedEngine(settings.replace({"memory-budget-gb": share,
@@ -289,11 +283,11 @@ class WorkerPool:
 
         self.ray = ray
         self.reporter = reporter
-        self.values = dict(settings.to_dict())
+        self.settings = settings
         self.said: set[str] = set()
         if not ray.is_initialized():
-            from pflalign.flower_process import bind_ray_to_loopback, set_flower_environment
-            from pflalign.interrupt import reinstall_handlers
+            from pflalign.engines.flower_process import bind_ray_to_loopback, set_flower_environment
+            from pflalign.process.interrupt import reinstall_handlers
 
             set_flower_environment()  # Ray's usage statistics off, no warning at every start
 
@@ -320,7 +314,7 @@ class WorkerPool:
 
     def _new(self, k: int):
         remote = self.ray.remote(concurrency_groups={STATE_GROUP: 1})(Worker)
-        actor = remote.options(**self.options).remote(self.values, k, self.n)
+        actor = remote.options(**self.options).remote(self.settings, k, self.n)
         try:
             self.ray.get(actor.where.remote())
         except self.ray.exceptions.RayActorError as err:
@@ -328,10 +322,10 @@ class WorkerPool:
             raise ConfigError(_first_line(cause)) from None
         return actor
 
-    def restart(self, k: int, values: Mapping[str, object]) -> None:
+    def restart(self, k: int, settings: Settings) -> None:
         """A new actor in place of actor ``k`` (which died), ready for the running entry."""
         self.actors[k] = self._new(k)
-        self.ray.get(self.actors[k].start.remote(dict(values)))
+        self.ray.get(self.actors[k].start.remote(settings))
 
     def say(self, lines: Sequence[str]) -> None:
         for line in lines:
@@ -367,18 +361,17 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-class ActorEngine:
+class ActorEngine(Engine):
     """The batched engine of one method entry, its clients served by a :class:`WorkerPool`."""
 
     def __init__(self, settings: Settings, pool: WorkerPool):
         self.settings = settings
         self.pool = pool
-        self.values = dict(settings.to_dict())
         self.ray = pool.ray
         #: what Ray raises for a call to a worker that died
         self.gone = (self.ray.exceptions.RayActorError, self.ray.exceptions.WorkerCrashedError,
                      self.ray.exceptions.ObjectLostError)
-        self.ray.get([a.start.remote(self.values) for a in pool.actors])
+        self.ray.get([a.start.remote(settings) for a in pool.actors])
         #: the worker holding each client's saved state
         self.home: dict[int, int] = {}
         self.clients: dict = {}  # discovered: their split sizes weigh the assignment
@@ -510,7 +503,7 @@ class ActorEngine:
                 f"Ray worker {k} died; its {len(lost_messages)} client(s) of this exchange count "
                 f"as failed, {len(lost)} client(s)' saved state went with it, and a new worker "
                 "takes its place for the next exchange.")
-            self.pool.restart(k, self.values)
+            self.pool.restart(k, self.settings)
         return Exchange(replies, down, up)  # type: ignore[arg-type]
 
     def _move(self, messages: Sequence[Outgoing], targets: Iterable[tuple[int, int]]) -> None:
@@ -546,14 +539,16 @@ class ActorEngine:
         self._local.close()
 
 
-def simulate(settings: Settings, reporter: Reporter | None = None, resume: bool = False,
-             ray_address: str | None = None) -> dict:
-    """Run every method of ``settings`` on the batched engine over Ray actors (a local Ray, or
-    the cluster at ``ray_address``), and return the results."""
-    reporter = reporter or Reporter()
-    federated_dataset(settings)  # data and partition errors surface here, before Ray starts
+@contextlib.contextmanager
+def session(settings: Settings, reporter: Reporter, ray_address: str | None,
+            ) -> Iterator[EngineFactory]:
+    """The batched engine for a run (:data:`~pflalign.engines.base.Session`): in this process
+    when ``batched-workers`` is 1 and no cluster is named, else on Ray actors (a local Ray, or the
+    cluster at ``ray_address``), which are stopped when the run ends."""
+    if str(settings.run.batched_workers).strip() == "1" and not ray_address:
+        yield lambda s: BatchedEngine(s, reporter)
+        return
     if ray_address is None:  # this machine's cores and GPUs, checked before Ray starts
-        check_resources(settings)
         import torch
 
         resolve_workers(settings, {"CPU": os.cpu_count() or 1, "GPU": torch.cuda.device_count()})
@@ -565,7 +560,7 @@ def simulate(settings: Settings, reporter: Reporter | None = None, resume: bool 
     pool = None
     try:
         pool = WorkerPool(settings, reporter, ray_address)
-        return run_methods(settings, lambda s: ActorEngine(s, pool), reporter, resume=resume)
+        yield lambda s: ActorEngine(s, pool)
     finally:
         if pool is not None:
             pool.close()

@@ -24,15 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pflalign.baselines import apfl_alpha_grad, apfl_alpha_step, grads_of, lerp_models
-from pflalign.client import ClientRuntime
-from pflalign.messages import Received, Upload
-from pflalign.method import Method
-from pflalign.options import ConfigError
-from pflalign.params import Params, param
-from pflalign.protocol import LOCAL_STEPS, LOSS, TRAIN_LOSS, Metric
-from pflalign.settings import Settings
-from pflalign.state import ArrayState, TorchState
+from pflalign.methods.base import Method
+from pflalign.server.baselines import apfl_alpha_grad, apfl_alpha_step, grads_of, lerp_models
+from pflalign.settings.options import ConfigError
+from pflalign.settings.params import Params, param
+from pflalign.settings.schema import Settings
+from pflalign.training.client import ClientRuntime
+from pflalign.wire.messages import Received, Upload
+from pflalign.wire.protocol import LOCAL_STEPS, LOSS, TRAIN_LOSS, Metric
+from pflalign.wire.state import ArrayState, TorchState
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pflalign.client import ClientRuntime
-from pflalign.local import LocalRun, Proximal, Rule
-from pflalign.messages import Received
 from pflalign.methods.fedavg import FedAvg, trained_upload
-from pflalign.params import Params, param
-from pflalign.protocol import LOSS
-from pflalign.state import ArrayState, TorchState
-from pflalign.train import STREAM_PERSONAL
+from pflalign.settings.params import Params, param
+from pflalign.training.client import ClientRuntime
+from pflalign.training.loops import STREAM_PERSONAL
+from pflalign.training.runs import LocalRun, Proximal, Rule
+from pflalign.wire.messages import Received
+from pflalign.wire.protocol import LOSS
+from pflalign.wire.state import ArrayState, TorchState
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ every client adapts the new global model before evaluation; here the evaluation'
 not stored); for clients that never trained that is ``Theta``. ``global-acc`` scores ``Theta``.
 
 The adaptation is a loop of the client's own (its subset, number of passes and stopping rule);
-the merged model's training is a local run (:class:`~pflalign.local.LocalRun`), which the
+the merged model's training is a local run (:class:`~pflalign.training.runs.LocalRun`), which the
 batched engine can run with other clients'.
 """
 
@@ -33,17 +33,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pflalign.baselines import ala_converged, ala_merge, ala_weight_step_, grads_of
-from pflalign.client import ClientRuntime
-from pflalign.local import LocalRun, Rule
-from pflalign.messages import Received
-from pflalign.method import Method
+from pflalign.methods.base import Method
 from pflalign.methods.fedavg import trained_upload
-from pflalign.models import head_keys
-from pflalign.params import Params, param
-from pflalign.protocol import Metric
-from pflalign.state import ArrayState, TorchState
-from pflalign.train import STREAM_ADAPT, batch_indices
+from pflalign.models.registry import head_keys
+from pflalign.server.baselines import ala_converged, ala_merge, ala_weight_step_, grads_of
+from pflalign.settings.params import Params, param
+from pflalign.training.client import ClientRuntime
+from pflalign.training.loops import STREAM_ADAPT, batch_indices
+from pflalign.training.runs import LocalRun, Rule
+from pflalign.wire.messages import Received
+from pflalign.wire.protocol import Metric
+from pflalign.wire.state import ArrayState, TorchState
 
 MAX_FIRST_EPOCHS = 50
 

@@ -3,17 +3,17 @@ Data, AISTATS 2017).
 
 Client: train the received global model with the run's local optimizer and upload it; the
 client's model is the global model. Server: ``theta_g <- sum_i n_i theta_i / sum_i n_i`` over the
-round's clients (ALGORITHMS.md 1.6), the :class:`~pflalign.method.Method` default.
+round's clients (ALGORITHMS.md 1.6), the :class:`~pflalign.methods.base.Method` default.
 """
 
 from __future__ import annotations
 
-from pflalign.client import ClientRuntime
-from pflalign.local import LocalRun, Rule, RunResult
-from pflalign.messages import Received, Upload
-from pflalign.method import Method
-from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
-from pflalign.state import NoClientState
+from pflalign.methods.base import Method
+from pflalign.training.client import ClientRuntime
+from pflalign.training.runs import LocalRun, Rule, RunResult
+from pflalign.wire.messages import Received, Upload
+from pflalign.wire.protocol import LOCAL_STEPS, TRAIN_LOSS
+from pflalign.wire.state import NoClientState
 
 
 def trained_upload(result: RunResult, **metrics: float | int) -> Upload:

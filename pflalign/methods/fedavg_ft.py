@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pflalign.client import ClientRuntime
-from pflalign.local import LocalRun, Rule
-from pflalign.messages import Received
 from pflalign.methods.fedavg import FedAvg
-from pflalign.params import Params, param
-from pflalign.state import NoClientState
-from pflalign.train import STREAM_FINETUNE
+from pflalign.settings.params import Params, param
+from pflalign.training.client import ClientRuntime
+from pflalign.training.loops import STREAM_FINETUNE
+from pflalign.training.runs import LocalRun, Rule
+from pflalign.wire.messages import Received
+from pflalign.wire.state import NoClientState
 
 FINETUNE_HELP = ("Local epochs of fine-tuning before evaluation (fedavg-ft: of the global model; "
                  "fedper, fedrep, fedbn: of a new client's personal part).")

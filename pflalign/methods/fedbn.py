@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from pflalign.methods.partial import PartialModel
-from pflalign.models import batch_norm_keys
+from pflalign.models.registry import batch_norm_keys
 
 
 class FedBN(PartialModel):

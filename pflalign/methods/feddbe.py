@@ -43,15 +43,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pflalign.aggregation import FlatSpec
-from pflalign.client import ClientRuntime
-from pflalign.messages import Payload, Received, Update, Upload
 from pflalign.methods.fedavg import FedAvg
-from pflalign.models import head_of, without_head
-from pflalign.params import Params, param
-from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS, Metric
-from pflalign.server import ServerRuntime
-from pflalign.state import ArrayState, ServerState, State
+from pflalign.models.registry import head_of, without_head
+from pflalign.server.aggregation import FlatSpec
+from pflalign.server.runtime import ServerRuntime
+from pflalign.settings.params import Params, param
+from pflalign.training.client import ClientRuntime
+from pflalign.wire.messages import Payload, Received, Update, Upload
+from pflalign.wire.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS, Metric
+from pflalign.wire.state import ArrayState, ServerState, State
 
 #: the server's global mean (sent) and a client's running mean (uploaded), each as ``{"mean": v}``
 GLOBAL_MEAN, FEATURE_MEAN, MEAN = "global-mean", "feature-mean", "mean"

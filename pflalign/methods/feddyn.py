@@ -8,13 +8,12 @@ its dynamically regularized loss
 
 where ``g_k`` (the client's state, zeros at first; the paper's ``grad L_k(theta_k^{t-1})``) is the
 linear term: every mini-batch gradient becomes ``grad L_k - g_k + alpha (theta - theta^{t-1})``
-(:class:`~pflalign.local.DynamicRegularizer`) under the run's local optimizer. After training, the
-first-order condition of that minimization updates the linear term,
-``g_k <- g_k - alpha (theta_k^t - theta^{t-1})`` (:func:`linear_term_update`), and the client
-uploads ``theta_k^t``. With ``g_k = 0`` (a client's first round) the local update is FedProx's with
-``mu = alpha``, exactly. The local optimizer's weight decay counts as part of ``L_k`` (its
-stationarity condition is then that of the decayed loss); momentum changes the path, not the
-minimizer.
+(:class:`~pflalign.training.runs.DynamicRegularizer`) under the run's local optimizer. After
+training, the first-order condition of that minimization updates the linear term, ``g_k <- g_k -
+alpha (theta_k^t - theta^{t-1})`` (:func:`linear_term_update`), and the client uploads
+``theta_k^t``. With ``g_k = 0`` (a client's first round) the local update is FedProx's with ``mu =
+alpha``, exactly. The local optimizer's weight decay counts as part of ``L_k`` (its stationarity
+condition is then that of the decayed loss); momentum changes the path, not the minimizer.
 
 Server: it keeps ``h`` (zeros at first) over the trainable entries and, over the round's
 participants ``P_t`` and the ``m`` training clients,
@@ -34,14 +33,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pflalign.aggregation import fedavg
-from pflalign.client import ClientRuntime
-from pflalign.local import DynamicRegularizer, LocalRun, Rule
-from pflalign.messages import Received, Update
 from pflalign.methods.fedavg import FedAvg, trained_upload
-from pflalign.params import Params, param
-from pflalign.server import ServerRuntime
-from pflalign.state import ArrayState, ServerState, State, TorchState
+from pflalign.server.aggregation import fedavg
+from pflalign.server.runtime import ServerRuntime
+from pflalign.settings.params import Params, param
+from pflalign.training.client import ClientRuntime
+from pflalign.training.runs import DynamicRegularizer, LocalRun, Rule
+from pflalign.wire.messages import Received, Update
+from pflalign.wire.state import ArrayState, ServerState, State, TorchState
 
 Tensors = Sequence[torch.Tensor]
 

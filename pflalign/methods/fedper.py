@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from pflalign.methods.partial import HeadParams, PartialModel
-from pflalign.models import head_keys
+from pflalign.models.registry import head_keys
 
 
 class FedPer(PartialModel):

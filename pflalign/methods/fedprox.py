@@ -2,7 +2,7 @@
 
 Client: local training on ``F_i(w) + mu/2 ||w - w_g||^2``: the proximal term's gradient
 ``mu (w - w_g)`` is added to every mini-batch gradient before the step
-(:class:`~pflalign.local.Proximal`), with ``w_g`` the global model received this round. With
+(:class:`~pflalign.training.runs.Proximal`), with ``w_g`` the global model received this round. With
 ``mu = 0`` the update is FedAvg's, bit for bit. Server: FedAvg's.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pflalign.client import ClientRuntime
-from pflalign.local import LocalRun, Proximal, Rule
-from pflalign.messages import Received
 from pflalign.methods.fedavg import FedAvg, trained_upload
-from pflalign.params import Params, param
-from pflalign.state import NoClientState
+from pflalign.settings.params import Params, param
+from pflalign.training.client import ClientRuntime
+from pflalign.training.runs import LocalRun, Proximal, Rule
+from pflalign.wire.messages import Received
+from pflalign.wire.state import NoClientState
 
 
 @dataclass(frozen=True)

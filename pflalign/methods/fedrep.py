@@ -17,8 +17,8 @@ from torch import nn
 
 from pflalign.methods.fedper import FedPer
 from pflalign.methods.partial import HeadParams, Phase
-from pflalign.params import param
-from pflalign.train import STREAM_PERSONAL, STREAM_TRAIN
+from pflalign.settings.params import param
+from pflalign.training.loops import STREAM_PERSONAL, STREAM_TRAIN
 
 
 @dataclass(frozen=True)

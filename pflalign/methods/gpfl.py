@@ -51,18 +51,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pflalign.aggregation import FlatSpec
-from pflalign.caches import cached
-from pflalign.client import ClientRuntime
-from pflalign.messages import Payload, Received, Update, Upload
-from pflalign.method import Method
+from pflalign.methods.base import Method
 from pflalign.methods.partial import PartialParams
-from pflalign.models import head_keys, head_of, without_head
-from pflalign.params import param
-from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS, Metric
-from pflalign.server import ServerRuntime
-from pflalign.state import ArrayState, ServerState, State, TorchState
-from pflalign.train import STREAM_FINETUNE, STREAM_TRAIN, derive_seed
+from pflalign.models.registry import head_keys, head_of, without_head
+from pflalign.process.caches import cached
+from pflalign.server.aggregation import FlatSpec
+from pflalign.server.runtime import ServerRuntime
+from pflalign.settings.params import param
+from pflalign.training.client import ClientRuntime
+from pflalign.training.loops import STREAM_FINETUNE, STREAM_TRAIN, derive_seed
+from pflalign.wire.messages import Payload, Received, Update, Upload
+from pflalign.wire.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS, Metric
+from pflalign.wire.state import ArrayState, ServerState, State, TorchState
 
 COV, GCE = "cov", "gce"
 _MODULE_STREAM = 0x6F1

@@ -13,13 +13,13 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pflalign.client import ClientRuntime
-from pflalign.local import LocalRun, Rule
-from pflalign.messages import Payload, Received, Update, Upload
-from pflalign.method import Method
-from pflalign.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS
-from pflalign.server import ServerRuntime
-from pflalign.state import ArrayState, ServerState, TorchState
+from pflalign.methods.base import Method
+from pflalign.server.runtime import ServerRuntime
+from pflalign.training.client import ClientRuntime
+from pflalign.training.runs import LocalRun, Rule
+from pflalign.wire.messages import Payload, Received, Update, Upload
+from pflalign.wire.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS
+from pflalign.wire.state import ArrayState, ServerState, TorchState
 
 
 @dataclass

@@ -9,7 +9,7 @@ New-client procedure (unseen clients, and seen clients scored before their first
 shared part is frozen and the personal part is fitted on the client's own train split for
 ``finetune-epochs`` epochs (the run's local optimizer), then the model is scored. A phase that
 trains only the last layer of a model without batch norm or dropout trains it on the body's
-features, computed once (:meth:`pflalign.client.ClientRuntime.execute`).
+features, computed once (:meth:`pflalign.training.client.ClientRuntime.execute`).
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pflalign.client import ClientRuntime
-from pflalign.local import LocalRun, Rule
-from pflalign.messages import Received, Upload
-from pflalign.method import Method
+from pflalign.methods.base import Method
 from pflalign.methods.fedavg_ft import FINETUNE_HELP
-from pflalign.params import Params, param
-from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
-from pflalign.server import ServerRuntime
-from pflalign.state import ArrayState, TorchState
-from pflalign.train import STREAM_FINETUNE, STREAM_TRAIN
+from pflalign.server.runtime import ServerRuntime
+from pflalign.settings.params import Params, param
+from pflalign.training.client import ClientRuntime
+from pflalign.training.loops import STREAM_FINETUNE, STREAM_TRAIN
+from pflalign.training.runs import LocalRun, Rule
+from pflalign.wire.messages import Received, Upload
+from pflalign.wire.protocol import LOCAL_STEPS, TRAIN_LOSS
+from pflalign.wire.state import ArrayState, TorchState
 
 #: one phase of a round's local training: (trained entries, seeded stream, epochs or None)
 Phase = tuple[tuple[str, ...], int, int | None]

@@ -22,13 +22,13 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from pflalign.client import ClientRuntime
-from pflalign.messages import Received, Upload
-from pflalign.method import Method
-from pflalign.params import Params, param
-from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
-from pflalign.state import NoClientState
-from pflalign.train import STREAM_FINETUNE
+from pflalign.methods.base import Method
+from pflalign.settings.params import Params, param
+from pflalign.training.client import ClientRuntime
+from pflalign.training.loops import STREAM_FINETUNE
+from pflalign.wire.messages import Received, Upload
+from pflalign.wire.protocol import LOCAL_STEPS, TRAIN_LOSS
+from pflalign.wire.state import NoClientState
 
 T = TypeVar("T")
 

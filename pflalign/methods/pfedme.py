@@ -11,9 +11,9 @@ around the global model (``w`` held fixed at ``w_g``) over one epoch of the clie
 ``theta`` is scored.
 
 Server (line 12): ``w_g <- (1 - pfedme-beta) w_g + pfedme-beta sum_i p_i w_i`` with sample weights
-``p_i`` (:func:`pflalign.baselines.pfedme_server_update`); ``pfedme-beta = 1`` is FedAvg's average.
-Only the sampled clients train in a round (as for every method here; the paper lets all clients
-update locally and averages a sampled subset). Buffers are averaged as in FedAvg.
+``p_i`` (:func:`pflalign.server.baselines.pfedme_server_update`); ``pfedme-beta = 1`` is FedAvg's
+average. Only the sampled clients train in a round (as for every method here; the paper lets all
+clients update locally and averages a sampled subset). Buffers are averaged as in FedAvg.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pflalign.baselines import pfedme_inner_step_, pfedme_outer_step_, pfedme_server_update
-from pflalign.client import ClientRuntime
-from pflalign.messages import Received, Update, Upload
-from pflalign.method import Method
-from pflalign.params import Params, param
-from pflalign.protocol import LOCAL_STEPS, TRAIN_LOSS
-from pflalign.server import ServerRuntime
-from pflalign.state import ArrayState, ServerState, TorchState
-from pflalign.train import STREAM_FINETUNE, STREAM_TRAIN
+from pflalign.methods.base import Method
+from pflalign.server.baselines import pfedme_inner_step_, pfedme_outer_step_, pfedme_server_update
+from pflalign.server.runtime import ServerRuntime
+from pflalign.settings.params import Params, param
+from pflalign.training.client import ClientRuntime
+from pflalign.training.loops import STREAM_FINETUNE, STREAM_TRAIN
+from pflalign.wire.messages import Received, Update, Upload
+from pflalign.wire.protocol import LOCAL_STEPS, TRAIN_LOSS
+from pflalign.wire.state import ArrayState, ServerState, TorchState
 
 
 @dataclass(frozen=True)

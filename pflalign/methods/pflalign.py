@@ -5,8 +5,8 @@ Client, one round on client i (1.7, 1.8):
 
 1. ``theta <- theta_g + Delta_i`` (trainable parameters only; buffers come from ``theta_g``, or
    from the client's own copy with ``pflalign-bn = local``, 1.13 A6);
-2. ``T`` steps of :class:`pflalign.optim.PFLAlign` (``m`` reset; ``v``, ``P`` persistent;
-   :class:`~pflalign.local.PFLAlignRule`);
+2. ``T`` steps of :class:`pflalign.training.optim.PFLAlign` (``m`` reset; ``v``, ``P`` persistent;
+   :class:`~pflalign.training.runs.PFLAlignRule`);
 3. ``Delta_i <- theta_end - theta_g`` against the global model received this round.
 
 Where ``Delta_i`` lives is ``pflalign-state``: ``client`` keeps it in the client's state;
@@ -43,19 +43,27 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pflalign.aggregation import l2_norm, personal_offset, personalized_init
-from pflalign.client import ClientRuntime
-from pflalign.local import LocalRun, OptimizerRule, PersistentGenie, PFLAlignRule, Rule
-from pflalign.messages import Payload, Received, Update, Upload
-from pflalign.method import Method
-from pflalign.optim import GAMMA_MODES
-from pflalign.options import Value
-from pflalign.params import Params, param
-from pflalign.protocol import COUNT, LOCAL_STEPS, MODEL, NEXT_CORRECT, TRAIN, TRAIN_LOSS, Metric
-from pflalign.server import ServerRuntime
-from pflalign.settings import LocalTraining
-from pflalign.state import ArrayState, ServerState, State, TorchState
-from pflalign.train import EvalStats, num_local_steps
+from pflalign.methods.base import Method
+from pflalign.server.aggregation import l2_norm, personal_offset, personalized_init
+from pflalign.server.runtime import ServerRuntime
+from pflalign.settings.options import Value
+from pflalign.settings.params import Params, param
+from pflalign.settings.schema import LocalTraining
+from pflalign.training.client import ClientRuntime
+from pflalign.training.loops import EvalStats, num_local_steps
+from pflalign.training.optim import GAMMA_MODES
+from pflalign.training.runs import LocalRun, OptimizerRule, PersistentGenie, PFLAlignRule, Rule
+from pflalign.wire.messages import Payload, Received, Update, Upload
+from pflalign.wire.protocol import (
+    COUNT,
+    LOCAL_STEPS,
+    MODEL,
+    NEXT_CORRECT,
+    TRAIN,
+    TRAIN_LOSS,
+    Metric,
+)
+from pflalign.wire.state import ArrayState, ServerState, State, TorchState
 
 OFFSET, PERSONAL = "offset", "personal"
 #: the per-client config flag: score the model right after training (personal-acc)

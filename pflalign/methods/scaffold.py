@@ -10,7 +10,7 @@ client that has not trained yet has ``c_i = 0``. Option II's estimate assumes pl
 Server (lines 16-17): it keeps ``c`` (trainable entries, zeros at start) and sends it as the record
 ``control`` beside the global model; it steps ``x <- x + eta_g sum_i p_i (y_i - x)`` (sample
 weights ``p_i``; buffers averaged as in FedAvg) and ``c <- c + (1/N) sum_i dc_i`` over the N
-training clients (:func:`pflalign.baselines.scaffold_server_update`).
+training clients (:func:`pflalign.server.baselines.scaffold_server_update`).
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pflalign.aggregation import FlatSpec, fedavg
-from pflalign.baselines import scaffold_client_control, scaffold_server_update
-from pflalign.client import ClientRuntime
-from pflalign.local import ControlVariates, LocalRun, Rule
-from pflalign.messages import Payload, Received, Update
 from pflalign.methods.fedavg import FedAvg, trained_upload
-from pflalign.options import ConfigError
-from pflalign.params import Params, param
-from pflalign.protocol import MODEL
-from pflalign.server import ServerRuntime
-from pflalign.settings import Settings
-from pflalign.state import ArrayState, ServerState, State, TorchState
+from pflalign.server.aggregation import FlatSpec, fedavg
+from pflalign.server.baselines import scaffold_client_control, scaffold_server_update
+from pflalign.server.runtime import ServerRuntime
+from pflalign.settings.options import ConfigError
+from pflalign.settings.params import Params, param
+from pflalign.settings.schema import Settings
+from pflalign.training.client import ClientRuntime
+from pflalign.training.runs import ControlVariates, LocalRun, Rule
+from pflalign.wire.messages import Payload, Received, Update
+from pflalign.wire.protocol import MODEL
+from pflalign.wire.state import ArrayState, ServerState, State, TorchState
 
 CONTROL, CONTROL_DELTA = "control", "control-delta"
 

@@ -1,0 +1,1 @@
+"""The data layer: datasets, partitions, the federated dataset, a node's own data."""

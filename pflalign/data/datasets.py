@@ -1,0 +1,339 @@
+"""Datasets as uint8 arrays, read once per process and normalised per batch.
+
+Fashion-MNIST is the embedded default: Debian's ``dataset-fashion-mnist`` package puts the original
+idx files in ``/usr/share/datasets/fashion-mnist``. MNIST, CIFAR-10 and CIFAR-100 come through
+torchvision (a local ``data-root`` that already holds the files, or ``download = true``).
+
+As PFLlib does, the official train and test sets are pooled before partitioning; every client then
+gets its own train/test split (see :mod:`pflalign.data.partition`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pflalign.process.caches import cached
+from pflalign.settings.options import ConfigError
+
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+
+# Per-channel mean and std of the training images (the usual published constants).
+_NORMALISATION = {
+    "fashion-mnist": ((0.2860,), (0.3530,)),
+    "mnist": ((0.1307,), (0.3081,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+_IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+#: what a dataset's samples are: ``image`` (uint8 N x C x H x W, normalised per channel) or
+#: ``tokens`` (uint8 N x L indices into a vocabulary of ``num_classes`` symbols, given to the
+#: model as int64)
+IMAGE, TOKENS = "image", "tokens"
+#: the tokenizer of the character-level text models (LEAF's task)
+CHARACTERS = "characters"
+#: every dataset and the kind of its samples (known before anything is read)
+DATASET_KINDS = {"fashion-mnist": IMAGE, "mnist": IMAGE, "cifar10": IMAGE, "cifar100": IMAGE,
+                 "shakespeare": TOKENS}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A pooled classification dataset: uint8 inputs (images N x C x H x W, or N x L token
+    indices) and int64 labels.
+
+    A text dataset (``kind = tokens``) keeps its samples as windows over one stream of tokens:
+    ``images[p]`` is the ``L`` tokens from position ``p`` and ``labels[p]`` the token after them
+    (characters) or the ``L`` tokens from ``p + 1`` (a language model's), both views of the
+    stream (nothing is copied until a client's rows are taken); ``samples`` lists the positions
+    that are samples (a window inside one client's text), and ``groups[i]`` the natural client
+    (a role) of ``samples[i]``, named by ``group_names``."""
+
+    name: str
+    images: np.ndarray
+    labels: np.ndarray
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    kind: str = IMAGE
+    samples: np.ndarray | None = None
+    groups: np.ndarray | None = None
+    group_names: tuple[str, ...] = ()
+    #: the token stream the windows are views of (text datasets)
+    tokens: np.ndarray | None = None
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.images.shape[1:])
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def sample_ids(self) -> np.ndarray:
+        """The rows of :attr:`images` that are samples: all of them, or :attr:`samples`."""
+        return np.arange(len(self)) if self.samples is None else self.samples
+
+    def normalizer(self) -> Normalizer | TokenIds:
+        return input_transform(self.kind, self.mean, self.std)
+
+
+class Normalizer:
+    """Turns a uint8 image batch into a normalised float32 batch on the batch's device."""
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
+        self.scale = torch.tensor([1.0 / (255.0 * s) for s in std]).view(1, -1, 1, 1)
+        self.shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)]).view(1, -1, 1, 1)
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.scale.device != batch.device:
+            self.scale, self.shift = self.scale.to(batch.device), self.shift.to(batch.device)
+        return batch.float().mul_(self.scale).sub_(self.shift)
+
+
+class TokenIds:
+    """Turns a uint8 batch of token indices into the int64 indices an embedding takes."""
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch.long()
+
+
+def input_transform(kind: str, mean: tuple[float, ...], std: tuple[float, ...],
+                    ) -> Normalizer | TokenIds:
+    """What turns a stored batch of ``kind`` into the model's input."""
+    return TokenIds() if kind == TOKENS else Normalizer(mean, std)
+
+
+#: how to get a damaged dataset file back, for error messages
+_REFETCH = ("download it again (Fashion-MNIST from Debian: `apt-get install --reinstall "
+            "dataset-fashion-mnist`; otherwise set download = true, or copy the original file)")
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """Read an idx(.gz) file: a 4-byte magic whose last byte is the rank, then big-endian dims."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as handle:
+            raw = handle.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:  # a cut-off download, a bad copy
+        raise ConfigError(f"Dataset file '{path}' is truncated or corrupt ({err}); delete it "
+                          f"and {_REFETCH}.") from err
+    except OSError as err:
+        raise ConfigError(f"Dataset file '{path}' cannot be read ({err.strerror or err}).") from err
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise ConfigError(f"Dataset file '{path}' is not an unsigned-byte idx file; replace it "
+                          "with the original download.")
+    rank = raw[3]
+    dims = np.frombuffer(raw, dtype=">u4", count=rank, offset=4).astype(np.int64)
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * rank)
+    if data.size != int(np.prod(dims)):
+        raise ConfigError(f"Dataset file '{path}' is truncated ({data.size} of "
+                          f"{int(np.prod(dims))} values); {_REFETCH}.")
+    return data.reshape(tuple(dims))
+
+
+def _find_idx_dir(candidates: list[Path]) -> Path | None:
+    for directory in candidates:
+        first = directory / _IDX_FILES["train"][0]
+        if first.exists() or first.with_name(first.name + ".gz").exists():
+            return directory
+    return None
+
+
+def _load_idx_pair(directory: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    arrays = []
+    for stem in _IDX_FILES[split]:
+        path = directory / stem
+        if not path.exists():
+            path = path.with_name(stem + ".gz")
+        if not path.exists():
+            raise ConfigError(f"Dataset file '{directory / stem}(.gz)' is missing; the directory "
+                              "must hold all four idx files.")
+        arrays.append(_read_idx(path))
+    return arrays[0], arrays[1]
+
+
+def _load_mnist_like(name: str, root: Path | None, download: bool) -> tuple[np.ndarray, np.ndarray]:
+    folder = "FashionMNIST" if name == "fashion-mnist" else "MNIST"
+    candidates = []
+    if root is not None:
+        candidates += [root, root / folder / "raw"]
+    elif name == "fashion-mnist":
+        candidates.append(DEBIAN_FASHION_MNIST)
+    else:
+        candidates += [Path("data"), Path("data") / folder / "raw"]
+    directory = _find_idx_dir(candidates)
+    if directory is None and download:
+        import torchvision
+
+        target = root or Path("data")
+        cls = torchvision.datasets.FashionMNIST if folder == "FashionMNIST" else (
+            torchvision.datasets.MNIST)
+        for train in (True, False):
+            cls(str(target), train=train, download=True)
+        directory = _find_idx_dir([target / folder / "raw"])
+    if directory is None:
+        where = ", ".join(str(c) for c in candidates)
+        if name == "fashion-mnist" and root is None:
+            raise ConfigError(f"Fashion-MNIST was not found in {where}: install it with "
+                              "`apt-get install dataset-fashion-mnist` (as root), or set "
+                              "data-root to a directory holding its four idx files.")
+        raise ConfigError(f"{name} was not found in {where}: set data-root to a directory "
+                          f"holding its idx files (or {folder}/raw/), or set download = true.")
+    train_x, train_y = _load_idx_pair(directory, "train")
+    test_x, test_y = _load_idx_pair(directory, "test")
+    images = np.concatenate([train_x, test_x])[:, None, :, :]
+    return images, np.concatenate([train_y, test_y]).astype(np.int64)
+
+
+def _load_cifar(name: str, root: Path | None, download: bool) -> tuple[np.ndarray, np.ndarray]:
+    import torchvision
+
+    cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
+    target = root or Path("data")
+    parts = []
+    for train in (True, False):
+        try:
+            parts.append(cls(str(target), train=train, download=download))
+        except RuntimeError as err:
+            raise ConfigError(f"{name} was not found under '{target}' ({err}): set data-root to "
+                              "a directory holding torchvision's extracted files, or set "
+                              "download = true on a machine with internet access.") from err
+    images = np.concatenate([p.data for p in parts]).transpose(0, 3, 1, 2)
+    labels = np.concatenate([np.asarray(p.targets) for p in parts]).astype(np.int64)
+    return np.ascontiguousarray(images), labels
+
+
+@cached(maxsize=2)
+def load_dataset(name: str, data_root: str = "", download: bool = False, tokenizer: str = "",
+                 sequence_length: int = 80) -> Dataset:
+    """Load a dataset once per process (cached): pooled train+test images as uint8, or a text
+    dataset's token windows (``tokenizer``: ``characters`` or a language model's name;
+    ``sequence_length`` tokens of context a sample)."""
+    if name not in DATASET_KINDS:
+        raise ConfigError(f"Unknown dataset '{name}'; choose one of: "
+                          f"{', '.join(DATASET_KINDS)}.")
+    root = Path(data_root).expanduser() if data_root else None
+    if name == "shakespeare":
+        return _load_shakespeare(root, tokenizer, sequence_length)
+    if name in ("fashion-mnist", "mnist"):
+        images, labels = _load_mnist_like(name, root, download)
+    else:
+        images, labels = _load_cifar(name, root, download)
+    if len(images) != len(labels):
+        raise ConfigError(f"Dataset '{name}' has {len(images)} images but {len(labels)} labels; "
+                          "its files are inconsistent.")
+    images.setflags(write=False)
+    labels.setflags(write=False)
+    mean, std = _NORMALISATION[name]
+    return Dataset(name=name, images=images, labels=labels,
+                   num_classes=int(labels.max()) + 1 if name != "cifar100" else 100,
+                   mean=mean, std=std)
+
+
+def _load_shakespeare(root: Path | None, tokenizer: str, length: int) -> Dataset:
+    """Federated Shakespeare (:mod:`pflalign.data.shakespeare`): one stream of every role's tokens,
+    windows of ``length`` tokens over it, and each window's role. With characters (LEAF's task)
+    a sample is ``length`` characters and the next one, at every position; with a language
+    model's tokenizer it is a window of ``length`` tokens and the same window one token on (the
+    next token at every place), the windows ``length`` apart."""
+    from pflalign.data import shakespeare
+
+    roots = [root] if root is not None else shakespeare.default_roots()
+    found = next((r for r in roots if r.exists()), None)
+    if found is None:
+        raise ConfigError(f"data-root: the Shakespeare texts were not found in "
+                          f"{', '.join(str(r) for r in roots)}; {shakespeare.FETCH}.")
+    roles = shakespeare.read_roles(found)
+    names = tuple(f"{r.play}/{r.name}" for r in roles)
+    characters = tokenizer in ("", CHARACTERS)
+    if characters:
+        encoded = [shakespeare.encode(role.text) for role in roles]
+        stride, vocabulary = 1, len(shakespeare.VOCABULARY)
+    else:
+        from pflalign.models.language import tokenizer_of
+
+        tok = tokenizer_of(tokenizer)
+        encoded = [np.asarray(ids, dtype=np.int32) for ids in
+                   tok([role.text for role in roles], add_special_tokens=False)["input_ids"]]
+        stride, vocabulary = length, len(tok)
+    stream = np.concatenate(encoded)
+    stream.setflags(write=False)
+    starts = np.cumsum([0] + [len(e) for e in encoded[:-1]])
+    # a window and its target must lie inside one role: positions p with p + length < end
+    counts = np.array([max(-(-(len(e) - length) // stride), 0) for e in encoded])
+    samples = np.concatenate([s + stride * np.arange(c)
+                              for s, c in zip(starts, counts, strict=True)]).astype(np.int64)
+    groups = np.repeat(np.arange(len(roles), dtype=np.int32), counts)
+    windows = np.lib.stride_tricks.sliding_window_view(stream, length)[:-1]
+    if characters:  # the next character
+        labels = stream[length:].astype(np.int64)
+    else:  # the same window one token on
+        labels = np.lib.stride_tricks.sliding_window_view(stream[1:].astype(np.int64), length)
+    labels.setflags(write=False)
+    return Dataset(name="shakespeare", images=windows, labels=labels, num_classes=vocabulary,
+                   mean=(), std=(), kind=TOKENS, samples=samples, groups=groups,
+                   group_names=names, tokens=stream)
+
+
+@dataclass
+class ClientData:
+    """One client's train and test split as tensors (uint8 images, int64 labels) on a device."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    normalize: Normalizer | TokenIds
+
+    @classmethod
+    def from_indices(cls, dataset: Dataset, train_idx: np.ndarray, test_idx: np.ndarray,
+                     device: torch.device | str = "cpu") -> ClientData:
+        def take(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.from_numpy(dataset.images[idx]).to(device)
+            y = torch.from_numpy(dataset.labels[idx]).to(device)
+            return x, y
+
+        train_x, train_y = take(train_idx)
+        test_x, test_y = take(test_idx)
+        return cls(train_x, train_y, test_x, test_y, dataset.normalizer())
+
+    def rotated(self, degrees: float) -> ClientData:
+        """The same samples with every image rotated by ``degrees`` counter-clockwise about its
+        centre (exact for multiples of 90; bilinear otherwise, corners filled with 0)."""
+        return replace(self, train_x=rotate_images(self.train_x, degrees),
+                       test_x=rotate_images(self.test_x, degrees))
+
+    def to(self, device: torch.device | str) -> ClientData:
+        return replace(self, train_x=self.train_x.to(device), train_y=self.train_y.to(device),
+                       test_x=self.test_x.to(device), test_y=self.test_y.to(device))
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_y)
+
+    @property
+    def num_test(self) -> int:
+        """What a test scores: samples, or a language model's tokens (each window predicts
+        one per place)."""
+        return self.test_y.numel()
+
+
+def rotate_images(images: torch.Tensor, degrees: float) -> torch.Tensor:
+    """Rotate uint8 NCHW images by ``degrees`` counter-clockwise (multiples of 90 exactly)."""
+    quarter = degrees / 90.0
+    if quarter == int(quarter):
+        return torch.rot90(images, int(quarter) % 4, dims=(2, 3)).contiguous()
+    from torchvision.transforms.v2 import InterpolationMode
+    from torchvision.transforms.v2.functional import rotate
+
+    return rotate(images, degrees, interpolation=InterpolationMode.BILINEAR)

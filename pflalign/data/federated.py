@@ -1,0 +1,137 @@
+"""The federated dataset of a run: the pooled dataset and its partition, built once per process."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from pflalign.data.datasets import ClientData, Dataset, load_dataset
+from pflalign.data.partition import (
+    Partition,
+    make_partition,
+    parse_angles,
+    split_in_order,
+    split_train_test,
+)
+from pflalign.process.caches import cached
+from pflalign.settings.schema import DATA_KEYS
+
+#: the random stream of the validation split (partition draws use 0, the test split 1, the
+#: max-samples subset 2)
+VALIDATION_STREAM = 3
+
+
+@dataclass(frozen=True)
+class FederatedDataset:
+    """A dataset, the subset of it in use, and the per-client partition of that subset."""
+
+    dataset: Dataset
+    pool: np.ndarray
+    partition: Partition
+    _rotated: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    _on_device: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def client_data(self, client: int, device: torch.device | str = "cpu") -> ClientData:
+        """Client ``client``'s train and test tensors (copied out of the cached pool; for
+        partition=rotated, rotated once by the client's angle and cached per process)."""
+        if not 0 <= client < self.partition.num_clients:
+            raise ValueError(f"Client id {client} is outside 0..{self.partition.num_clients - 1}; "
+                             "the node's partition-id does not match this run's num-clients.")
+        angle = self.partition.rotation(client)
+        train = self.pool[self.partition.train[client]]
+        test = self.pool[self.partition.test[client]]
+        if not angle and torch.device(device).type == "cuda":
+            images, labels = self.on_device(device)  # gathered where the data already is
+            rows = {k: torch.from_numpy(v).to(device) for k, v in (("train", train),
+                                                                   ("test", test))}
+            return ClientData(images[rows["train"]], labels[rows["train"]], images[rows["test"]],
+                              labels[rows["test"]], self.dataset.normalizer())
+        if not angle:
+            return ClientData.from_indices(self.dataset, train, test, device)
+        if client not in self._rotated:
+            data = ClientData.from_indices(self.dataset, self.pool[self.partition.train[client]],
+                                           self.pool[self.partition.test[client]])
+            self._rotated[client] = data.rotated(angle)
+        return self._rotated[client].to(device)
+
+    def on_device(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pooled images and labels on ``device``: moved there once per process and kept
+        (on a GPU, every client's split is then gathered there, with nothing copied from the
+        host per message)."""
+        key = str(device)
+        if key not in self._on_device and self.dataset.tokens is not None:
+            # a text dataset's windows are views of one token stream: move the stream and
+            # take the same windows of it there
+            stream = torch.from_numpy(self.dataset.tokens).to(device)
+            length = self.dataset.input_shape[0]
+            labels = (stream[1:].long().unfold(0, length, 1) if self.dataset.labels.ndim == 2
+                      else torch.from_numpy(self.dataset.labels).to(device))
+            self._on_device[key] = (stream.unfold(0, length, 1)[:-1], labels)
+        if key not in self._on_device:
+            self._on_device[key] = (torch.from_numpy(self.dataset.images).to(device),
+                                    torch.from_numpy(self.dataset.labels).to(device))
+        return self._on_device[key]
+
+    @property
+    def targets_per_sample(self) -> int:
+        """What one sample scores: one label, or each token of a language model's window."""
+        return 1 if self.dataset.labels.ndim == 1 else self.dataset.labels.shape[1]
+
+    def sizes(self, client: int) -> tuple[int, int]:
+        """Client ``client``'s train samples and test targets (a language model's test tokens),
+        as :class:`~pflalign.data.datasets.ClientData` counts them."""
+        return (len(self.partition.train[client]),
+                len(self.partition.test[client]) * self.targets_per_sample)
+
+    def summary(self) -> dict:
+        """The partition, with each client's label counts where a sample has one label."""
+        labels = self.dataset.labels[self.pool] if self.dataset.labels.ndim == 1 else None
+        return {"dataset": self.dataset.name, "samples": len(self.pool),
+                **self.partition.summary(labels, self.dataset.num_classes)}
+
+
+@cached(maxsize=2)
+def _build(key: tuple) -> FederatedDataset:
+    cfg = dict(zip(DATA_KEYS, key, strict=True))
+    dataset = load_dataset(cfg["dataset"], cfg["data-root"], cfg["download"], cfg["tokenizer"],
+                           cfg["sequence-length"])
+    pool, groups = dataset.sample_ids(), dataset.groups
+    if 0 < cfg["max-samples"] < len(pool):
+        chosen = np.sort(np.random.default_rng([cfg["seed"], 2]).choice(
+            len(pool), cfg["max-samples"], replace=False))
+        pool, groups = pool[chosen], None if groups is None else groups[chosen]
+    partition = make_partition(
+        dataset.labels[pool], dataset.num_classes, scheme=cfg["partition"],
+        num_clients=cfg["num-clients"], num_unseen=cfg["num-unseen-clients"], seed=cfg["seed"],
+        alpha=cfg["dirichlet-alpha"], classes_per_client=cfg["classes-per-client"],
+        quantity_power=cfg["quantity-power"], min_samples=cfg["min-samples-per-client"],
+        test_fraction=cfg["test-fraction"], angles=parse_angles(cfg["rotation-angles"]),
+        unseen_groups=cfg["rotation-unseen-groups"], groups=groups,
+        group_names=dataset.group_names)
+    if cfg["evaluate-on"] == "validation":
+        partition = validation_partition(partition, dataset.labels[pool],
+                                         cfg["validation-fraction"], cfg["seed"])
+    return FederatedDataset(dataset=dataset, pool=pool, partition=partition)
+
+
+def validation_partition(partition: Partition, labels: np.ndarray, fraction: float,
+                         seed: int) -> Partition:
+    """The partition with each client's test split replaced by a validation split carved from
+    its training split (stratified, seeded by (seed, :data:`VALIDATION_STREAM`); the last part
+    of it, for a partition in time order); the client
+    trains on the rest. The test indices are dropped, so nothing evaluated or trained on in this
+    mode can touch test data."""
+    rng = np.random.default_rng([seed, VALIDATION_STREAM])
+    splits = [split_in_order(train, fraction) if partition.in_order
+              else split_train_test(train, labels, fraction, rng) for train in partition.train]
+    return replace(partition, train=tuple(s[0] for s in splits),
+                   test=tuple(s[1] for s in splits))
+
+
+def federated_dataset(settings: Mapping[str, object]) -> FederatedDataset:
+    """The run's federated dataset, cached per process (no re-reading or re-partitioning)."""
+    key = getattr(settings, "data_key", None)
+    return _build(key if key is not None else tuple(settings[k] for k in DATA_KEYS))

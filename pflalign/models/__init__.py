@@ -1,0 +1,1 @@
+"""The model registry and pretrained language models with LoRA."""

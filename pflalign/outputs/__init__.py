@@ -1,0 +1,1 @@
+"""What a run writes: results.json, the terminal report, study reports, plots, statistics."""

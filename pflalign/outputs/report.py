@@ -1,0 +1,560 @@
+"""Reports over results.json files: a study's report.md with plots, or a mean ± std table.
+
+    python -m pflalign.outputs.report DIR [--reference LABEL]   # DIR/report.md and DIR/plots/*.png
+    python -m pflalign.outputs.report results/seed0 results/seed1 results/seed2 [--markdown]
+
+With one directory (or one results.json), the report is regenerated from that results.json
+alone: a study (``"kind": "study"``, several seeds / scenarios / sweep settings) or a single run
+(a study of one run). It holds the protocol, a leaderboard (mean final personal accuracy with
+its 95% t interval over seeds, worst decile and rank per scenario; the average rank), per
+scenario the paired differences against the reference method and against each method's best
+rival, and the plots of :mod:`pflalign.outputs.plots`. With several paths, one mean ± std row per
+method over all their runs is printed instead (``--table`` prints it for one path too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pflalign.outputs import stats
+from pflalign.outputs.results import json_safe
+
+#: (key in a run's "final" metrics, column label, scale, whether to show the std over runs)
+COLUMNS = (("personal-acc", "personal", 100, True), ("personal-acc-next", "next", 100, True),
+           ("personal-acc-bottom10", "bottom10", 100, True), ("global-acc", "global", 100, True),
+           ("unseen-acc", "unseen", 100, True), ("seconds-per-round", "s/round", 1, False),
+           ("bytes-up", "MB up", 1e-6, False), ("bytes-down", "MB down", 1e-6, False))
+
+#: Final metrics summarized per method in a study (those without values are left out).
+STUDY_METRICS = ("personal-acc", "personal-acc-bottom10", "global-acc", "unseen-acc")
+#: Names of the report file and the plot folder inside a results directory.
+REPORT_FILE, PLOT_DIR = "report.md", "plots"
+LEVEL = 0.95
+CI_METHOD = ("two-sided 95% Student-t confidence intervals of the mean over seeds "
+             "(mean ± t(0.975, n-1) · s / √n, with s the sample standard deviation and n - 1 "
+             "degrees of freedom; none for n = 1)")
+
+
+def load(paths: list[str | Path]) -> list[dict]:
+    """The results.json documents at ``paths`` (files, or directories holding one)."""
+    runs = []
+    for path in paths:
+        path = Path(path)
+        file = path / "results.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"No results.json at '{path}'.")
+        runs.append(json.loads(file.read_text()))
+    return runs
+
+
+def summarize(runs: list[dict], markdown: bool = False) -> str:
+    """One row per method (in first-seen order): mean ± std over the runs that have it.
+    A study document counts as all of its runs."""
+    methods: dict[str, list[dict]] = {}
+    for doc in runs:
+        for run in doc.get("runs", []) if doc.get("kind") == "study" else [doc]:
+            for name, result in run.get("methods", {}).items():
+                methods.setdefault(name, []).append(result.get("final", {}))
+    header = ["method", "runs"] + [label for _, label, _, _ in COLUMNS]
+    rows = []
+    for name, finals in methods.items():
+        cells = [name, str(len(finals))]
+        for key, _, scale, with_std in COLUMNS:
+            values = [f[key] * scale for f in finals
+                      if isinstance(f.get(key), int | float) and math.isfinite(f[key])]
+            if not values:
+                cells.append("-")
+            elif not with_std:
+                cells.append(f"{np.mean(values):.2f}" if scale >= 1 else f"{np.mean(values):.1f}")
+            else:
+                cells.append(f"{np.mean(values):.2f} ± {np.std(values):.2f}")
+        rows.append(cells)
+    if markdown:
+        return _markdown_table(header, rows, left=1)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return "\n".join([fmt.format(*header)] + [fmt.format(*r) for r in rows])
+
+
+# ---------------------------------------------------------------------------------------------
+# Studies: runs grouped by (scenario, setting), methods compared over seeds
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Group:
+    """The runs of one (scenario, sweep setting), by seed."""
+
+    scenario: str
+    setting: dict
+    runs: dict[int, dict] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        parts = [p for p in (self.scenario, setting_label(self.setting)) if p]
+        return " / ".join(parts) or "run"
+
+
+def setting_label(setting: Mapping[str, object]) -> str:
+    """``key=value, ...`` for a sweep setting ('' for none)."""
+    return ", ".join(f"{k}={v}" for k, v in setting.items())
+
+
+def study_runs(doc: Mapping) -> list[dict]:
+    """The runs of a study document, or a single run's document as a study of one run (its
+    scenario is the config's ``name`` or '', its seed the config's ``seed``, no setting)."""
+    if doc.get("kind") == "study":
+        return [dict(run, scenario=run.get("scenario", ""), seed=run.get("seed", 0),
+                     setting=dict(run.get("setting") or {})) for run in doc.get("runs", [])]
+    config = doc.get("config", {})
+    return [dict(doc, scenario=str(doc.get("scenario") or config.get("name") or ""),
+                 seed=doc.get("seed", config.get("seed", 0)),
+                 setting=dict(doc.get("setting") or {}))]
+
+
+def study_protocol(doc: Mapping) -> dict:
+    """The study's protocol; for a single run, one derived from it."""
+    if doc.get("kind") == "study":
+        return dict(doc.get("protocol") or {})
+    runs = study_runs(doc)
+    return {"seeds": [runs[0]["seed"]], "reference": None, "metric": "personal-acc",
+            "scenarios": [runs[0]["scenario"]], "sweep": {}, "tune": None}
+
+
+def group_runs(doc: Mapping) -> list[Group]:
+    """Runs grouped by (scenario, setting): scenarios in the protocol's order (then first-seen),
+    settings first-seen. A second run of the same cell and seed replaces the first."""
+    groups: dict[tuple[str, str], Group] = {}
+    for run in study_runs(doc):
+        key = (run["scenario"], json.dumps(run["setting"], sort_keys=True))
+        groups.setdefault(key, Group(run["scenario"], run["setting"])).runs[run["seed"]] = run
+    order = [str(s) for s in study_protocol(doc).get("scenarios") or []]
+    position = {s: i for i, s in enumerate(order)}
+    return sorted(groups.values(), key=lambda g: position.get(g.scenario, len(order)))
+
+
+def method_labels(groups: Sequence[Group]) -> list[str]:
+    """Every method label, first-seen order."""
+    labels: dict[str, None] = {}
+    for group in groups:
+        for run in group.runs.values():
+            labels.update(dict.fromkeys(run.get("methods", {})))
+    return list(labels)
+
+
+def _final(run: Mapping, label: str, key: str) -> float | None:
+    value = run.get("methods", {}).get(label, {}).get("final", {}).get(key)
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def _values(group: Group, label: str, key: str) -> dict[int, float]:
+    """Seed -> the method's final ``key`` in that seed's run (seeds without it left out)."""
+    found = {seed: _final(run, label, key) for seed, run in sorted(group.runs.items())}
+    return {seed: v for seed, v in found.items() if v is not None}
+
+
+def _total_bytes(group: Group, label: str) -> dict[int, float]:
+    up, down = _values(group, label, "bytes-up"), _values(group, label, "bytes-down")
+    return {seed: up[seed] + down[seed] for seed in up if seed in down}
+
+
+def _seen_clients(group: Group, label: str) -> dict[int, list[dict]]:
+    return {seed: [c for c in run["methods"][label].get("clients", []) if not c.get("unseen")]
+            for seed, run in sorted(group.runs.items()) if label in run.get("methods", {})}
+
+
+def _summary_ci(values: Mapping[int, float]) -> dict:
+    mean, low, high, n = stats.mean_ci(values.values(), LEVEL)
+    return {"mean": mean, "low": low, "high": high, "n": n, "seeds": list(values),
+            "values": list(values.values())}
+
+
+def higher_is_better(metric: str) -> bool:
+    """Accuracies rank high-first; losses (keys ending in 'loss') low-first."""
+    return not metric.endswith("loss")
+
+
+def _choose_reference(reference: str | None, protocol: Mapping, labels: Sequence[str]) -> str:
+    if reference is not None:
+        if reference not in labels:
+            raise ValueError(f"Unknown reference method '{reference}'; the results hold "
+                             f"{', '.join(labels) or 'no methods'}.")
+        return reference
+    declared = protocol.get("reference")
+    return declared if declared in labels else (labels[0] if labels else "")
+
+
+def summarize_study(doc: Mapping, reference: str | None = None) -> dict:
+    """Statistics of a study (or of a single run, as a study of one run), JSON-able (no NaN:
+    missing numbers are None; accuracies are fractions).
+
+    Returns ``{"protocol", "reference", "metric", "ci", "methods" (labels), "groups": [...],
+    "average-rank": {label: mean rank over the groups}}``; each group is ``{"scenario",
+    "setting", "label", "seeds", "best", "ranking", "methods": {label: {"method", "metrics":
+    {key: {"mean", "low", "high", "n", "seeds", "values"}}, "total-bytes", "rank", "vs-reference",
+    "vs-best-other", "clients-vs-reference"}}}``. ``vs-reference`` and ``vs-best-other`` (against
+    the best other method by mean; ``other`` names it) are :func:`pflalign.outputs.stats.paired`
+    results on the protocol metric; ``clients-vs-reference`` is
+    :func:`pflalign.outputs.stats.paired_clients` on the seen clients' personal-acc. ``reference``
+    overrides the protocol's (default: the protocol's, else the first method)."""
+    protocol = study_protocol(doc)
+    groups = group_runs(doc)
+    labels = method_labels(groups)
+    reference = _choose_reference(reference, protocol, labels)
+    metric = str(protocol.get("metric") or "personal-acc")
+    keys = list(dict.fromkeys([metric, *STUDY_METRICS]))
+    high_first = higher_is_better(metric)
+    out_groups, all_ranks = [], {}
+    for group in groups:
+        present = [lb for lb in labels if any(lb in r.get("methods", {})
+                                              for r in group.runs.values())]
+        per_metric = {lb: _values(group, lb, metric) for lb in present}
+        methods: dict[str, dict] = {}
+        for lb in present:
+            name = next(r["methods"][lb].get("method", lb) for r in group.runs.values()
+                        if lb in r.get("methods", {}))
+            metrics = {k: _summary_ci(_values(group, lb, k)) for k in keys}
+            methods[lb] = {"method": name,
+                           "metrics": {k: v for k, v in metrics.items() if v["n"] or k == metric},
+                           "total-bytes": _summary_ci(_total_bytes(group, lb))}
+        means = {lb: methods[lb]["metrics"][metric]["mean"] for lb in present}
+        group_ranks = stats.ranks(means, high_first)
+        all_ranks[group.label] = group_ranks
+        ranking = sorted(group_ranks, key=lambda lb: group_ranks[lb])
+        for lb in present:
+            entry = methods[lb]
+            entry["rank"] = group_ranks.get(lb)
+            has_ref = reference in methods and lb != reference
+            entry["vs-reference"] = (stats.paired(per_metric[lb], per_metric[reference], LEVEL)
+                                     if has_ref else None)
+            entry["clients-vs-reference"] = (
+                stats.paired_clients(_seen_clients(group, lb), _seen_clients(group, reference),
+                                     "personal-acc", LEVEL) if has_ref else None)
+            others = [o for o in ranking if o != lb]
+            entry["vs-best-other"] = (dict(stats.paired(per_metric[lb], per_metric[others[0]],
+                                                        LEVEL), other=others[0])
+                                      if others else None)
+        out_groups.append({"scenario": group.scenario, "setting": group.setting,
+                           "label": group.label, "seeds": sorted(group.runs),
+                           "best": ranking[0] if ranking else None, "ranking": ranking,
+                           "methods": methods})
+    return json_safe({"protocol": protocol, "reference": reference, "metric": metric,
+                       "ci": CI_METHOD, "methods": labels, "groups": out_groups,
+                       "average-rank": stats.average_ranks(all_ranks)})
+
+
+# ---------------------------------------------------------------------------------------------
+# report.md
+# ---------------------------------------------------------------------------------------------
+
+def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---" if i < left else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _scale(metric: str) -> float:
+    return 100.0 if "acc" in metric else 1.0
+
+
+def _num(value: float | None, scale: float = 1.0, digits: int = 2, sign: bool = False) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    return f"{value * scale:+.{digits}f}" if sign else f"{value * scale:.{digits}f}"
+
+
+def _ci(entry: Mapping | None, scale: float, sign: bool = False) -> str:
+    """``mean [low, high]`` (or just the mean when there is no interval)."""
+    if not entry or entry.get("mean") is None:
+        return "-"
+    text = _num(entry["mean"], scale, sign=sign)
+    if entry.get("low") is not None:
+        low, high = _num(entry["low"], scale, sign=sign), _num(entry["high"], scale, sign=sign)
+        text += f" [{low}, {high}]"
+    return text
+
+
+def _interval(entry: Mapping, scale: float) -> str:
+    if entry.get("low") is None:
+        return "- (n < 2)"
+    return f"[{_num(entry['low'], scale, sign=True)}, {_num(entry['high'], scale, sign=True)}]"
+
+
+def _rank(value: float | None) -> str:
+    return "-" if value is None else (f"{value:g}")
+
+
+def _significant(entry: Mapping) -> str:
+    return "yes" if entry["significant"] else ("no (n < 2)" if entry["n"] < 2 else "no")
+
+
+def _params(params: Mapping[str, object]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or "-"
+
+
+def _protocol_section(summary: Mapping, doc: Mapping) -> list[str]:
+    protocol = summary["protocol"]
+    metric = summary["metric"]
+    seeds = protocol.get("seeds") or sorted({s for g in summary["groups"] for s in g["seeds"]})
+    lines = ["## Protocol", ""]
+    if doc.get("command"):
+        lines.append(f"- Command: `{doc['command']}`")
+    lines.append(f"- Seeds: {', '.join(map(str, seeds))} (n = {len(seeds)})")
+    scenarios = protocol.get("scenarios") or sorted({g["scenario"] for g in summary["groups"]})
+    if any(scenarios):
+        lines.append(f"- Scenarios: {', '.join(map(str, scenarios))}")
+    lines.append(f"- Reference method: {summary['reference'] or '-'}"
+                 + ("" if protocol.get("reference") in (None, summary["reference"])
+                    else f" (the protocol named {protocol['reference']})"))
+    lines.append(f"- Metric: final `{metric}` (accuracies in %, differences in percentage "
+                 "points, pp)" if "acc" in metric else f"- Metric: final `{metric}`")
+    sweep = protocol.get("sweep") or {}
+    if sweep:
+        lines.append("- Sweep: " + "; ".join(f"`{k}` ∈ {{{', '.join(map(str, v))}}}"
+                                              for k, v in sweep.items()))
+    else:
+        lines.append("- Sweep: none")
+    lines.append(f"- Confidence intervals: {summary['ci']}.")
+    tune = protocol.get("tune")
+    if not tune:
+        lines.append("- Tuning: none (each method with its configured values)")
+        return lines
+    lines += ["", "### Tuning", "",
+              f"- Trials per method: {tune.get('trials', '-')}; tuning seeds: "
+              f"{', '.join(map(str, tune.get('tune-seeds') or [])) or '-'}; validation "
+              f"fraction: {tune.get('validation-fraction', '-')}; objective: "
+              f"{tune.get('objective', '-')}",
+              "- The chosen values were then run on the evaluation seeds above; validation "
+              "scores are means over the tuning seeds."]
+    scale = _scale(str(tune.get("objective") or metric))
+    for label, info in (tune.get("methods") or {}).items():
+        space = info.get("space") or {}
+        lines += ["", f"#### {label}", "",
+                  "- Space: " + ("; ".join(f"`{k}` ∈ {{{', '.join(map(str, v))}}}"
+                                           for k, v in space.items()) or "-"),
+                  f"- Default: {_params(info.get('default') or {})}",
+                  f"- Chosen: {_params(info.get('chosen') or {})}", ""]
+        chosen = info.get("chosen") or {}
+        rows = []
+        for i, trial in enumerate(info.get("trials") or [], start=1):
+            params = trial.get("params") or {}
+            rows.append([str(i), _params(params), _num(trial.get("score"), scale),
+                         ", ".join(_num(s, scale) for s in trial.get("scores") or []) or "-",
+                         "✓" if params == chosen else ""])
+        if rows:
+            lines.append(_markdown_table(["trial", "values", "validation score",
+                                          "per tuning seed", "chosen"], rows, left=2))
+    return lines
+
+
+def _leaderboard(summary: Mapping) -> list[str]:
+    metric, groups = summary["metric"], summary["groups"]
+    scale = _scale(metric)
+    header = ["method"]
+    for g in groups:
+        prefix = f"{g['label']}: " if len(groups) > 1 else ""
+        header += [f"{prefix}{metric} [95% CI]", f"{prefix}worst-10%", f"{prefix}rank"]
+    header.append("avg rank")
+    rows = []
+    for label in summary["methods"]:
+        row = [label]
+        for g in groups:
+            entry = g["methods"].get(label)
+            if entry is None:
+                row += ["-", "-", "-"]
+                continue
+            bottom = entry["metrics"].get("personal-acc-bottom10")
+            row += [_ci(entry["metrics"][metric], scale),
+                    _num(bottom["mean"], 100) if bottom else "-", _rank(entry["rank"])]
+        row.append(_num(summary["average-rank"].get(label), digits=2))
+        rows.append(row)
+    return ["## Leaderboard", "",
+            f"Mean final `{metric}` over seeds with its 95% CI, the mean worst-decile client "
+            "accuracy (`personal-acc-bottom10`), and the rank by mean within each scenario "
+            "(1 = best; ties share the average rank). The average rank is over the "
+            f"{len(groups)} scenario/setting group(s).", "",
+            _markdown_table(header, rows)]
+
+
+def leaderboard_text(doc: Mapping, reference: str | None = None) -> str:
+    """The leaderboard of a study (or single run) as a Markdown table, for a terminal."""
+    return "\n".join(_leaderboard(summarize_study(doc, reference))[4:])
+
+
+def _group_section(group: Mapping, summary: Mapping, plots: Sequence[tuple[str, str]]) -> list[str]:
+    metric, reference = summary["metric"], summary["reference"]
+    scale = _scale(metric)
+    unit = "pp" if scale == 100 else ""
+    lines = [f"## {group['label']}", "",
+             f"Seeds: {', '.join(map(str, group['seeds']))}.", "", "### Final metrics", ""]
+    keys = [k for k in dict.fromkeys([metric, *STUDY_METRICS])
+            if any(k in e["metrics"] for e in group["methods"].values())]
+    rows = []
+    for label, entry in group["methods"].items():
+        m = entry["metrics"]
+        rows.append([label, str(m[metric]["n"])] + [_ci(m.get(k), _scale(k)) for k in keys]
+                    + [_num(entry["total-bytes"]["mean"], 1e-6, 1),
+                       ", ".join(_num(v, scale) for v in m[metric]["values"]) or "-"])
+    lines += [_markdown_table(["method", "n"] + [f"{k} [95% CI]" for k in keys]
+                              + ["MB up+down", f"{metric} per seed"], rows), ""]
+    paired_rows = []
+    for label, entry in group["methods"].items():
+        vs, clients = entry["vs-reference"], entry["clients-vs-reference"]
+        if vs is None:
+            continue
+        paired_rows.append([
+            label, _num(vs["mean"], scale, sign=True), _interval(vs, scale),
+            f"{vs['wins']}/{vs['n']}", _significant(vs),
+            ", ".join(_num(d, scale, sign=True) for d in vs["diffs"]) or "-",
+            _num(clients["client-mean"], 100, sign=True) if clients else "-",
+            f"{clients['clients-ahead']}/{clients['clients-behind']}" if clients else "-"])
+    if paired_rows:
+        lines += [f"### Paired differences vs {reference}", "",
+                  f"Per seed, method minus {reference} on `{metric}` ({unit or 'units'}); the "
+                  "CI is the t interval of the mean difference; significant = the CI excludes "
+                  "0. Per client: clients matched by id in each seed, differences averaged over "
+                  "seeds (seen clients' personal-acc); ahead/behind = clients whose mean "
+                  "difference is above/below 0.", "",
+                  _markdown_table(["method", f"mean diff ({unit})", f"95% CI ({unit})", "wins",
+                                   "significant", "per seed", f"per-client mean ({unit})",
+                                   "clients ahead/behind"], paired_rows), ""]
+    best_rows = []
+    for label, entry in group["methods"].items():
+        vs = entry["vs-best-other"]
+        if vs is None:
+            continue
+        best_rows.append([label, vs["other"], _num(vs["mean"], scale, sign=True),
+                          _interval(vs, scale), f"{vs['wins']}/{vs['n']}", _significant(vs)])
+    if best_rows:
+        lines += ["### Each method vs the best other method", "",
+                  "Each method against the best of the others by mean (for the leader: the "
+                  "runner-up, i.e. whether its lead is significant).", "",
+                  _markdown_table(["method", "best other", f"mean diff ({unit})",
+                                   f"95% CI ({unit})", "wins", "significant"], best_rows,
+                                  left=2), ""]
+        best = group["best"]
+        lead = group["methods"][best]["vs-best-other"] if best else None
+        if lead is not None:
+            verdict = ("significant" if lead["significant"] else
+                       "not significant (n < 2)" if lead["n"] < 2 else "not significant")
+            interval = ("no CI" if lead["low"] is None
+                        else f"95% CI {_interval(lead, scale)} {unit}".rstrip())
+            lines += [f"**{best}** leads {lead['other']} by "
+                      f"{_num(lead['mean'], scale, sign=True)} {unit} ({interval}, wins "
+                      f"{lead['wins']}/{lead['n']}): {verdict}.", ""]
+    if plots:
+        lines += ["### Plots", ""]
+        for caption, rel in plots:
+            lines += [f"![{caption}]({rel})", ""]
+    return lines
+
+
+def format_report(summary: Mapping, doc: Mapping,
+                  plots: Mapping[str, Sequence[tuple[str, str]]] | None = None) -> str:
+    """report.md's text from :func:`summarize_study`'s ``summary``; ``plots`` maps a group
+    label to its (caption, relative path) images."""
+    plots = plots or {}
+    kind = "Study" if doc.get("kind") == "study" else "Run"
+    lines = [f"# {kind} report", "",
+             "Generated from results.json by `python -m pflalign.outputs.report`.", ""]
+    lines += _protocol_section(summary, doc) + [""]
+    lines += _leaderboard(summary) + [""]
+    for group in summary["groups"]:
+        lines += _group_section(group, summary, plots.get(group["label"], []))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_report(out_dir: str | Path, doc: Mapping, reference: str | None = None) -> list[Path]:
+    """Write ``out_dir/report.md`` and ``out_dir/plots/*.png`` for the study (or single run)
+    ``doc``; returns the paths written (report.md first). Plots without data are not written;
+    earlier plots of this report's kinds in ``plots/`` are replaced."""
+    from pflalign.outputs import plots as plotting
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize_study(doc, reference)
+    plot_dir = out / PLOT_DIR
+    plotting.remove_old_plots(plot_dir)
+    colors = plotting.method_colors(summary["methods"])
+    images: dict[str, list[tuple[str, str]]] = {}
+    written: list[Path] = []
+    names = plotting.unique_slugs([g["label"] for g in summary["groups"]])
+    for group, group_summary, name in zip(group_runs(doc), summary["groups"], names, strict=True):
+        for caption, path in plotting.write_group_plots(plot_dir, name, group.runs,
+                                                        group_summary, summary["reference"],
+                                                        colors, summary["metric"]):
+            images.setdefault(group.label, []).append(
+                (caption, path.relative_to(out).as_posix()))
+            written.append(path)
+    report = out / REPORT_FILE
+    report.write_text(format_report(summary, doc, images))
+    return [report, *written]
+
+
+CSV_COLUMNS = ("scenario", "setting", "seed", "method", "round", "metric", "value")
+
+
+def write_csv(path: str | Path, doc: Mapping) -> Path:
+    """A tidy CSV of a results document: one row per scenario × setting × seed × method × round
+    × metric (numeric metrics only), with the final metrics under round ``final``. Written
+    atomically."""
+    path = Path(path)
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_COLUMNS)
+        for run in study_runs(doc):
+            setting = ";".join(f"{k}={v}" for k, v in run.get("setting", {}).items())
+            head = (run.get("scenario", ""), setting, run.get("seed"))
+            for label, result in run.get("methods", {}).items():
+                rows = [(row.get("round"), row) for row in result.get("rounds", [])]
+                rows.append(("final", result.get("final", {})))
+                for number, row in rows:
+                    for metric, value in row.items():
+                        if metric == "round" or isinstance(value, bool) or not isinstance(
+                                value, int | float):
+                            continue
+                        writer.writerow((*head, label, number, metric,
+                                         repr(value) if isinstance(value, float) else value))
+    os.replace(tmp, path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="+", help="results.json files or directories holding one")
+    parser.add_argument("--reference", metavar="LABEL",
+                        help="method to compare the others against (default: the study's "
+                             "reference, else the first method); one path only")
+    parser.add_argument("--table", action="store_true",
+                        help="only print the mean ± std table (no report.md)")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    args = parser.parse_args(argv)
+    docs = load(args.paths)
+    if len(args.paths) > 1 or args.table:
+        if args.reference:
+            parser.error("--reference applies to the report of one results directory")
+        print(summarize(docs, markdown=args.markdown))
+        return
+    path = Path(args.paths[0])
+    out = path if path.is_dir() else path.parent
+    try:
+        board = leaderboard_text(docs[0], args.reference)
+    except ValueError as err:
+        parser.error(str(err))
+    written = write_report(out, docs[0], args.reference)
+    print(board)
+    print(f"\nWrote {written[0]} and {len(written) - 1} plot(s) in {out / PLOT_DIR}.")
+
+if __name__ == "__main__":
+    main()

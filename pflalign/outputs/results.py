@@ -1,0 +1,250 @@
+"""results.json and the terminal report: per-round progress lines and the comparison table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+
+from pflalign.settings.options import ConfigError
+
+_PACKAGES = ("pflalign", "torch", "torchvision", "flwr", "ray", "numpy")
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version(), "platform": platform.platform()}
+    for name in _PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def new_results(config: Mapping[str, object], partition_summary: Mapping[str, object]) -> dict:
+    return {"config": dict(config), "versions": versions(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "methods": {},
+            "partition": dict(partition_summary)}
+
+
+def json_safe(value: object) -> object:
+    """``value`` with non-finite floats as None (JSON has no NaN), through dicts and lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_results(out_dir: str | Path, results: Mapping[str, object]) -> Path:
+    """Write ``out_dir/results.json`` atomically (a crash never leaves a half-written file)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(json_safe(results), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def prepare_output(out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Before a run starts: create ``out_dir`` and check that ``results.json`` can be written
+    there (a probe file is written and removed), and that it would not replace an earlier
+    run's results unless ``overwrite``. Returns the path results will be written to; raises
+    :class:`~pflalign.settings.options.ConfigError` with a one-line reason otherwise."""
+    out = Path(out_dir)
+    path = out / "results.json"
+    if path.exists() and not overwrite:
+        raise ConfigError(f"'{path}' already exists; pass --overwrite to replace it, or choose "
+                          "another directory with --out.")
+    probe = out / f".pflalign-write-test-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"Cannot write results to '{out}' ({err.strerror or err}); choose a "
+                          "writable directory with --out.") from err
+    return path
+
+
+def _pct(value: object) -> str:
+    return f"{100 * value:6.2f}" if isinstance(value, float) and math.isfinite(value) else "     -"
+
+
+def _mb(value: object) -> str:
+    return f"{value / 1e6:.1f}MB" if isinstance(value, int | float) else "-"
+
+
+def round_line(method: str, row: Mapping[str, object], rounds: int) -> str:
+    """One progress line for a finished round."""
+    parts = [f"[{method}] round {row['round']:>3}/{rounds}"]
+    if "train-loss" in row:
+        parts.append(f"loss {row['train-loss']:.4f}")
+    for key, label in (("personal-acc", "personal"), ("global-acc", "global"),
+                       ("unseen-acc", "unseen")):
+        if key in row:
+            parts.append(f"{label} {_pct(row[key]).strip()}%")
+    parts.append(f"{row['round-seconds']:.1f}s")
+    parts.append(f"up {_mb(row['bytes-up'])} down {_mb(row['bytes-down'])}")
+    for key in ("failures", "timeouts", "rejected", "eval-failures", "rolled-back"):
+        if row.get(key):
+            parts.append(f"{key} {row[key]}")
+    if row.get("evaluated", 0) < row.get("eval-clients", 0):
+        parts.append(f"evaluated {row['evaluated']} of {row['eval-clients']}")
+    return "  ".join(parts)
+
+
+TABLE_COLUMNS = (
+    ("personal-acc", "personal"), ("personal-acc-unweighted", "unweighted"),
+    ("personal-acc-std", "std"), ("personal-acc-bottom10", "bottom10"),
+    ("global-acc", "global"), ("unseen-acc", "unseen"),
+)
+
+
+def comparison_table(methods: Mapping[str, Mapping[str, object]]) -> str:
+    """The final metrics of each method side by side (accuracies in %)."""
+    width = max([len("method"), *map(len, methods)])
+    # a language model's runs: the personal perplexity beside the token accuracies
+    ppl = any("personal-ppl" in r.get("final", {}) for r in methods.values())
+    head = f"{'method':<{width}}  " + "  ".join(f"{label:>10}" for _, label in TABLE_COLUMNS)
+    head += f"  {'ppl':>8}" if ppl else ""
+    head += f"  {'evaluated':>9}  {'s/round':>8}  {'MB up':>8}  {'MB down':>8}"
+    lines = [head, "-" * len(head)]
+    partial = []
+    for name, result in methods.items():
+        final = result.get("final", {})
+        cells = "  ".join(f"{_pct(final.get(key)):>10}" for key, _ in TABLE_COLUMNS)
+        if ppl:
+            value = final.get("personal-ppl")
+            cells += f"  {'-' if value is None else f'{value:.2f}':>8}"
+        up, down = final.get("bytes-up", 0) / 1e6, final.get("bytes-down", 0) / 1e6
+        evaluated, asked = final.get("evaluated"), final.get("eval-clients")
+        count = f"{evaluated}/{asked}" if asked is not None else "-"
+        if asked is not None and evaluated < asked:
+            partial.append(f"{name}: evaluated {evaluated} of {asked} clients in its last "
+                           "evaluation; its accuracies cover those only.")
+        lines.append(f"{name:<{width}}  {cells}  {count:>9}  "
+                     f"{final.get('seconds-per-round', 0):8.2f}  {up:8.1f}  {down:8.1f}")
+    return "\n".join(lines + partial + audit_notes(methods))
+
+
+def audit_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
+    """What the evaluation audit (:mod:`pflalign.run.audit`) says of the table's accuracies."""
+    finals = {name: result.get("final", {}) for name, result in methods.items()}
+    audited = {name: final["eval-audited"] for name, final in finals.items()
+               if "eval-audited" in final}
+    if not audited:
+        return []
+    unaudited = [name for name, count in audited.items() if count == 0]
+    notes = []
+    if unaudited:
+        notes.append(f"{', '.join(unaudited)}: accuracies are self-reported by the clients (the "
+                     "server recomputed none of the last evaluation; eval-audit-fraction = 0).")
+    for name, final in finals.items():
+        if final.get("eval-audit-rejected"):
+            notes.append(f"{name}: {final['eval-audit-rejected']} of {final['eval-audited']} "
+                         "clients' last evaluations disagreed with the server's recomputation "
+                         "and are left out.")
+    if len(unaudited) < len(audited):
+        rows = "the other rows" if unaudited else "every row above"
+        notes.append(f"Audit: the server recomputed the last evaluation of every client that "
+                     f"replied, for {rows} (eval-audit-fraction samples the earlier rounds).")
+    return notes
+
+
+class Reporter:
+    """Prints progress to the terminal (stdout, flushed), unless quiet."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+
+    def info(self, text: str) -> None:
+        if not self.quiet:
+            print(text, flush=True)
+
+    def result(self, text: str) -> None:
+        """Final results: printed even when quiet."""
+        print(text, flush=True)
+
+    def warn(self, text: str) -> None:
+        print(f"WARNING: {text}", file=sys.stderr, flush=True)
+
+    def round(self, label: str, row: Mapping[str, object], rounds: int) -> None:
+        """A method entry finished a round."""
+        self.info(round_line(label, row, rounds))
+
+    def stage(self, text: str, done: int, total: int) -> None:
+        """A study moves on to its next group of cells (``done`` of ``total`` cells finished)."""
+        self.info(text)
+
+    def close(self) -> None:
+        """The run is over (a live display stops)."""
+
+
+class LiveReporter(Reporter):
+    """On a terminal: a suite-level bar over a study's cells and one live line for the running
+    method entry (round, latest metrics, ETA), drawn with rich; warnings and results print above
+    them. Use :func:`make_reporter` to get it only where stdout is a terminal."""
+
+    def __init__(self) -> None:
+        super().__init__(quiet=False)
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.console = Console(highlight=False)
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), console=self.console, transient=False)
+        self.suite = None
+        self.line = self.progress.add_task("starting", total=None)
+        self.started: dict[str, float] = {}
+        self.progress.start()
+
+    def info(self, text: str) -> None:
+        self.console.print(text, markup=False)
+
+    def result(self, text: str) -> None:
+        self.console.print(text, markup=False)
+
+    def warn(self, text: str) -> None:
+        self.console.print(f"WARNING: {text}", markup=False, style="yellow")
+
+    def round(self, label: str, row: Mapping[str, object], rounds: int) -> None:
+        now = time.perf_counter()
+        number = int(row["round"])  # type: ignore[call-overload]
+        start = self.started.setdefault(label, now - float(row["round-seconds"]))  # type: ignore[arg-type]
+        if number == 1:
+            start = self.started[label] = now - float(row["round-seconds"])  # type: ignore[arg-type]
+        eta = (now - start) / number * (rounds - number)
+        parts = [f"[{label}] round {number}/{rounds}"]
+        if "train-loss" in row:
+            parts.append(f"loss {row['train-loss']:.4f}")
+        if "personal-acc" in row:
+            parts.append(f"personal {_pct(row['personal-acc']).strip()}%")
+        parts.append(f"ETA {eta:.0f}s")
+        self.progress.update(self.line, description="  ".join(parts), total=rounds,
+                             completed=number)
+
+    def stage(self, text: str, done: int, total: int) -> None:
+        if self.suite is None:
+            self.suite = self.progress.add_task("cells", total=total)
+        self.progress.update(self.suite, completed=done, description="study cells")
+        self.console.print(text, markup=False)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def make_reporter(quiet: bool = False) -> Reporter:
+    """A :class:`LiveReporter` when stdout is a terminal (and not quiet), else plain lines."""
+    if not quiet and sys.stdout.isatty() and os.environ.get("TERM") != "dumb":
+        return LiveReporter()
+    return Reporter(quiet=quiet)

@@ -1,0 +1,1 @@
+"""Process-wide facilities: caches with one reset, and the stop flag."""

@@ -1,0 +1,250 @@
+"""The experiment driver: a config's method entries run one after another on its engine.
+
+:func:`simulate` is the one entry point from settings to results: it looks the run's ``engine``
+up in the engine registry (:data:`pflalign.settings.schema.ENGINES`), opens that engine's
+session (:mod:`pflalign.engines.base`) and runs :func:`run_methods` over it. Three engines exist:
+
+- ``flower``: Flower messages through a Grid, in a simulation on Ray or a real deployment
+  (``strategies/`` and ``clients/``, the only code that imports flwr);
+- ``sequential``: the clients' rules called one after another in this process
+  (:mod:`pflalign.engines.sequential`), for tests, benchmarks and machines without Ray;
+- ``batched``: the sequential engine whose ``vmap`` backend runs a cohort's local runs together,
+  stacked (:mod:`pflalign.engines.batched`, :mod:`pflalign.training.vectorised`), in this
+  process or on Ray actors (:mod:`pflalign.engines.workers`).
+
+All three run the same methods through the same round loop and the same client-side handler
+(:mod:`pflalign.engines.host`), so they give the same metrics. :func:`run_methods` runs a
+config's method entries one after another over whichever engine it is given, checkpointing each
+(:mod:`pflalign.run.checkpoint`) and, with ``resume``, continuing a killed run where it stopped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from pflalign.data.federated import federated_dataset
+from pflalign.engines.base import EngineFactory, Session
+from pflalign.methods.registry import METHODS, method_overrides
+from pflalign.models.language import LoraSpec, is_language_model, run_summary
+from pflalign.models.registry import model_template
+from pflalign.outputs.results import Reporter, comparison_table, new_results, write_results
+from pflalign.process.interrupt import Interrupted, check_stop
+from pflalign.run.checkpoint import Checkpoint, comparable
+from pflalign.run.config import method_choices
+from pflalign.run.gga_warm_start import AnnealedWarmStart
+from pflalign.run.rounds import RoundLoop
+from pflalign.server.runtime import ServerRuntime
+from pflalign.settings.options import ConfigError
+from pflalign.settings.schema import ENGINES, Settings
+from pflalign.wire.state import State
+
+
+def initial_model(settings: Settings) -> tuple[State, tuple[str, ...]]:
+    """The run's initial model (seeded) as NumPy arrays, and the names of its trainable entries."""
+    dataset = federated_dataset(settings).dataset
+    model = model_template(settings.run.model, dataset.input_shape, dataset.num_classes,
+                           settings.run.seed, LoraSpec.of(settings.run)).new()
+    state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    return state, tuple(name for name, p in model.named_parameters() if p.requires_grad)
+
+
+def template_model(settings: Settings) -> Callable[[], object]:
+    """A builder of fresh (unseeded) models of the run, for looking up layers."""
+    dataset = federated_dataset(settings).dataset
+    template = model_template(settings.run.model, dataset.input_shape, dataset.num_classes,
+                              settings.run.seed, LoraSpec.of(settings.run))
+    return template.new
+
+
+def check_resources(settings: Settings, ray_address: str | None = None) -> None:
+    """Fail before any engine starts when the requested client resources cannot exist here
+    (with ``ray_address``, the cluster's nodes decide; only an engine that cannot run there is
+    refused)."""
+    if ray_address:
+        if settings.run.engine == "sequential":
+            raise ConfigError("--ray-address runs the clients on a Ray cluster, which needs "
+                              "engine = 'flower' or 'batched' (this run has engine = "
+                              "'sequential').")
+        return
+    cpus, gpus = settings.run.client_resources_num_cpus, settings.run.client_resources_num_gpus
+    if cpus > (os.cpu_count() or 1):
+        raise ConfigError(f"client-resources-num-cpus = {cpus:g} exceeds this machine's "
+                          f"{os.cpu_count()} CPU cores; no client could be scheduled.")
+    if gpus > 0 and not torch.cuda.is_available():
+        raise ConfigError(f"client-resources-num-gpus = {gpus:g} but no GPU is visible to "
+                          "PyTorch here; set it to 0 to train on the CPU.")
+    if gpus > torch.cuda.device_count():
+        raise ConfigError(f"client-resources-num-gpus = {gpus:g} exceeds the "
+                          f"{torch.cuda.device_count()} GPU(s) here; use a fraction of one "
+                          "(e.g. 0.25) to share a GPU between clients.")
+
+
+def previous_results(settings: Settings) -> dict | None:
+    """The ``results.json`` a run of ``settings`` wrote in its ``out-dir`` (None when there is
+    none); a :class:`~pflalign.run.config.ConfigError` when it cannot be read or was written with
+    another config (``checkpoint-every`` and ``out-dir`` aside)."""
+    path = Path(settings.run.out_dir) / "results.json"
+    if not path.exists():
+        return None
+    try:
+        previous = json.loads(path.read_text())
+        config, methods = previous["config"], previous["methods"]
+        if not isinstance(config, Mapping) or not isinstance(methods, Mapping) or not all(
+                isinstance(entry, Mapping) for entry in methods.values()):
+            raise TypeError("'config', 'methods' and every method entry must be objects")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"Cannot resume from '{path}': it cannot be read as a results file "
+                          f"({err}).") from err
+    theirs, ours = comparable(config), comparable(settings.to_dict())
+    if theirs != ours:
+        key = sorted(k for k in {*theirs, *ours} if theirs.get(k, None) != ours.get(k, None))[0]
+        there = repr(theirs[key]) if key in theirs else "absent"
+        here = repr(ours[key]) if key in ours else "absent"
+        raise ConfigError(f"Cannot resume from '{path}': it was written with another config "
+                          f"('{key}' is {there} there and {here} here); resume with the same "
+                          "config, or start afresh in another directory or with --overwrite.")
+    return previous
+
+
+def _attribute(where: str) -> object:
+    """The object a registry names as ``module:attribute``."""
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def simulate(settings: Settings, reporter: Reporter | None = None, *, resume: bool = False,
+             ray_address: str | None = None, verbose: bool = False,
+             client_app: object | None = None) -> dict:
+    """Run every method entry of ``settings`` on its engine (``engine``) and return the results.
+
+    The data and partition are built first, so that their errors come before any engine starts,
+    and this machine's resources are checked unless the clients run on the Ray cluster at
+    ``ray_address``. ``resume``: continue a killed run in ``out-dir`` (:func:`run_methods`).
+    ``verbose`` (Flower's own log lines) and ``client_app`` (a ClientApp serving the clients in
+    place of the project's, for a test) concern the Flower engine only."""
+    reporter = reporter or Reporter()
+    spec = ENGINES[settings.run.engine]
+    if spec.runner is not None:
+        runner = _attribute(spec.runner)
+        return runner(settings, reporter, resume=resume, ray_address=ray_address,  # type: ignore
+                      verbose=verbose, client_app=client_app)
+    federated_dataset(settings)  # data and partition errors surface here, before any training
+    check_resources(settings, ray_address)
+    session: Session = _attribute(spec.session)  # type: ignore[assignment]
+    with session(settings, reporter, ray_address) as make_engine:
+        return run_methods(settings, make_engine, reporter, resume=resume)
+
+
+def run_methods(settings: Settings, make_engine: EngineFactory,
+                reporter: Reporter | None = None, resume: bool = False) -> dict:
+    """Run every method entry of ``settings`` on the same partition, seed and clients, each over
+    ``make_engine(its settings)``; write ``results.json`` after each and return the results.
+
+    Every ``checkpoint-every`` rounds an entry's state is written to its checkpoint
+    (:mod:`pflalign.run.checkpoint`), which is removed once the entry's results are written. With
+    ``resume``, the entries already finished in ``out-dir``'s ``results.json`` (which must have
+    been written with the same config, :func:`previous_results`) are kept, not run again; the
+    others run, each from its checkpoint when it has one, and ``results.json`` ends up as an
+    uninterrupted run would have written it. Without ``resume``, checkpoints left by an earlier
+    run are removed and every entry runs from round 1.
+
+    When the run is asked to stop (:mod:`pflalign.process.interrupt`), the finished entries are
+    written with ``"interrupted": true``, the labels of the entries that did not finish under
+    ``"unfinished"``, and the finished rounds of the one that was running under ``"partial"``; then
+    :class:`~pflalign.process.interrupt.Interrupted` propagates, carrying where they were written.
+    """
+    reporter = reporter or Reporter()
+    started = time.perf_counter()
+    check_stop()
+    federation_data = federated_dataset(settings)
+    results = new_results(settings.to_dict(), federation_data.summary())
+    choices = method_choices(settings)
+    previous = previous_results(settings) if resume else None
+    kept = {c.label: previous["methods"][c.label] for c in choices
+            if previous is not None and c.label in previous["methods"]
+            and previous["methods"][c.label].get("method") == c.name}
+    results["methods"] = dict(kept)
+    earlier_seconds = float(previous.get("seconds", 0.0)) if previous is not None else 0.0
+    if resume and previous is None:
+        reporter.info(f"Resuming in {settings.run.out_dir}: no results.json there yet; every "
+                      "method entry runs, from its checkpoint where it has one.")
+    running: tuple[str, str, dict, RoundLoop | None] | None = None
+    path = None
+    try:
+        for choice in choices:
+            check_stop()
+            spec = METHODS[choice.name]
+            overrides = method_overrides(spec, settings, dict(choice.overrides))
+            running = (choice.label, spec.name, overrides, None)
+            # the entry's own settings: its overrides, and 'methods' naming just this entry
+            method_settings = (settings.replace({**overrides, "methods": choice.label})
+                               if overrides else settings)
+            checkpoint = Checkpoint.for_entry(settings.run.out_dir, choice.label,
+                                              method_settings)
+            if choice.label in kept:
+                reporter.info(f"[{choice.label}] finished earlier: kept from results.json.")
+                checkpoint.remove()  # left when a run was killed right after writing results
+                continue
+            if not resume:
+                checkpoint.remove()  # an earlier run's: this one starts from round 1
+            if (method_settings.run.model != settings.run.model
+                    and "model" not in dict(choice.overrides)):
+                reporter.info(f"[{choice.label}] runs on model {method_settings.run.model} (the "
+                              "method needs batch norm).")
+            model, trainable = initial_model(method_settings)
+            server = ServerRuntime(method_settings, choice.label, model, trainable,
+                                   template_model(method_settings),
+                                   federated_dataset(method_settings).dataset.num_classes)
+            loop = RoundLoop(server, spec.build(method_settings), make_engine(method_settings),
+                             reporter)
+            running = (choice.label, spec.name, overrides, loop)
+            if method_settings.gga.enabled:
+                loop.hooks.append(AnnealedWarmStart(method_settings.gga, loop))
+            entry = {**loop.run(model, checkpoint), "method": spec.name,
+                     "overrides": overrides}
+            note = loop.engine.memory_note()
+            if note:
+                reporter.info(f"[{choice.label}] {note}.")
+            loop.engine.close()  # what the engine keeps on disk (spilled client state) goes now
+            done = {**results["methods"], choice.label: entry}
+            results["methods"] = {c.label: done[c.label] for c in choices if c.label in done}
+            if is_language_model(method_settings.run.model):
+                results["language-model"] = run_summary(method_settings.run.model,
+                                                        template_model(method_settings)())
+            running = None
+            results["seconds"] = earlier_seconds + time.perf_counter() - started
+            path = write_results(settings.run.out_dir, results)
+            checkpoint.remove()
+        if path is None:  # resumed with every entry finished already
+            results["seconds"] = earlier_seconds + time.perf_counter() - started
+            path = write_results(settings.run.out_dir, results)
+    except Interrupted as stop:
+        _write_interrupted(settings, results, choices, running, started - earlier_seconds, stop)
+        raise
+    reporter.result("\n" + comparison_table(results["methods"]))
+    reporter.result(f"\nResults written to {path.resolve()}")
+    return results
+
+
+def _write_interrupted(settings: Settings, results: dict, choices: list,
+                       running: tuple[str, str, dict, RoundLoop | None] | None,
+                       started: float, stop: Interrupted) -> None:
+    """Write the finished entries of an interrupted run, and record where in ``stop``."""
+    finished = list(results["methods"])
+    results["interrupted"] = True
+    results["unfinished"] = [c.label for c in choices if c.label not in results["methods"]]
+    if running is not None and running[3] is not None and running[3].rounds:
+        label, name, overrides, loop = running
+        results["partial"] = {"label": label, "method": name, "overrides": overrides,
+                              "rounds": list(loop.rounds)}
+        stop.partial_rounds = len(loop.rounds)
+    results["seconds"] = time.perf_counter() - started
+    stop.results_path = write_results(settings.run.out_dir, results).resolve()
+    stop.finished, stop.unfinished = finished, results["unfinished"]

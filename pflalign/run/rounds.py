@@ -1,0 +1,468 @@
+"""The federated round loop over any method and any engine: sampling, validation, metrics.
+
+:class:`RoundLoop` runs one method for a run's rounds. Each round it asks the method's server
+rule what every sampled client receives, hands those payloads to the engine (an :class:`Engine`:
+Flower messages, or a plain in-process loop), validates the replies (a
+:class:`~pflalign.server.validation.ReplyValidator`), lets the server rule aggregate them, and
+records the round's metrics. Evaluation rounds do the same with the evaluation rule. Nothing
+here knows how a client is reached, and nothing here learns: the method's rules do that.
+
+Clients are identified by the stable ``partition-id`` they report (never an engine's node ids).
+Replies are processed in client-id order, so aggregation is deterministic whatever order an engine
+returns them in. A reply that cannot be used is skipped with one warning naming the client.
+
+Given a :class:`~pflalign.run.checkpoint.Checkpoint`, the loop writes one every
+``checkpoint-every`` rounds (asking the clients that keep state for it) and, when one exists at
+the start, continues after its round: the server state and rows come from the file, and each
+client's state is sent back to it with the next message it gets (a ``restore-state`` record).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+import numpy as np
+
+from pflalign.engines.base import Engine
+from pflalign.methods.base import Method
+from pflalign.models.language import is_language_model
+from pflalign.outputs.results import Reporter
+from pflalign.process.interrupt import check_stop
+from pflalign.run.audit import Audit
+from pflalign.run.checkpoint import Checkpoint, Snapshot, capture_rng, nonempty, restore_rng
+from pflalign.server.aggregation import mean_cosine
+from pflalign.server.metrics import accuracy_summary
+from pflalign.server.runtime import ServerRuntime
+from pflalign.server.validation import (
+    ClientFailure,
+    Collected,
+    ReplyValidator,
+    non_finite,
+    state_limit,
+    state_problem,
+)
+from pflalign.settings.options import ConfigError
+from pflalign.wire.messages import Exchange, Outgoing, Payload, Update
+from pflalign.wire.protocol import (
+    ARRAY_HEADER,
+    CLIENT_SECONDS,
+    CLIENT_STATE,
+    EVALUATE,
+    GLOBAL_CORRECT,
+    GLOBAL_LOSS,
+    HAD_STATE,
+    ID,
+    KEPT_STATE,
+    LABEL,
+    METHOD,
+    MODEL,
+    NEXT_CORRECT,
+    NUM_EXAMPLES,
+    NUM_TEST,
+    PARTITION_ID,
+    PERSONAL_CORRECT,
+    PERSONAL_LOSS,
+    RESTORE,
+    ROUND,
+    STATE,
+    STATE_CHUNK,
+    TRAIN,
+    TRAIN_LOSS,
+)
+from pflalign.wire.state import ServerState, State
+
+
+class _NoCheckpoint(Exception):
+    """A client's state cannot be had: no checkpoint is written this time (the message says
+    why)."""
+
+
+class RoundHook(Protocol):
+    """A cross-cutting step before a round's training (GGA's warm start): it may replace the
+    server state; its row entries and bytes are recorded in the round's row.
+
+    A hook that keeps state between rounds gives it to checkpoints through ``state_dict()`` (a
+    JSON-able dict) and ``load_state_dict(state)``; a loop with a hook without them writes
+    no checkpoint."""
+
+    def before_training(self, loop: RoundLoop, server_round: int,
+                        ) -> tuple[dict[str, float], int, int]:
+        """The row entries, bytes down and bytes up."""
+
+
+class RoundLoop:
+    """Runs one method for the run's rounds over an engine; see the module docstring."""
+
+    def __init__(self, server: ServerRuntime, method: Method, engine: Engine,
+                 reporter: Reporter | None = None, hooks: Sequence[RoundHook] = ()):
+        self.server = server
+        self.method = method
+        server.keep_personal(method.personal_keys(server))
+        self.engine = engine
+        self.reporter = reporter or Reporter()
+        self.hooks = list(hooks)
+        self.state: ServerState | None = None
+        self.rounds: list[dict] = []
+        self.client_results: list[dict] = []
+        #: the server state before the latest aggregation (for a rollback), None after one
+        self.before_aggregation: ServerState | None = None
+        #: clients that reported saving method state (a later reply without it is warned about)
+        self.saved_state: set[int] = set()
+        #: after a resume, the checkpointed state of each client not heard from since: it goes
+        #: with the next train or evaluate message to that client
+        self.pending_restore: MutableMapping[int, State] = {}
+        #: the checks every reply meets (its warnings go to the reporter, not through this loop,
+        #: which would make a reference cycle that keeps the engine and its files alive)
+        label, reporter = server.label, self.reporter
+        self.validator = ReplyValidator(server, lambda text: reporter.warn(f"[{label}] {text}"))
+        #: the evaluation and training audits (given this loop's exchange each round, not kept)
+        self.audit = Audit(server, method, self.validator,
+                           lambda text: reporter.warn(f"[{label}] {text}"))
+
+    @property
+    def label(self) -> str:
+        return self.server.label
+
+    def message(self, client: int, payload: Payload, server_round: int) -> Outgoing:
+        return Outgoing(client, payload, {METHOD: self.method.name, LABEL: self.label,
+                                          ROUND: server_round, **payload.config})
+
+    def warn(self, text: str) -> None:
+        self.reporter.warn(f"[{self.label}] {text}")
+
+    # --- the run -------------------------------------------------------------------------------
+    def run(self, initial_model: State, checkpoint: Checkpoint | None = None) -> dict:
+        """Run all rounds; return ``{"rounds": [...], "final": {...}, "clients": [...]}``.
+
+        With ``checkpoint``, write it after every round it is due, and when its file exists at
+        the start (a run killed after that round), continue from the round after it."""
+        server, run = self.server, self.server.settings.run
+        self.reporter.info(
+            f"[{self.label}] {run.rounds} rounds, {run.num_clients} clients "
+            f"(+{run.num_unseen_clients} unseen), fraction-train {run.fraction_train}, "
+            f"model {run.model} ({server.flat.size:,} values)")
+        server.clients = self.engine.discover()
+        self.state = self.method.init_server(server, initial_model)
+        last_eval: dict[str, float] = {}
+        first = 1
+        snapshot = checkpoint.read() if checkpoint is not None else None
+        if snapshot is not None:
+            last_eval = self.restore(snapshot)
+            first = snapshot.round + 1
+            self.reporter.info(f"[{self.label}] resumed from round {snapshot.round} (checkpoint "
+                               f"{checkpoint.path})")
+        for server_round in range(first, server.rounds + 1):
+            check_stop()
+            started = time.perf_counter()
+            row: dict = {"round": server_round}
+            down = up = 0
+            for hook in self.hooks:
+                entries, hook_down, hook_up = hook.before_training(self, server_round)
+                row.update(entries)
+                down, up = down + hook_down, up + hook_up
+            entries, train_down, train_up = self.train_round(server_round)
+            row.update(entries)
+            down, up = down + train_down, up + train_up
+            row["train-seconds"] = time.perf_counter() - started
+            row.update(self.method.round_diagnostics(server, self.state))
+            if server.is_eval_round(server_round):
+                eval_started = time.perf_counter()
+                last_eval, eval_down, eval_up = self.evaluate_round(server_round)
+                down, up = down + eval_down, up + eval_up
+                row.update(last_eval)
+                row["eval-seconds"] = time.perf_counter() - eval_started
+            row.update({"round-seconds": time.perf_counter() - started,
+                        "bytes-up": up, "bytes-down": down})
+            self.rounds.append(row)
+            self.reporter.round(self.label, row, server.rounds)
+            if checkpoint is not None and checkpoint.due(server_round):
+                self.write_checkpoint(checkpoint, server_round, last_eval)
+        return {"rounds": self.rounds, "final": self.final_metrics(last_eval),
+                "clients": self.client_results}
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def write_checkpoint(self, checkpoint: Checkpoint, server_round: int,
+                         last_eval: Mapping[str, float]) -> None:
+        """Write the run's state after ``server_round`` to ``checkpoint``; when a client's state
+        cannot be had (or a round hook keeps state it cannot give), warn and keep the previous
+        checkpoint, which is still a consistent earlier point of the run."""
+        hooks = []
+        for hook in self.hooks:
+            if not hasattr(hook, "state_dict"):
+                self.warn(f"no checkpoint after round {server_round}: the round hook "
+                          f"{type(hook).__name__} cannot save its state.")
+                return
+            hooks.append(hook.state_dict())
+        rng_arrays, rng_meta = capture_rng()
+        snapshot = Snapshot(
+            round=server_round, server=self.state.to_arrays(),
+            before_aggregation=(None if self.before_aggregation is None
+                                else self.before_aggregation.to_arrays()),
+            clients={}, rounds=self.rounds, client_results=self.client_results,
+            saved_state=sorted(self.saved_state), last_eval=dict(last_eval), hooks=hooks,
+            rng_arrays=rng_arrays, rng_meta=rng_meta,
+            norms={part: [list(kept) for kept in rounds]
+                   for part, rounds in self.validator.norm_history.items()})
+        try:
+            checkpoint.write(snapshot, self.client_states(server_round))
+        except _NoCheckpoint as reason:
+            self.warn(f"no checkpoint after round {server_round}: {reason}.")
+
+    def client_states(self, server_round: int) -> Iterator[tuple[int, State]]:
+        """The method state of every client that keeps one (:attr:`saved_state`), in client
+        order, as ``(id, state)`` pairs: a state still to be restored as it is, the others asked
+        of the clients :data:`STATE_CHUNK` at a time (a :data:`~pflalign.wire.protocol.STATE`
+        exchange, which no round's bytes count), so that a checkpoint never holds every
+        client's state at once. :class:`_NoCheckpoint` when a client does not give it."""
+        order = sorted(self.saved_state)
+        for start in range(0, len(order), STATE_CHUNK):
+            chunk = order[start:start + STATE_CHUNK]
+            ask = [cid for cid in chunk if cid not in self.pending_restore]
+            states: dict[int, State] = {}
+            if ask:
+                exchange = self.exchange(STATE, [self.message(cid, Payload(), server_round)
+                                                 for cid in ask])
+                for reply in exchange.replies:
+                    try:
+                        self.validator.validate(reply, {}, {PARTITION_ID: ID}, (CLIENT_STATE,))
+                    except ClientFailure as failure:
+                        raise _NoCheckpoint(str(failure)) from None
+                    state = dict(reply.arrays.get(CLIENT_STATE, {}))
+                    problem = state_problem(self.method.ClientState, state, self.server.initial)
+                    if problem:
+                        raise _NoCheckpoint(f"{reply.who}'s saved state was rejected: {problem}")
+                    states[reply.sender] = state
+                missing = sorted(set(ask) - set(states))
+                if missing:
+                    raise _NoCheckpoint(f"clients {missing} did not give their state")
+            for cid in chunk:
+                yield cid, (self.pending_restore[cid] if cid in self.pending_restore
+                            else states.pop(cid))
+
+    def restore(self, snapshot: Snapshot) -> dict[str, float]:
+        """Continue from ``snapshot``: the server state, rows, client results and hooks as they
+        were after its round, each client's state pending until that client's next message.
+        Returns the latest evaluation's metrics."""
+        if len(snapshot.hooks) != len(self.hooks):
+            raise ConfigError(f"The checkpoint of '{self.label}' holds the state of "
+                              f"{len(snapshot.hooks)} round hooks, this run has "
+                              f"{len(self.hooks)}; remove it to run '{self.label}' from round 1.")
+        for hook, state in zip(self.hooks, snapshot.hooks, strict=True):
+            hook.load_state_dict(state)
+        self.state = self.method.ServerState.from_arrays(snapshot.server)
+        self.before_aggregation = (None if snapshot.before_aggregation is None else
+                                   self.method.ServerState.from_arrays(
+                                       snapshot.before_aggregation))
+        self.rounds = list(snapshot.rounds)
+        self.client_results = list(snapshot.client_results)
+        self.saved_state = set(snapshot.saved_state)
+        self.pending_restore = nonempty(snapshot.clients)  # each read when it is sent
+        self.validator.norm_history = {part: [[float(n) for n in kept] for kept in rounds]
+                                       for part, rounds in snapshot.norms.items()}
+        restore_rng(snapshot.rng_arrays, snapshot.rng_meta)
+        return dict(snapshot.last_eval)
+
+    def reply_limits(self, action: str) -> dict[str, int] | None:
+        """The array records a reply to ``action`` may carry, with the most bytes each may hold:
+        a training reply's, their specs' bytes (:meth:`~pflalign.methods.base.Method.reply_arrays`);
+        an evaluation reply, none; a state query's, the bound on a saved state. None for other
+        actions."""
+        if action == TRAIN:
+            if not self.method.uploads_model:
+                return {}
+            specs = {MODEL: self.server.flat, **self.method.reply_arrays(self.server)}
+            return {name: spec.nbytes + ARRAY_HEADER * len(spec.keys)
+                    for name, spec in specs.items()}
+        if action == EVALUATE:
+            return {}
+        if action == STATE:
+            return {CLIENT_STATE: state_limit(self.server.initial)}
+        return None
+
+    def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
+        """The engine's exchange, each message carrying the :meth:`reply_limits` of its action,
+        and each pending restored state attached to its client's
+        train or evaluate message (as the record :data:`~pflalign.wire.protocol.RESTORE`); a client
+        that replies (even with a reply that is then rejected) has it, and it is not sent again.
+        A client that failed or timed out gets it again with its next message."""
+        limits = self.reply_limits(action)
+        if limits is not None:
+            messages = [replace(m, limits=limits) for m in messages]
+        if not self.pending_restore or action not in (TRAIN, EVALUATE):
+            return self.engine.exchange(action, messages)
+        messages = [Outgoing(m.client, Payload({**m.payload.arrays,
+                                                RESTORE: self.pending_restore[m.client]},
+                                               m.payload.config), m.config, m.limits)
+                    if m.client in self.pending_restore else m for m in messages]
+        exchange = self.engine.exchange(action, messages)
+        for reply in exchange.replies:
+            if reply.error is None and reply.sender is not None:
+                self.pending_restore.pop(reply.sender, None)
+        return exchange
+
+    def train_round(self, server_round: int) -> tuple[dict, int, int]:
+        """One training round: the round's metrics, and the bytes sent down and up."""
+        server, method = self.server, self.method
+        messages = [self.message(cid, method.train_payload(server, self.state, cid, server_round),
+                                 server_round)
+                    for cid in server.largest_first(server.sample(server_round))]
+        states, audit = self.audit.training_states(
+            server_round, [m.client for m in messages], self.pending_restore, self.exchange,
+            lambda cid: self.message(cid, Payload(), server_round))
+        exchange = self.exchange(TRAIN, messages)
+        reply_arrays = {MODEL: server.flat, **method.reply_arrays(server)} \
+            if method.uploads_model else {}
+        collected = self.validator.collect(exchange.replies, reply_arrays,
+                                           method.reply_metrics(TRAIN))
+        audit = self.audit.check_training(server_round, messages, collected, states, audit)
+        updates = [Update(client=int(m[PARTITION_ID]), num_examples=m[NUM_EXAMPLES], metrics=m,
+                          model=arrays.get(MODEL),
+                          arrays={k: v for k, v in arrays.items() if k != MODEL})
+                   for m, arrays in audit.good]
+        updates, too_large = self.validator.bound_updates(updates, self.state.model)
+        self.check_kept_state(updates)
+        row: dict = {"clients-trained": len(updates), "failures": collected.failed,
+                     "timeouts": collected.timed_out,
+                     "rejected": collected.rejected + audit.rejected + too_large,
+                     "train-audited": audit.audited, "train-audit-rejected": audit.rejected}
+        if self.validator.largest_ratio is not None:  # how close the kept updates came
+            row["norm-ratio-max"] = float(self.validator.largest_ratio)
+        traffic = exchange.bytes_down, exchange.bytes_up
+        answered = len(exchange.replies) - collected.failed
+        if self.before_aggregation is not None and 2 * collected.nonfinite_loss > answered > 0:
+            self.warn(f"round {server_round}: {collected.nonfinite_loss} of {answered} clients "
+                      "report a non-finite loss when training from the global model; the last "
+                      "aggregation is rolled back and this round's updates are not used.")
+            self.state, self.before_aggregation = self.before_aggregation, None
+            row.update({"clients-trained": 0, "rolled-back": 1})
+            return row, *traffic
+        if not updates:
+            self.warn(f"round {server_round}: no usable training reply; the global model is kept "
+                      "unchanged.")
+            return row, *traffic
+        previous = self.state
+        self.state, diagnostics = method.aggregate(server, self.state, server_round, updates)
+        for text in server.take_notices():
+            self.warn(f"round {server_round}: {text}")
+        problem = non_finite(self.state)
+        if problem:
+            self.warn(f"round {server_round}: the aggregate is not finite ({problem}); the server "
+                      "state of the previous round is kept.")
+            self.state = previous
+            row.update({"clients-trained": 0, "rolled-back": 1})
+            return row, *traffic
+        self.before_aggregation = previous
+        if method.uploads_model:
+            row["update-cosine"] = self.update_cosine(previous.model, self.state.model, updates)
+        for key in method.client_diagnostics:
+            values = [u.metrics[key] for u in updates if key in u.metrics]
+            if values:
+                row[key] = float(np.mean(values))
+                row[f"{key}-median"] = float(np.median(values))  # one client cannot drag it
+        row.update(diagnostics)
+        row[CLIENT_SECONDS] = float(sum(u.metrics.get(CLIENT_SECONDS, 0.0) for u in updates))
+        if all(TRAIN_LOSS in u.metrics for u in updates):
+            row[TRAIN_LOSS] = float(np.average([u.metrics[TRAIN_LOSS] for u in updates],
+                                               weights=[u.num_examples for u in updates]))
+            row[f"{TRAIN_LOSS}-median"] = float(np.median([u.metrics[TRAIN_LOSS]
+                                                           for u in updates]))
+        return row, *traffic
+
+    def check_kept_state(self, updates: Sequence[Update]) -> None:
+        """Warn when a client that saved method state in an earlier round comes back without it
+        (a restarted node without a ``state-dir``): its personalization starts over."""
+        for update in updates:
+            if update.client in self.saved_state and not update.metrics.get(HAD_STATE, 1):
+                self.warn(f"client {update.client} saved its {self.method.name} state in an "
+                          "earlier round but came back without it (a restarted node without a "
+                          "state-dir?); it continues from an empty state.")
+            if update.metrics.get(KEPT_STATE):
+                self.saved_state.add(update.client)
+
+    def evaluate_round(self, server_round: int) -> tuple[dict, int, int]:
+        """One evaluation round: its metrics, and the bytes sent down and up. When most clients
+        report a non-finite loss right after an aggregation, that aggregation is rolled back
+        and the round evaluated again."""
+        metrics, down, up, collected = self._evaluate(server_round)
+        answered = metrics["eval-clients"] - collected.failed
+        if self.before_aggregation is not None and 2 * collected.nonfinite_loss > answered > 0:
+            self.warn(f"round {server_round}: {collected.nonfinite_loss} of {answered} clients "
+                      "report a non-finite loss for the new model; the round's aggregation is "
+                      "rolled back and the previous model evaluated.")
+            self.state, self.before_aggregation = self.before_aggregation, None
+            metrics, again_down, again_up, _ = self._evaluate(server_round)
+            metrics["rolled-back"] = 1
+            down, up = down + again_down, up + again_up
+        return metrics, down, up
+
+    def _evaluate(self, server_round: int) -> tuple[dict, int, int, Collected]:
+        server, method = self.server, self.method
+        messages = [self.message(cid, method.eval_payload(server, self.state, cid, server_round),
+                                 server_round)
+                    for cid in server.largest_first(
+                        server.eval_sample(method.eval_clients(server), server_round))]
+        exchange = self.exchange(EVALUATE, messages)
+        collected = self.validator.collect(exchange.replies, {}, method.reply_metrics(EVALUATE))
+        audit = self.audit.check_evaluation(server_round, messages, collected, self.exchange,
+                                            lambda cid: self.message(cid, Payload(),
+                                                                     server_round))
+        rows = [m for m, _ in audit.good]
+        rejected = collected.rejected + audit.rejected
+        metrics: dict = {"eval-failures": collected.failed + rejected,
+                         "eval-rejected": rejected, "evaluated": len(rows),
+                         "eval-clients": len(messages), "eval-audited": audit.audited,
+                         "eval-audit-rejected": audit.rejected}
+        info = {int(m[PARTITION_ID]): server.clients[int(m[PARTITION_ID])] for m in rows}
+        seen = [m for m in rows if not info[int(m[PARTITION_ID])].unseen]
+        unseen = [m for m in rows if info[int(m[PARTITION_ID])].unseen]
+        if seen:
+            metrics.update(accuracy_summary([m[PERSONAL_CORRECT] for m in seen],
+                                            [m[NUM_TEST] for m in seen]))
+            metrics[PERSONAL_LOSS] = float(np.average(
+                [m[PERSONAL_LOSS] for m in seen], weights=[m[NUM_TEST] for m in seen]))
+            metrics[f"{PERSONAL_LOSS}-median"] = float(np.median([m[PERSONAL_LOSS]
+                                                                 for m in seen]))
+            tested = sum(m[NUM_TEST] for m in seen)
+            language = is_language_model(server.settings.run.model)
+            if language:  # the perplexity of every seen client's test tokens together
+                metrics["personal-ppl"] = float(np.exp(metrics[PERSONAL_LOSS]))
+            if method.has_global_model and all(GLOBAL_CORRECT in m for m in seen):
+                metrics["global-acc"] = sum(m[GLOBAL_CORRECT] for m in seen) / tested
+                if language and all(GLOBAL_LOSS in m for m in seen):
+                    metrics["global-ppl"] = float(np.exp(np.average(
+                        [m[GLOBAL_LOSS] for m in seen], weights=[m[NUM_TEST] for m in seen])))
+            if all(NEXT_CORRECT in m for m in seen):
+                metrics["personal-acc-next"] = sum(m[NEXT_CORRECT] for m in seen) / tested
+        if unseen:
+            metrics["unseen-acc"] = (sum(m[PERSONAL_CORRECT] for m in unseen)
+                                     / sum(m[NUM_TEST] for m in unseen))
+        self.client_results = [
+            {"id": cid, "unseen": info[cid].unseen, "num-train": info[cid].num_train,
+             "num-test": int(m[NUM_TEST]), "personal-acc": m[PERSONAL_CORRECT] / m[NUM_TEST]}
+            for m in rows for cid in [int(m[PARTITION_ID])]]
+        return metrics, exchange.bytes_down, exchange.bytes_up, collected
+
+    def update_cosine(self, previous: State, new: State, updates: Sequence[Update]) -> float:
+        """Mean cosine between each client's update and the aggregated update (trainable shared
+        entries): how much aggregation agrees with the clients' directions."""
+        spec = self.server.trainable_shared
+        base = spec.flatten(previous, np.float64)
+        return mean_cosine([spec.flatten(u.model, np.float64) - base for u in updates
+                            if u.model is not None], spec.flatten(new, np.float64) - base)
+
+    def final_metrics(self, last_eval: Mapping[str, float]) -> dict[str, float]:
+        seconds = [r["round-seconds"] for r in self.rounds]
+        final = dict(last_eval)
+        if self.rounds and TRAIN_LOSS in self.rounds[-1]:
+            final[TRAIN_LOSS] = self.rounds[-1][TRAIN_LOSS]
+        final.update({
+            "rounds": len(self.rounds),
+            "seconds-per-round": float(np.mean(seconds)) if seconds else 0.0,
+            "total-seconds": float(np.sum(seconds)),
+            "bytes-up": int(sum(r["bytes-up"] for r in self.rounds)),
+            "bytes-down": int(sum(r["bytes-down"] for r in self.rounds)),
+        })
+        return final

@@ -1,0 +1,495 @@
+"""Studies: a config over several seeds, scenarios and sweep settings, with fair tuning and resume.
+
+A *study* runs every method of a config on each *cell group* (scenario × sweep setting × seed) and
+writes one ``results.json`` over all of them, a tidy ``results.csv``, and a report with plots
+(:mod:`pflalign.outputs.report`). It is what ``simulate.py --seeds / --suite / --sweep / --tune``
+build:
+
+- **Seeds.** ``seed`` fixes the partition, the initial model, the sampling and every client's
+  batches, so every method of a group sees the same ones, and a method's results over seeds are
+  *paired* with the reference method's (:mod:`pflalign.outputs.stats`).
+- **Scenarios.** ``configs/scenarios/*.toml`` are named settings; ``--suite`` runs them all.
+- **Sweeps.** ``--sweep key=v1,v2`` runs every value (a grid over several keys), one row each,
+  with no selection.
+- **Tuning** (``--tune N``): each method gets the same budget of N trials from its declared search
+  space (:attr:`pflalign.methods.MethodSpec.search_space`): its defaults first, then a seeded
+  random draw without replacement from the rest of its grid. Every trial runs on the *tuning
+  seeds* with ``evaluate-on = validation``: each client's test split is never built, and the
+  trial's score is its final ``personal-acc`` on a validation split carved from each client's
+  training data (:func:`pflalign.data.federated.validation_partition`). The best trial (ties: the
+  earlier) is then run on the evaluation seeds, which must be disjoint from the tuning seeds.
+- **Resume.** Each group's entries live in their own directory with their own ``results.json``
+  and checkpoints; ``simulate.py --resume DIR`` reads the plan saved in ``DIR/plan.json`` and
+  recomputes nothing that finished (:func:`pflalign.run.driver.run_methods` with ``resume``).
+
+A study of one scenario, one seed and no sweep or tuning is a plain run: its ``results.json`` is
+the run's own, written in the output directory as always.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pflalign.methods.registry import METHODS
+from pflalign.outputs.report import setting_label
+from pflalign.outputs.results import Reporter, write_results
+from pflalign.run.config import (
+    MethodChoice,
+    build_settings,
+    load_toml,
+    method_choices,
+    method_labels,
+    parse_methods,
+    parse_override,
+    toml_literal,
+)
+from pflalign.settings.options import ConfigError, Value
+from pflalign.settings.schema import Settings
+
+#: the version of the results.json layout (a single run's and a study's)
+SCHEMA_VERSION = 2
+#: where the named scenarios live
+SCENARIO_DIR = Path(__file__).resolve().parents[2] / "configs" / "scenarios"
+#: the metric tuning maximizes (on validation data) and tables lead with
+METRIC = "personal-acc"
+#: the random stream of the trial draw
+TRIAL_STREAM = 11
+PLAN_FILE = "plan.json"
+
+#: runs one cell group: (its settings, reporter, resume) -> its results (run_methods' dict)
+GroupRunner = Callable[[Settings, Reporter, bool], dict]
+
+
+def scenario_names() -> list[str]:
+    """The scenarios shipped in ``configs/scenarios``, sorted."""
+    return sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))
+
+
+def scenario_file(name: str) -> Path:
+    path = SCENARIO_DIR / f"{name}.toml"
+    if not path.is_file():
+        known = ", ".join(scenario_names()) or "none"
+        raise ConfigError(f"Unknown scenario '{name}'; the scenarios are: {known} "
+                          f"(files in {SCENARIO_DIR}).")
+    return path
+
+
+def parse_seeds(text: str, what: str = "--seeds") -> tuple[int, ...]:
+    """'0,1,2' or '0-4' (or a mix) as distinct non-negative integers, in order."""
+    seeds: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not match:
+            raise ConfigError(f"{what} takes non-negative integers such as '0,1,2' or '0-4'; "
+                              f"got {text!r}.")
+        low, high = int(match[1]), int(match[2] or match[1])
+        if high < low:
+            raise ConfigError(f"{what}: the range '{part}' is empty.")
+        seeds += [s for s in range(low, high + 1) if s not in seeds]
+    if not seeds:
+        raise ConfigError(f"{what} names no seed; give e.g. '0,1,2'.")
+    return tuple(seeds)
+
+
+def parse_sweep(items: Sequence[str]) -> dict[str, tuple[Value, ...]]:
+    """``key=v1,v2`` items as key -> validated values (a grid over all keys)."""
+    sweep: dict[str, tuple[Value, ...]] = {}
+    for item in items:
+        key, _, raw = item.partition("=")
+        key = key.strip()
+        if not raw.strip():
+            raise ConfigError(f"--sweep {item!r} is not of the form key=v1,v2.")
+        if key in ("methods", "seed", "out-dir"):
+            raise ConfigError(f"--sweep cannot vary '{key}' (use --methods or --seeds).")
+        if key in sweep:
+            raise ConfigError(f"--sweep names '{key}' twice.")
+        values = tuple(parse_override(f"{key}={v.strip()}")[1] for v in raw.split(",")
+                       if v.strip())
+        if len(set(values)) != len(values):
+            raise ConfigError(f"--sweep {item!r} lists a value twice.")
+        sweep[key] = values
+    return sweep
+
+
+def slug(text: str) -> str:
+    """A file-name-safe form of a label or setting."""
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", text).strip("_") or "default"
+
+
+@dataclass
+class Plan:
+    """What a study runs; saved as ``plan.json`` so that ``--resume`` runs the same."""
+
+    #: scenario name ("" for the config given) -> its full config values
+    scenarios: dict[str, dict[str, Value]]
+    seeds: tuple[int, ...]
+    sweep: dict[str, tuple[Value, ...]] = field(default_factory=dict)
+    #: the method the others are paired against (None: fedavg when it runs, else the first)
+    reference: str | None = None
+    tune: int = 0
+    tune_seeds: tuple[int, ...] = ()
+    out_dir: str = "results"
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.scenarios:
+            raise ConfigError("A study needs at least one scenario.")
+        labels = method_labels(self.settings(next(iter(self.scenarios))))
+        if self.reference is None:
+            self.reference = "fedavg" if "fedavg" in labels else labels[0]
+        if self.reference not in labels:
+            raise ConfigError(f"--reference {self.reference!r} is not one of the methods run "
+                              f"({', '.join(labels)}).")
+        if self.tune:
+            overlap = sorted(set(self.seeds) & set(self.tune_seeds))
+            if overlap:
+                raise ConfigError(f"The tuning seeds and the evaluation seeds overlap "
+                                  f"({', '.join(map(str, overlap))}); a method must not be "
+                                  "evaluated on the seeds it was tuned on: pick disjoint "
+                                  "--tune-seeds.")
+            if not self.tune_seeds:
+                raise ConfigError("--tune needs at least one tuning seed (--tune-seeds).")
+            searched = {k for c in method_choices(self.settings(next(iter(self.scenarios))))
+                        for k in METHODS[c.name].search_space}
+            clash = sorted(searched & set(self.sweep))
+            if clash:
+                raise ConfigError(f"--sweep varies {', '.join(clash)}, which --tune chooses "
+                                  "(the tuned value would win); sweep other keys, or tune "
+                                  "without that sweep.")
+
+    @property
+    def single(self) -> bool:
+        """One scenario, one seed, no sweep or tuning: a plain run."""
+        return (len(self.scenarios) == 1 and len(self.seeds) == 1 and not self.sweep
+                and not self.tune)
+
+    def settings(self, scenario: str) -> Settings:
+        return build_settings(self.scenarios[scenario], source=f"scenario '{scenario}'"
+                        if scenario else "the config")
+
+    def settings_list(self) -> list[dict[str, Value]]:
+        """The sweep's settings, in grid order ([{}] without a sweep)."""
+        keys = list(self.sweep)
+        return [dict(zip(keys, values, strict=True))
+                for values in itertools.product(*self.sweep.values())] or [{}]
+
+    def to_json(self) -> dict:
+        return {"schema-version": SCHEMA_VERSION, "scenarios": self.scenarios,
+                "seeds": list(self.seeds), "sweep": {k: list(v) for k, v in self.sweep.items()},
+                "reference": self.reference, "tune": self.tune,
+                "tune-seeds": list(self.tune_seeds), "out-dir": self.out_dir,
+                "command": self.command}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Plan:
+        return cls(scenarios=dict(data["scenarios"]), seeds=tuple(data["seeds"]),
+                   sweep={k: tuple(v) for k, v in data["sweep"].items()},
+                   reference=data["reference"], tune=int(data["tune"]),
+                   tune_seeds=tuple(data["tune-seeds"]), out_dir=data["out-dir"],
+                   command=data.get("command", ""))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Plan:
+        path = Path(directory) / PLAN_FILE
+        if not path.is_file():
+            raise ConfigError(f"--resume {directory}: there is no {PLAN_FILE} there; it is "
+                              "written when a run starts, so this is not a run's output "
+                              "directory.")
+        try:
+            plan = cls.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"'{path}' cannot be read ({err}).") from err
+        plan.out_dir = str(directory)
+        return plan
+
+    def save(self) -> Path:
+        out = Path(self.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / PLAN_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        tmp.replace(path)
+        return path
+
+
+def scenario_values(name: str, overrides: Sequence[str],
+                    extra: Mapping[str, object]) -> dict[str, Value]:
+    """A scenario's full config values: its file, then ``--set`` overrides, then ``extra``."""
+    base = build_settings(load_toml(scenario_file(name)), source=f"scenario '{name}'")
+    changes: dict[str, object] = dict(parse_override(text) for text in overrides)
+    changes.update(extra)
+    return (base.replace(changes, source="the command line") if changes else base).to_dict()
+
+
+# --- trials --------------------------------------------------------------------------------------
+def trials(choice: MethodChoice, settings: Settings, budget: int, seed: int,
+           ) -> tuple[dict[str, tuple[Value, ...]], list[dict[str, Value]]]:
+    """A method entry's search space (less the keys its entry fixes) and its ``budget`` trials:
+    its current values first (when they lie in the space), then a draw seeded by ``seed``
+    without replacement from the rest of the grid. A grid smaller than the budget is run
+    whole."""
+    spec = METHODS[choice.name]
+    fixed = dict(choice.overrides)
+    space = {k: v for k, v in spec.search_space.items() if k not in fixed}
+    if not space:
+        return {}, [{}]
+    current = tuple(fixed.get(k, settings[k]) for k in space)
+    grid = list(itertools.product(*space.values()))
+    picked = [current] if current in grid else []
+    rest = [p for p in grid if p != current]
+    order = np.random.default_rng([seed, TRIAL_STREAM]).permutation(len(rest))
+    picked += [rest[i] for i in order[: max(0, budget - len(picked))]]
+    return space, [dict(zip(space, p, strict=True)) for p in picked]
+
+
+def entry(choice: MethodChoice, params: Mapping[str, Value]) -> str:
+    """The method entry of ``choice`` with ``params`` added to its own overrides."""
+    merged = {**dict(choice.overrides), **params}
+    if not merged:
+        return choice.name
+    return f"{choice.name}(" + ",".join(f"{k}={toml_literal(v)}" for k, v in merged.items()) + ")"
+
+
+def entry_label(choice: MethodChoice, params: Mapping[str, Value]) -> str:
+    """The label :func:`pflalign.run.config.parse_methods` gives :func:`entry`'s text."""
+    return parse_methods(entry(choice, params))[0].label
+
+
+# --- running -------------------------------------------------------------------------------------
+@dataclass
+class Progress:
+    """Counts finished cells (method × seed × setting) across a study, for the suite-level line."""
+
+    total: int
+    done: int = 0
+    #: cells found finished by an earlier run (they took no time in this one)
+    kept: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def line(self, what: str) -> str:
+        elapsed = time.perf_counter() - self.started
+        eta = ""
+        if self.done > self.kept:
+            left = elapsed / (self.done - self.kept) * (self.total - self.done)
+            eta = f", about {_duration(left)} left"
+        return (f"==> [{self.done}/{self.total} cells, {_duration(elapsed)} elapsed{eta}] "
+                f"{what}")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def _group_done(directory: Path, labels: Sequence[str]) -> dict | None:
+    """A group's results when every entry has finished, else None."""
+    path = directory / "results.json"
+    if not path.is_file():
+        return None
+    try:
+        results = json.loads(path.read_text())
+    except ValueError:
+        return None
+    if results.get("interrupted") or any(label not in results.get("methods", {})
+                                         for label in labels):
+        return None
+    return results
+
+
+class Study:
+    """Runs a :class:`Plan` over a group runner (an engine), writing as it goes."""
+
+    def __init__(self, plan: Plan, run_group: GroupRunner, reporter: Reporter | None = None,
+                 resume: bool = False):
+        self.plan = plan
+        self.run_group = run_group
+        self.reporter = reporter or Reporter()
+        self.resume = resume
+        self.out = Path(plan.out_dir)
+        per_group = len(method_choices(plan.settings(next(iter(plan.scenarios)))))
+        groups = len(plan.scenarios) * len(plan.settings_list()) * len(plan.seeds)
+        tuning = 0
+        if plan.tune:
+            for name in plan.scenarios:
+                settings = plan.settings(name)
+                tuning += sum(len(trials(c, settings, plan.tune, plan.tune_seeds[0])[1])
+                              for c in method_choices(settings)) * len(plan.tune_seeds)
+        self.progress = Progress(total=groups * per_group + tuning)
+
+    # one group of cells ---------------------------------------------------------------------
+    def group(self, settings: Settings, directory: Path, what: str) -> dict:
+        labels = method_labels(settings)
+        finished = _group_done(directory, labels)
+        if finished is not None and self.resume:
+            self.progress.done += len(labels)
+            self.progress.kept += len(labels)
+            self.reporter.stage(self.progress.line(f"{what}: finished earlier, kept"),
+                                self.progress.done, self.progress.total)
+            return finished
+        self.reporter.stage(self.progress.line(f"{what}: {len(labels)} method entries"),
+                            self.progress.done, self.progress.total)
+        results = self.run_group(settings.replace({"out-dir": str(directory)}), self.reporter,
+                                 self.resume)
+        self.progress.done += len(labels)
+        return results
+
+    def run(self) -> dict:
+        """Run everything; return the study's results document (also written to disk)."""
+        plan = self.plan
+        if not self.resume:
+            plan.save()
+        if plan.single:
+            name = next(iter(plan.scenarios))
+            settings = plan.settings(name).replace({"seed": plan.seeds[0]})
+            results = self.group(settings, self.out, f"seed {plan.seeds[0]}")
+            return finish_single(self.out, results, name)
+        tuned = self.tune() if plan.tune else {}
+        runs = []
+        for name in plan.scenarios:
+            base = plan.settings(name)
+            methods = method_choices(base)
+            chosen = tuned.get(name, {})
+            if chosen:
+                base = base.replace({"methods": ",".join(
+                    entry(c, chosen[c.label]["chosen"]) for c in methods)})
+            for setting in plan.settings_list():
+                for seed in plan.seeds:
+                    settings = base.replace({**setting, "seed": seed})
+                    where = self.out / "runs" / slug(name or "config")
+                    if setting:
+                        where = where / slug(setting_label(setting))
+                    what = " ".join(filter(None, (f"scenario {name}" if name else "",
+                                                  setting_label(setting), f"seed {seed}")))
+                    results = self.group(settings, where / f"seed-{seed}", what)
+                    runs.append(study_run(results, name, seed, setting, methods, chosen))
+        doc = {"schema-version": SCHEMA_VERSION, "kind": "study", "command": plan.command,
+               "protocol": self.protocol(tuned), "runs": runs}
+        return finish_study(self.out, doc, plan.reference)
+
+    # tuning -----------------------------------------------------------------------------------
+    def tune(self) -> dict[str, dict[str, dict]]:
+        """scenario -> method label -> {space, default, chosen, trials}; every trial scored on
+        validation data of the tuning seeds."""
+        plan, out = self.plan, {}
+        for name in plan.scenarios:
+            settings = plan.settings(name)
+            table: dict[str, dict] = {}
+            entries: list[str] = []
+            for choice in method_choices(settings):
+                space, points = trials(choice, settings, plan.tune, plan.tune_seeds[0])
+                table[choice.label] = {
+                    "space": {k: list(v) for k, v in space.items()},
+                    "default": {k: dict(choice.overrides).get(k, settings[k]) for k in space},
+                    "trials": [{"params": p, "label": entry_label(choice, p), "scores": []}
+                               for p in points]}
+                entries += [entry(choice, p) for p in points]
+            tuning = settings.replace({"methods": ",".join(entries),
+                                       "evaluate-on": "validation"})
+            for seed in plan.tune_seeds:
+                where = self.out / "tuning" / slug(name or "config") / f"seed-{seed}"
+                what = " ".join(filter(None, (f"tuning {name}" if name else "tuning",
+                                              f"seed {seed}", "(validation)")))
+                results = self.group(tuning.replace({"seed": seed}), where, what)
+                for row in table.values():
+                    for trial in row["trials"]:
+                        score = results["methods"][trial["label"]]["final"].get(METRIC)
+                        trial["scores"].append(score if _finite(score) else None)
+            for label, row in table.items():
+                for trial in row["trials"]:
+                    valid = [s for s in trial["scores"] if s is not None]
+                    trial["score"] = float(np.mean(valid)) if len(valid) == len(
+                        trial["scores"]) else None
+                best = max(row["trials"], key=lambda t: -math.inf if t["score"] is None
+                           else t["score"])  # max keeps the first of equal scores
+                row["chosen"] = dict(best["params"])
+                self.reporter.info(f"tuned {label}" + (f" ({name})" if name else "") + ": "
+                                   + (setting_label(row["chosen"]) or "nothing to tune")
+                                   + (f", validation {METRIC} {100 * best['score']:.2f}%"
+                                      if best["score"] is not None else ""))
+            out[name] = table
+        return out
+
+    def protocol(self, tuned: Mapping[str, Mapping[str, dict]]) -> dict:
+        plan = self.plan
+        protocol: dict = {"seeds": list(plan.seeds), "reference": plan.reference,
+                          "metric": METRIC, "scenarios": list(plan.scenarios),
+                          "sweep": {k: list(v) for k, v in plan.sweep.items()},
+                          "ci": "95% t-interval over seeds (n-1 degrees of freedom); paired "
+                                "differences per seed against the reference", "tune": None}
+        if plan.tune:
+            protocol["tune"] = {
+                "trials": plan.tune, "tune-seeds": list(plan.tune_seeds),
+                "validation-fraction": plan.settings(next(iter(plan.scenarios)))[
+                    "validation-fraction"],
+                "objective": f"mean final validation {METRIC} over the tuning seeds "
+                             "(evaluate-on = validation; test data is never read)",
+                "draw": "the method's defaults first, then a seeded random draw without "
+                        "replacement from its grid",
+                "scenarios": {name: {label: {k: row[k] for k in
+                                             ("space", "default", "chosen", "trials")}
+                                     for label, row in table.items()}
+                              for name, table in tuned.items()}}
+            if len(tuned) == 1:
+                protocol["tune"]["methods"] = protocol["tune"]["scenarios"][next(iter(tuned))]
+        return protocol
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def study_run(results: Mapping, scenario: str, seed: int, setting: Mapping[str, Value],
+              choices: Sequence[MethodChoice], chosen: Mapping[str, dict]) -> dict:
+    """A group's results as one of a study's runs: keyed by the method entries' own labels
+    (a tuned entry's chosen values are under its "hyperparameters")."""
+    run = {k: v for k, v in results.items() if k != "methods"}
+    run.update({"scenario": scenario, "seed": seed, "setting": dict(setting), "methods": {}})
+    for choice in choices:
+        params = chosen.get(choice.label, {}).get("chosen", {})
+        label = entry_label(choice, params) if chosen else choice.label
+        result = dict(results["methods"][label])
+        if chosen:
+            result["hyperparameters"] = dict(params)
+        run["methods"][choice.label] = result
+    return run
+
+
+def finish_single(out: Path, results: dict, scenario: str) -> dict:
+    """A plain run: its results.json gains the schema fields, then the CSV and the report."""
+    results = {"schema-version": SCHEMA_VERSION, "kind": "run", "scenario": scenario,
+               **{k: v for k, v in results.items() if k not in ("schema-version", "kind")}}
+    write_results(out, results)
+    write_outputs(out, results)
+    return results
+
+
+def finish_study(out: Path, doc: dict, reference: str) -> dict:
+    from pflalign.outputs.report import summarize_study
+
+    doc["summary"] = summarize_study(doc, reference=reference)
+    write_results(out, doc)
+    write_outputs(out, doc)
+    return doc
+
+
+def write_outputs(out: Path, doc: Mapping) -> None:
+    """results.csv and the report (report.md and plots/) next to results.json."""
+    from pflalign.outputs.report import write_csv, write_report
+
+    write_csv(out / "results.csv", doc)
+    write_report(out, doc)

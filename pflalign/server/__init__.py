@@ -1,0 +1,1 @@
+"""The server's runtime and its math: aggregation, validation, sampling, metrics."""

@@ -1,0 +1,155 @@
+"""The server's view of a run for one method: its settings, clients and model layout.
+
+A :class:`ServerRuntime` is what a method's server rules work with (:mod:`pflalign.methods.base`):
+the run's clients as discovered, which entries of the model are exchanged, the round's sampled
+clients, and the run's aggregation rule. It holds no method state and knows no engine; the round
+loop (:mod:`pflalign.run.rounds`) owns one per method entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from pflalign.server.aggregation import FlatSpec, combine, fedavg
+from pflalign.server.sampling import EVAL_SAMPLING_STREAM, sample_clients
+from pflalign.settings.schema import Settings
+from pflalign.wire.messages import ClientInfo
+from pflalign.wire.state import ServerState, State
+
+
+class ServerRuntime:
+    """The server's view of a run for one method: its settings, clients and model layout."""
+
+    def __init__(self, settings: Settings, label: str, initial_model: State,
+                 trainable: tuple[str, ...], template: Callable[[], object],
+                 num_classes: int = 0):
+        self.settings = settings
+        #: the task's number of classes (0: unknown), which bounds the losses a reply may report
+        self.num_classes = num_classes
+        self.label = label
+        self.seed = settings.run.seed
+        self.rounds = settings.run.rounds
+        self.eval_every = settings.run.eval_every
+        self.fraction_train = settings.run.fraction_train
+        self.trainable = trainable
+        self._build_template = template
+        self._template: object | None = None
+        self.clients: dict[int, ClientInfo] = {}
+        self._initial = initial_model
+        #: the trainable entries (control variates, mixing)
+        self.trainable_spec = FlatSpec.of({k: initial_model[k] for k in trainable})
+        self.keep_personal(())
+        self._samples: dict[int, list[int]] = {}
+        self._notices: list[str] = []
+        self._weak_sizes: set[int] = set()
+
+    @property
+    def initial(self) -> State:
+        """The run's initial model: the keys, shapes and dtypes of the model."""
+        return self._initial
+
+    def keep_personal(self, personal: Iterable[str]) -> None:
+        """Make the entries ``personal`` stay on the clients (never sent, uploaded or averaged: the
+        method's :meth:`~pflalign.methods.base.Method.personal_keys`); the others are exchanged."""
+        personal = set(personal)
+        model = self._initial
+        self.shared = tuple(k for k in model if k not in personal)
+        #: the exchanged part of the model: what is sent, uploaded, validated and averaged
+        self.flat = FlatSpec.of({k: model[k] for k in self.shared})
+        #: the trainable exchanged entries: what an update's norm and cosine are taken over
+        self.trainable_shared = FlatSpec.of({k: model[k] for k in self.trainable
+                                             if k in set(self.shared)})
+        #: the exchanged floating-point entries that are not trained (batch-norm statistics)
+        self.buffer_spec = FlatSpec.of({k: model[k] for k in self.shared
+                                        if k not in set(self.trainable)
+                                        and np.asarray(model[k]).dtype.kind == "f"})
+
+    def template_model(self) -> object:
+        """A model of the run, built once, for looking up its layers (read-only; its weights
+        are not the run's)."""
+        if self._template is None:
+            self._template = self._build_template()
+        return self._template
+
+    def shared_model(self, state: ServerState) -> State:
+        """The exchanged entries of the global model."""
+        return {k: state.model[k] for k in self.shared}
+
+    @staticmethod
+    def with_model(state: ServerState, new: State) -> ServerState:
+        """``state`` with some model entries replaced."""
+        return dataclasses.replace(state, model={**state.model, **new})
+
+    def combine(self, vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+        """Client vectors combined by the run's ``aggregation`` rule (``mean``: weighted by
+        ``weights``; ``trimmed-mean`` and ``median``: per coordinate, unweighted)."""
+        run = self.settings.run
+        self._note_weak_rule(len(vectors))
+        return combine(vectors, weights, run.aggregation, run.trim_fraction)
+
+    def _note_weak_rule(self, count: int) -> None:
+        """Remember, once per round size, that the robust rule does not act at ``count``
+        uploads (:meth:`take_notices` hands the lines to the round loop)."""
+        run = self.settings.run
+        if count in self._weak_sizes:
+            return
+        text = None
+        if run.aggregation == "trimmed-mean" and int(np.floor(run.trim_fraction * count)) == 0:
+            text = (f"aggregation = 'trimmed-mean' trims nothing at {count} uploads "
+                    f"(trim-fraction = {run.trim_fraction:g} needs at least "
+                    f"{int(np.ceil(1 / run.trim_fraction)) if run.trim_fraction else 'inf'}); "
+                    "such rounds are a plain unweighted mean.")
+        elif run.aggregation == "median" and count <= 2:
+            text = (f"aggregation = 'median' at {count} upload{'s' if count > 1 else ''} is "
+                    "their mean: one client moves it freely.")
+        if text:
+            self._weak_sizes.add(count)
+            self._notices.append(text)
+
+    def take_notices(self) -> list[str]:
+        """The notes gathered since the last call (each said once per run)."""
+        notices, self._notices = self._notices, []
+        return notices
+
+    def average(self, states: Sequence[State], weights: Sequence[float],
+                spec: FlatSpec | None = None) -> State:
+        """Client states (by default the exchanged model entries) combined by the run's
+        ``aggregation`` rule; ``mean`` is FedAvg's sample-weighted average (ALGORITHMS.md 1.6)."""
+        spec = spec or self.flat
+        if self.settings.run.aggregation == "mean":
+            return fedavg(states, weights, spec)
+        return spec.unflatten(self.combine([spec.flatten(s, np.float64) for s in states],
+                                           weights))
+
+    def training_clients(self) -> list[int]:
+        return [cid for cid, info in self.clients.items() if not info.unseen]
+
+    def sample(self, server_round: int) -> list[int]:
+        """This round's training clients: reproducible from (seed, round), the same for every
+        method."""
+        if server_round not in self._samples:
+            self._samples[server_round] = sample_clients(
+                self.training_clients(), self.fraction_train, self.seed, server_round)
+        return self._samples[server_round]
+
+    def eval_sample(self, clients: Iterable[int], server_round: int) -> list[int]:
+        """The clients of ``clients`` evaluated in ``server_round``: all of them in the last
+        round or with ``eval-fraction = 1``; else a sample of that fraction (at least one), the
+        same for every method (seed, round and its own stream)."""
+        clients = list(clients)
+        fraction = self.settings.run.eval_fraction
+        if fraction >= 1.0 or server_round == self.rounds or not clients:
+            return clients
+        return sample_clients(clients, fraction, self.seed, server_round, EVAL_SAMPLING_STREAM)
+
+    def largest_first(self, clients: Iterable[int]) -> list[int]:
+        """Clients in decreasing order of data size: engines hand messages to free workers in
+        order, so the longest jobs go first and workers stay evenly busy (LPT scheduling)."""
+        return sorted(clients, key=lambda c: (-self.clients[c].num_train - self.clients[c].num_test,
+                                              c))
+
+    def is_eval_round(self, server_round: int) -> bool:
+        return server_round % self.eval_every == 0 or server_round == self.rounds

