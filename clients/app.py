@@ -45,7 +45,7 @@ from pflalign.data.node import (
     file_sha256,
     node_data_from_file,
 )
-from pflalign.engines.faults import ClientDropout
+from pflalign.engines.faults import ClientDropout, with_faults
 from pflalign.engines.host import discovery, handle
 from pflalign.models.language import use_node_copies
 from pflalign.process.caches import cached
@@ -65,6 +65,10 @@ from pflalign.wire.protocol import (
 )
 
 app = ClientApp()
+
+
+#: the client handler with the run's fault injection around it, as the other engines run it
+client_handler = with_faults(handle)
 
 
 @cached(maxsize=8)
@@ -149,8 +153,8 @@ def _reply(msg: Message, context: Context, action: str) -> Message:
             file_sha256(store.path))
     try:
         node = None if action == STATE else node_data_of(context, settings)
-        metrics, reply_arrays, state = handle(action, settings, client_id_of(context), config,
-                                              arrays, saved, node=node)
+        metrics, reply_arrays, state = client_handler(action, settings, client_id_of(context),
+                                                      config, arrays, saved, node=node)
     except ClientDropout as silent:  # injected: reply only after the server stopped waiting
         deadline = msg.metadata.created_at + settings.run.round_timeout + 1.0
         time.sleep(max(0.0, min(deadline - time.time(), settings.run.round_timeout + 1.0)))

@@ -1,6 +1,6 @@
 """The Flower engine: a federation's messages as Flower Messages through a Grid.
 
-:class:`FlowerEngine` is what :class:`~pflalign.server.runtime.Federation` runs on under ``flwr
+:class:`FlowerEngine` is what :class:`~pflalign.run.rounds.RoundLoop` runs on under ``flwr
 run`` and ``simulate.py`` (a Flower simulation on Ray), and in a real deployment of SuperNodes. It
 discovers the nodes (a QUERY for each one's stable ``partition-id`` and split sizes), turns each
 outgoing payload into a Message to that client's node, and turns replies back into metrics and NumPy
@@ -68,7 +68,7 @@ def array_bytes(content: RecordDict, skip: tuple[str, ...] = ()) -> int:
                if name not in skip for array in record.values())
 
 
-def payload_bytes(content: RecordDict) -> int:
+def message_bytes(content: RecordDict) -> int:
     """Bytes of array payload in a message (what dominates traffic: the model tensors); a
     client's restored state after a resume is not counted (no round of the run sends it)."""
     return array_bytes(content, skip=(RESTORE,))
@@ -264,11 +264,11 @@ class FlowerEngine(Engine):
                                    for name, state in m.payload.arrays.items()}}),
             dst_node_id=self.node_of[m.client], message_type=MESSAGE_TYPES[action])
             for m in messages}
-        sizes = [payload_bytes(m.content) for m in outgoing.values()]
+        sizes = [message_bytes(m.content) for m in outgoing.values()]
         self.largest_sent = max([self.largest_sent, *sizes])
         down = sum(sizes)
         replies, silent = self.send(outgoing)
-        up = sum(payload_bytes(m.content) for m in replies.values() if not m.has_error())
+        up = sum(message_bytes(m.content) for m in replies.values() if not m.has_error())
         limits = {m.client: m.limits for m in messages}
         answers = [self.reply(cid, m, limits.get(cid)) for cid, m in replies.items()]
         answers += [Reply(cid, f"client {cid}", timed_out=True,

@@ -147,11 +147,11 @@ def tampering_handle(cases: Mapping[int, str], handle: Callable) -> Callable:
     """:func:`pflalign.engines.host.handle`, tampering with the replies of the clients in
     ``cases``."""
 
-    def tampered(action, settings, client_id, config, arrays, saved, node=None, inject=True):
+    def tampered(action, settings, client_id, config, arrays, saved, node=None):
         metrics, reply, state = handle(action, settings, client_id, config, arrays, saved,
-                                       node=node, inject=inject)
+                                       node=node)
         case = cases.get(client_id)
-        if case is None or not inject:  # the server's own recomputation is not a reply
+        if case is None:
             return metrics, reply, state
         received = {name: {k: v.numpy() for k, v in record.items()}
                     for name, record in arrays.items()}

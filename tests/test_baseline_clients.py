@@ -130,7 +130,7 @@ def test_ditto_with_lambda_zero_trains_the_personal_model_as_plain_sgd():
     theta = global_state(client)
     _, state = train(method, client, 1, {MODEL: theta})
     reference = client.new_model(theta)
-    client.local_train(reference, 1, stream=STREAM_PERSONAL, epochs=1)
+    client.train_split(reference, 1, stream=STREAM_PERSONAL, epochs=1)
     for key, value in reference.state_dict().items():
         assert torch.equal(state.personal[key], value)
 

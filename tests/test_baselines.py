@@ -4,21 +4,16 @@ import numpy as np
 import pytest
 import torch
 
-from pflalign.server.aggregation import fedavg
-from pflalign.server.baselines import (
-    ala_converged,
-    ala_merge,
-    ala_weight_step_,
-    apfl_alpha_grad,
-    apfl_alpha_step,
-    lerp_models,
-    pfedme_inner_step_,
-    pfedme_outer_step_,
-    pfedme_server_update,
+from pflalign.methods.apfl import apfl_alpha_grad, apfl_alpha_step, lerp_models
+from pflalign.methods.fedala import ala_converged, ala_merge, ala_weight_step_
+from pflalign.methods.pfedme import pfedme_inner_step_, pfedme_outer_step_, pfedme_server_update
+from pflalign.methods.scaffold import (
+    ControlVariates,
     scaffold_client_control,
     scaffold_server_update,
 )
-from pflalign.training.runs import ControlVariates, Proximal
+from pflalign.server.aggregation import fedavg
+from pflalign.training.corrections import Proximal
 
 
 def _param(values, grad=None) -> torch.Tensor:

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from pflalign.engines.store import ClientStateStore
+from pflalign.methods.pflalign import PFLAlignRule
 from pflalign.methods.registry import METHODS
 from pflalign.outputs.results import Reporter
 from pflalign.process import interrupt
@@ -30,8 +31,9 @@ from pflalign.process.interrupt import Interrupted
 from pflalign.run.config import build_settings
 from pflalign.run.driver import initial_model, simulate
 from pflalign.training.client import ClientRuntime
+from pflalign.training.corrections import Proximal
 from pflalign.training.loops import STREAM_FINETUNE, num_local_steps
-from pflalign.training.runs import LocalRun, PFLAlignRule, Proximal, is_generator_rule
+from pflalign.training.runs import LocalRun, is_generator_rule
 from pflalign.training.vectorised import execute_together, unstackable
 from tests.test_checkpoint import _StopAt
 

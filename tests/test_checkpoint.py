@@ -16,10 +16,10 @@ import pytest
 from conftest import ROOT, needs_fashion_mnist
 
 from pflalign.engines.sequential import SequentialEngine
-from pflalign.outputs.results import Reporter
+from pflalign.outputs.results import Reporter, slug
 from pflalign.process import interrupt
 from pflalign.process.interrupt import Interrupted, request_stop
-from pflalign.run.checkpoint import Checkpoint, Snapshot, checkpoint_path, entry_fingerprint, slug
+from pflalign.run.checkpoint import Checkpoint, Snapshot, checkpoint_path, entry_fingerprint
 from pflalign.run.config import ConfigError, build_settings
 from pflalign.run.driver import run_methods
 

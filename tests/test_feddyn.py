@@ -7,9 +7,8 @@ import torch.nn.functional as F
 from conftest import needs_fashion_mnist
 from harness import build, global_state, server, train
 
-from pflalign.methods.feddyn import feddyn_server_update, linear_term_update
+from pflalign.methods.feddyn import DynamicRegularizer, feddyn_server_update, linear_term_update
 from pflalign.run.config import build_settings
-from pflalign.training.runs import DynamicRegularizer
 from pflalign.wire.messages import Update
 
 SMALL = {"num-clients": 2, "max-samples": 400, "local-steps": 4, "batch-size": 16, "seed": 1}

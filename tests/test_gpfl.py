@@ -11,7 +11,7 @@ from pflalign.methods.gpfl import (
     COV,
     GCE,
     ConditionalValve,
-    PersonalizedModel,
+    GPFLModel,
     conditional_inputs,
     guidance_losses,
     new_modules,
@@ -133,12 +133,12 @@ def test_evaluation_uses_the_personal_head_on_the_personalized_feature():
     valve.load_state_dict(arrays[COV])
     embedding.load_state_dict(arrays[GCE])
     _, p = conditional_inputs(embedding.weight, client.data.train_y)
-    by_hand = client.test(PersonalizedModel(model, valve, p))
+    by_hand = client.test(GPFLModel(model, valve, p))
     assert metrics["personal-correct"] == by_hand.correct and "global-correct" not in metrics
     # a new client first fits the run's initial head on the personalized route (by hand: SGD
     # at lr 0.05 on the head alone, the fine-tuning stream, finetune-epochs = 1)
     fresh = evaluate(method, client, 2, arrays)
-    fitted = PersonalizedModel(client.new_model({**client.initial_state(), **arrays[MODEL]}),
+    fitted = GPFLModel(client.new_model({**client.initial_state(), **arrays[MODEL]}),
                                valve, p)
     head = head_of(fitted.model)[1]
     sgd = torch.optim.SGD(head.parameters(), lr=0.05)

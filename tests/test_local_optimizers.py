@@ -8,7 +8,7 @@ from harness import build, train
 from pflalign.run.config import ConfigError, build_settings
 from pflalign.settings.schema import LocalTraining
 from pflalign.training.optim import GENIE
-from pflalign.training.runs import local_optimizer
+from pflalign.training.optimizers import local_optimizer
 from pflalign.wire.protocol import MODEL
 
 SMALL = {"num-clients": 2, "max-samples": 400, "local-steps": 4, "batch-size": 16, "seed": 1,

@@ -6,7 +6,7 @@ import torch
 from conftest import needs_fashion_mnist
 
 from pflalign.data.datasets import ClientData, Dataset, Normalizer
-from pflalign.models.registry import MODEL_INPUTS, MODELS, build_model
+from pflalign.models.registry import MODELS, build_model
 from pflalign.server.metrics import accuracy_summary
 from pflalign.settings.options import ConfigError
 from pflalign.training.loops import (
@@ -14,7 +14,7 @@ from pflalign.training.loops import (
     evaluate,
     make_generator,
     num_local_steps,
-    train_local,
+    train_batches,
 )
 
 
@@ -25,19 +25,25 @@ def _tiny_dataset(n=64, channels=1, side=28, classes=10, seed=0) -> Dataset:
                    (0.5,) * channels, (0.25,) * channels)
 
 
-@pytest.mark.parametrize("name", [m for m, kind in MODEL_INPUTS.items() if kind == "image"])
+@pytest.mark.parametrize("name", [m for m, spec in MODELS.items() if spec.takes == "image"])
 @pytest.mark.parametrize("shape,classes", [((1, 28, 28), 10), ((3, 32, 32), 100)])
 def test_models_give_logits_of_the_right_shape(name, shape, classes):
     model = build_model(name, shape, classes, seed=0)
     assert model(torch.zeros(5, *shape)).shape == (5, classes)
 
 
-def test_every_model_declares_its_input_and_refuses_the_other():
-    assert set(MODEL_INPUTS) == set(MODELS)
-    for name, kind in MODEL_INPUTS.items():
-        other = (80,) if kind == "image" else (1, 28, 28)
+def test_every_model_declares_its_input_and_batch_norm_truly():
+    for name, spec in MODELS.items():
+        other = (80,) if spec.takes == "image" else (1, 28, 28)
         with pytest.raises(ConfigError, match=f"Model '{name}' takes"):
             build_model(name, other, 10)
+        shape = (1, 28, 28) if spec.takes == "image" else (80,)
+        model = build_model(name, shape, 10)
+        norms = torch.nn.modules.batchnorm._BatchNorm
+        has_norm = any(isinstance(m, norms) for m in model.modules())
+        assert has_norm == spec.batch_norm, name
+        if spec.batch_norm_version:
+            assert MODELS[spec.batch_norm_version].batch_norm and not spec.batch_norm
 
 
 def test_cnn_is_pfllibs_4_layer_cnn():
@@ -80,7 +86,7 @@ def test_training_lowers_the_loss_on_a_small_batch():
     model = build_model("cnn", (1, 28, 28), 10, seed=0)
     before = evaluate(model, data.train_x, data.train_y, data.normalize)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    stats = train_local(model, data.train_x, data.train_y, data.normalize, optimizer=opt,
+    stats = train_batches(model, data.train_x, data.train_y, data.normalize, optimizer=opt,
                         batch_size=16, epochs=15, generator=make_generator(0))
     after = evaluate(model, data.train_x, data.train_y, data.normalize)
     assert stats.steps == 45 and stats.samples == 15 * 48
@@ -94,7 +100,7 @@ def test_training_is_deterministic_under_the_same_generator_seed():
     results = []
     for seed in (1, 1, 2):
         model = build_model("mlp", (1, 28, 28), 10, seed=0)
-        train_local(model, data.train_x, data.train_y, data.normalize,
+        train_batches(model, data.train_x, data.train_y, data.normalize,
                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1), batch_size=8,
                     generator=make_generator(seed))
         results.append(model.state_dict()["fc.weight"].clone())
@@ -105,7 +111,7 @@ def test_training_is_deterministic_under_the_same_generator_seed():
 def test_max_steps_caps_training():
     data = _client(_tiny_dataset())
     model = build_model("mlp", (1, 28, 28), 10, seed=0)
-    stats = train_local(model, data.train_x, data.train_y, data.normalize,
+    stats = train_batches(model, data.train_x, data.train_y, data.normalize,
                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1), batch_size=8,
                         epochs=5, max_steps=7, generator=make_generator(0))
     assert stats.steps == 7 and stats.samples == 56

@@ -20,6 +20,7 @@ import torch
 
 from pflalign.process.caches import cached
 from pflalign.settings.options import ConfigError
+from pflalign.settings.schema import DATASETS, IMAGE, TOKENS
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
@@ -36,15 +37,8 @@ _IDX_FILES = {
 }
 
 
-#: what a dataset's samples are: ``image`` (uint8 N x C x H x W, normalised per channel) or
-#: ``tokens`` (uint8 N x L indices into a vocabulary of ``num_classes`` symbols, given to the
-#: model as int64)
-IMAGE, TOKENS = "image", "tokens"
 #: the tokenizer of the character-level text models (LEAF's task)
 CHARACTERS = "characters"
-#: every dataset and the kind of its samples (known before anything is read)
-DATASET_KINDS = {"fashion-mnist": IMAGE, "mnist": IMAGE, "cifar10": IMAGE, "cifar100": IMAGE,
-                 "shakespeare": TOKENS}
 
 
 @dataclass(frozen=True)
@@ -219,9 +213,9 @@ def load_dataset(name: str, data_root: str = "", download: bool = False, tokeniz
     """Load a dataset once per process (cached): pooled train+test images as uint8, or a text
     dataset's token windows (``tokenizer``: ``characters`` or a language model's name;
     ``sequence_length`` tokens of context a sample)."""
-    if name not in DATASET_KINDS:
+    if name not in DATASETS:
         raise ConfigError(f"Unknown dataset '{name}'; choose one of: "
-                          f"{', '.join(DATASET_KINDS)}.")
+                          f"{', '.join(DATASETS)}.")
     root = Path(data_root).expanduser() if data_root else None
     if name == "shakespeare":
         return _load_shakespeare(root, tokenizer, sequence_length)

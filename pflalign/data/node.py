@@ -36,11 +36,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pflalign.data.datasets import IMAGE, ClientData, input_transform
+from pflalign.data.datasets import ClientData, input_transform
 from pflalign.data.federated import federated_dataset
 from pflalign.process.caches import cached
 from pflalign.settings.options import ConfigError
-from pflalign.settings.schema import DATA_KEYS, DATA_LOCATION_KEYS, NON_RUN_KEYS
+from pflalign.settings.schema import DATA_KEYS, DATA_LOCATION_KEYS, IMAGE, NON_RUN_KEYS
 from pflalign.wire.protocol import NUM_TEST, NUM_TRAIN, PARTITION_ID, UNSEEN
 from pflalign.wire.state import State, atomic_write
 

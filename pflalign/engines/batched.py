@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from pflalign.engines.faults import ClientDropout
+from pflalign.engines.faults import ClientDropout, after_handler, before_handler
 from pflalign.engines.host import Call, begin, finish, method_of, to_torch
 from pflalign.engines.sequential import SequentialEngine, failure_reply
 from pflalign.outputs.results import Reporter
@@ -119,8 +119,9 @@ class BatchedEngine(SequentialEngine):
             size, arrays = self.arrive(message, shared)
             down += size
             try:
+                node = before_handler(action, self.settings, cid, message.config, None)
                 calls[cid] = begin(action, self.settings, cid, message.config, arrays,
-                                   self.states.get(cid))
+                                   self.states.get(cid), node)
             except ClientDropout:
                 replies[cid] = self.dropout_reply(cid)
             except Exception as err:
@@ -131,6 +132,8 @@ class BatchedEngine(SequentialEngine):
                 if isinstance(results[cid], Exception):
                     raise results[cid]
                 metrics, reply, state = finish(call, results[cid])
+                metrics, reply = after_handler(action, self.settings, cid, call.received.config,
+                                               call.received.arrays, metrics, reply)
             except Exception as err:
                 replies[cid] = failure_reply(cid, err)
                 continue

@@ -1,8 +1,12 @@
 """Seeded fault injection for robustness studies: failing, silent and malicious clients.
 
-Everything here runs on the client side, inside :func:`pflalign.engines.host.handle`, so an
-injected fault travels through the real engine and meets the server's real checks, exactly as a
-broken or hostile client would. Every draw is seeded by (seed, round, client), so a run is
+Everything here runs on the client side, around the client handler
+(:func:`pflalign.engines.host.handle`) as a Flower mod runs around a ClientApp: :func:`with_faults`
+wraps a handler, and an engine that runs the handler in halves (the batched one) calls
+:func:`before_handler` and :func:`after_handler` around them. The handler itself knows nothing of
+faults, so the server's audit, which calls it directly, recomputes what an honest client replies.
+An injected fault travels through the real engine and meets the server's real checks, exactly as
+a broken or hostile client would. Every draw is seeded by (seed, round, client), so a run is
 reproducible and every method of a comparison meets the same faults.
 
 - ``client-failure-rate``: the training call raises (:class:`InjectedFailure`).
@@ -35,10 +39,23 @@ import numpy as np
 import torch
 
 from pflalign.data.datasets import ClientData
+from pflalign.data.node import NodeData, pooled_node_data
+from pflalign.engines.host import Handler, Metrics, ReplyArrays
 from pflalign.process.caches import cached
+from pflalign.settings.options import Value
 from pflalign.settings.schema import Settings
-from pflalign.wire.messages import Upload
-from pflalign.wire.protocol import CORRECT_COUNTS, LOSSES, NUM_EXAMPLES, NUM_TEST, TRAIN
+from pflalign.wire.protocol import (
+    CORRECT_COUNTS,
+    EVALUATE,
+    LOSSES,
+    MODEL,
+    NUM_EXAMPLES,
+    NUM_TEST,
+    ROUND,
+    STATE,
+    TRAIN,
+)
+from pflalign.wire.state import State
 
 #: seed streams, apart from those of training (pflalign.training.loops)
 _STREAM_MALICIOUS, _STREAM_FAULT, _STREAM_NOISE = 7001, 7002, 7003
@@ -106,13 +123,15 @@ def flipped_labels(data: ClientData, num_classes: int) -> ClientData:
 
 
 def attacked_upload(settings: Settings, client_id: int, server_round: int,
-                    received: Mapping[str, torch.Tensor] | None, upload: Upload) -> Upload:
-    """The upload a malicious client sends in place of ``upload`` (model and count attacks)."""
+                    received: Mapping[str, torch.Tensor] | None,
+                    model: Mapping[str, torch.Tensor] | None, metrics: Metrics,
+                    ) -> tuple[Mapping[str, torch.Tensor] | None, Metrics]:
+    """The model and metrics a malicious client sends in place of ``model`` and ``metrics``
+    (model and count attacks)."""
     attack, scale = attack_of(settings, client_id), settings.run.attack_scale
-    metrics = dict(upload.metrics)
+    metrics = dict(metrics)
     if attack == "inflate-count" and NUM_EXAMPLES in metrics:
         metrics[NUM_EXAMPLES] = metrics[NUM_EXAMPLES] * scale
-    model = upload.model
     if attack in MODEL_ATTACKS and model is not None and received is not None:
         keys = [k for k, v in model.items()
                 if k in received and torch.is_floating_point(v)]
@@ -130,7 +149,7 @@ def attacked_upload(settings: Settings, client_id: int, server_round: int,
             update = {k: factor * u for k, u in update.items()}
         model = {**model, **{k: (received[k].double() + update[k]).to(model[k].dtype)
                              for k in keys}}
-    return replace(upload, model=model, metrics=metrics)
+    return model, metrics
 
 
 def attacked_evaluation(settings: Settings, client_id: int,
@@ -146,6 +165,49 @@ def attacked_evaluation(settings: Settings, client_id: int,
     claimed = metrics[NUM_TEST] * settings.run.attack_scale
     return {**metrics, NUM_TEST: claimed,
             **{key: claimed for key in CORRECT_COUNTS if key in metrics}}
+
+
+def before_handler(action: str, settings: Settings, client_id: int, config: Mapping[str, Value],
+                   node: NodeData | None) -> NodeData | None:
+    """What is injected before a client's handler runs: the fault of this call (raised), and
+    the data a ``labelflip`` attacker trains on (its node data with flipped training labels; else
+    ``node`` as given). A state query meets no fault."""
+    if action == STATE:
+        return node
+    before_action(settings, client_id, action, int(config[ROUND]))
+    if action == TRAIN and attack_of(settings, client_id) == "labelflip":
+        node = node if node is not None else pooled_node_data(settings, client_id)
+        return replace(node, data=flipped_labels(node.data, node.num_classes))
+    return node
+
+
+def after_handler(action: str, settings: Settings, client_id: int, config: Mapping[str, Value],
+                  arrays: Mapping[str, Mapping[str, torch.Tensor]], metrics: Metrics,
+                  reply: ReplyArrays) -> tuple[Metrics, ReplyArrays]:
+    """The reply a malicious client sends in place of its handler's (``arrays``: what it
+    received)."""
+    if action == EVALUATE:
+        return attacked_evaluation(settings, client_id, metrics), reply
+    if action != TRAIN:
+        return metrics, reply
+    model, metrics = attacked_upload(settings, client_id, int(config[ROUND]), arrays.get(MODEL),
+                                     reply.get(MODEL), metrics)
+    return metrics, ({**reply, MODEL: model} if model is not None else reply)
+
+
+def with_faults(handler: Handler) -> Handler:
+    """``handler`` with the run's fault injection around it (:func:`before_handler`,
+    :func:`after_handler`)."""
+
+    def faulty(action: str, settings: Settings, client_id: int, config: Mapping[str, Value],
+               arrays: Mapping[str, Mapping[str, torch.Tensor]], saved: State | None,
+               node: NodeData | None = None) -> tuple[Metrics, ReplyArrays, State | None]:
+        node = before_handler(action, settings, client_id, config, node)
+        metrics, reply, state = handler(action, settings, client_id, config, arrays, saved, node)
+        return (*after_handler(action, settings, client_id, config, arrays, metrics, reply),
+                state)
+
+    return faulty
 
 
 def _norm(state: Mapping[str, torch.Tensor]) -> float:

@@ -18,7 +18,7 @@ client then keeps.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -26,7 +26,6 @@ import torch
 
 from pflalign.data.federated import federated_dataset
 from pflalign.data.node import NodeData
-from pflalign.engines import faults
 from pflalign.methods.base import Method
 from pflalign.methods.registry import METHODS
 from pflalign.process.caches import cached
@@ -61,6 +60,9 @@ from pflalign.wire.state import ArrayState, State
 
 Metrics = dict[str, float | int]
 ReplyArrays = dict[str, Mapping[str, torch.Tensor]]
+#: a client handler: (action, settings, client id, config, arrays, saved state, node) -> the
+#: reply's metrics and arrays and the state to keep (:func:`handle`, or one wrapping it)
+Handler = Callable[..., tuple[Metrics, ReplyArrays, "State | None"]]
 
 
 @cached(maxsize=8)
@@ -108,9 +110,6 @@ class Call:
     saved: State | None
     restored: State | None
     started: float
-    #: the run's fault injection applies (false: the honest result, as a server's audit
-    #: recomputes it)
-    inject: bool = True
 
     def rule(self) -> Rule:
         """The method's client rule for this action (a generator of local runs, or its
@@ -121,7 +120,7 @@ class Call:
 
 def handle(action: str, settings: Settings, client_id: int,
            config: Mapping[str, Value], arrays: Mapping[str, Mapping[str, torch.Tensor]],
-           saved: State | None, node: NodeData | None = None, inject: bool = True,
+           saved: State | None, node: NodeData | None = None,
            ) -> tuple[Metrics, ReplyArrays, State | None]:
     """Run one action of the method named in ``config`` for ``client_id``.
 
@@ -131,13 +130,13 @@ def handle(action: str, settings: Settings, client_id: int,
     metrics and array records and the new saved state (None: unchanged).
 
     A :data:`~pflalign.wire.protocol.STATE` action replies with ``saved`` as the record
-    :data:`~pflalign.wire.protocol.CLIENT_STATE` (no fault is injected, nothing changes). A
+    :data:`~pflalign.wire.protocol.CLIENT_STATE` (nothing changes). A
     :data:`~pflalign.wire.protocol.RESTORE` record in ``arrays`` replaces ``saved`` and is returned
     as the new saved state unless the action saves another (a resumed client keeps it). The method's
-    rule runs to its end here, its local runs one after another on this client. ``inject``: apply
-    the run's fault injection (:mod:`pflalign.engines.faults`); false gives what an honest client
-    replies (the server's evaluation audit, :mod:`pflalign.run.audit`)."""
-    call = begin(action, settings, client_id, config, arrays, saved, node, inject)
+    rule runs to its end here, its local runs one after another on this client. This is what an
+    honest client replies (the server's evaluation audit, :mod:`pflalign.run.audit`, calls it
+    so); the engines wrap it with the run's fault injection (:mod:`pflalign.engines.faults`)."""
+    call = begin(action, settings, client_id, config, arrays, saved, node)
     if not isinstance(call, Call):
         return call
     server_round = call.received.server_round
@@ -147,7 +146,7 @@ def handle(action: str, settings: Settings, client_id: int,
 
 def begin(action: str, settings: Settings, client_id: int, config: Mapping[str, Value],
           arrays: Mapping[str, Mapping[str, torch.Tensor]], saved: State | None,
-          node: NodeData | None = None, inject: bool = True,
+          node: NodeData | None = None,
           ) -> Call | tuple[Metrics, ReplyArrays, State | None]:
     """Everything :func:`handle` does before the method's rule runs: the :class:`Call`, or,
     for an action that runs no rule (a state query, an annealing round), its reply."""
@@ -166,11 +165,7 @@ def begin(action: str, settings: Settings, client_id: int, config: Mapping[str, 
     configure_threads(settings.run.client_resources_num_cpus)
     device = pick_device(settings.run.client_resources_num_gpus)
     received = Received(int(config[ROUND]), dict(arrays), dict(config))
-    if inject:
-        faults.before_action(settings, client_id, action, received.server_round)
     client = ClientRuntime(settings, client_id, device, node)
-    if inject and action == TRAIN and faults.attack_of(settings, client_id) == "labelflip":
-        client.data = faults.flipped_labels(client.data, client.num_classes)
     if action == QUERY:
         if config.get(ACTION) != GGA_ACTION:
             raise ValueError(f"Unknown query action {config.get(ACTION)!r}.")
@@ -179,24 +174,18 @@ def begin(action: str, settings: Settings, client_id: int, config: Mapping[str, 
     if action not in (TRAIN, EVALUATE):
         raise ValueError(f"Unknown action {action!r}.")
     state = method.ClientState.from_arrays(saved or {})
-    return Call(action, settings, method, client, received, state, saved, restored, started,
-                inject)
+    return Call(action, settings, method, client, received, state, saved, restored, started)
 
 
 def finish(call: Call, result: object) -> tuple[Metrics, ReplyArrays, State | None]:
     """The reply and the state to keep from a :class:`Call`'s rule result."""
-    settings, client_id = call.settings, call.client.client_id
+    client_id = call.client.client_id
     if call.action == EVALUATE:
         metrics = {PARTITION_ID: client_id, **result}  # type: ignore[dict-item]
-        if call.inject:
-            metrics = faults.attacked_evaluation(settings, client_id, metrics)
         return metrics, {}, call.restored
     upload, new_state = result  # type: ignore[misc]
     kept = state_to_keep(new_state, call.restored)
     upload = counted(upload, call.client.data.num_train)
-    if call.inject:
-        upload = faults.attacked_upload(settings, client_id, call.received.server_round,
-                                        call.received.model, upload)
     metrics, reply = train_reply(client_id, upload, call.saved, kept,
                                  time.perf_counter() - call.started)
     return metrics, reply, kept

@@ -22,7 +22,7 @@ import torch
 
 from pflalign.data.federated import federated_dataset
 from pflalign.engines.base import Engine, EngineFactory
-from pflalign.engines.faults import ClientDropout
+from pflalign.engines.faults import ClientDropout, with_faults
 from pflalign.engines.host import discovery, handle, to_torch
 from pflalign.engines.store import ClientStateStore
 from pflalign.outputs.results import Reporter
@@ -50,7 +50,7 @@ def npy_bytes(array: np.ndarray | torch.Tensor) -> int:
                              tuple(array.shape)) + array.nbytes
 
 
-def payload_bytes(records: Iterable[Mapping[str, np.ndarray | torch.Tensor]]) -> int:
+def records_bytes(records: Iterable[Mapping[str, np.ndarray | torch.Tensor]]) -> int:
     return sum(npy_bytes(a) for record in records for a in record.values())
 
 
@@ -66,7 +66,7 @@ def sent_records(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, di
 def sent_bytes(sent: Mapping[str, Mapping[str, np.ndarray]]) -> int:
     """The bytes :func:`sent_records` carry down, a restored state aside (no round of the run
     sends it)."""
-    return payload_bytes(record for name, record in sent.items() if name != RESTORE)
+    return records_bytes(record for name, record in sent.items() if name != RESTORE)
 
 
 def failure_reply(client: int, err: Exception) -> Reply:
@@ -91,6 +91,8 @@ class SequentialEngine(Engine):
         #: each client's saved state, in memory up to memory-budget-gb, beyond it in files
         self.states = ClientStateStore(int(settings.run.memory_budget_gb * 1e9),
                                        settings.run.out_dir)
+        #: the client handler, with the run's fault injection around it
+        self.handler = with_faults(handle)
 
     def memory_note(self) -> str | None:
         """What the client-state store spilled to disk (None: nothing)."""
@@ -133,7 +135,7 @@ class SequentialEngine(Engine):
             self.states[cid] = state
         reply_arrays = numpy_records(arrays)
         return (Reply(cid, f"client {cid}", metrics=metrics, arrays=reply_arrays),
-                payload_bytes(reply_arrays.values()))
+                records_bytes(reply_arrays.values()))
 
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
         replies, down, up = [], 0, 0
@@ -143,8 +145,9 @@ class SequentialEngine(Engine):
             size, arrays = self.arrive(message, shared)
             down += size
             try:
-                metrics, reply, state = handle(action, self.settings, cid, message.config,
-                                               arrays, self.states.get(cid))
+                metrics, reply, state = self.handler(action, self.settings, cid,
+                                                     message.config, arrays,
+                                                     self.states.get(cid))
             except ClientDropout:  # silent: the round's deadline passes without its reply
                 replies.append(self.dropout_reply(cid))
                 continue

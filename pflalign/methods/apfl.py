@@ -25,14 +25,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from pflalign.methods.base import Method
-from pflalign.server.baselines import apfl_alpha_grad, apfl_alpha_step, grads_of, lerp_models
 from pflalign.settings.options import ConfigError
 from pflalign.settings.params import Params, param
 from pflalign.settings.schema import Settings
 from pflalign.training.client import ClientRuntime
+from pflalign.training.optim.common import Tensors, grads_of
 from pflalign.wire.messages import Received, Upload
 from pflalign.wire.protocol import LOCAL_STEPS, LOSS, TRAIN_LOSS, Metric
 from pflalign.wire.state import ArrayState, TorchState
+
+
+@torch.no_grad()
+def lerp_models(start: Tensors, end: Tensors, weight: float) -> list[torch.Tensor]:
+    """``start + weight (end - start)``, element-wise over the lists: APFL's mixture
+    ``alpha v + (1 - alpha) w`` is ``lerp_models(w, v, alpha)``."""
+    return torch._foreach_lerp(list(start), list(end), weight)
+
+
+@torch.no_grad()
+def apfl_alpha_grad(personal: Tensors, global_: Tensors, mixed_grads: Tensors) -> float:
+    """APFL's mixing-weight gradient (Deng et al., 2020, eq. 8 / Algorithm 1):
+    ``d f(alpha v + (1 - alpha) w) / d alpha = <v - w, grad f(v_bar)>``."""
+    products = torch._foreach_mul(torch._foreach_sub(list(personal), list(global_)),
+                                  list(mixed_grads))
+    return float(torch.stack([p.sum() for p in products]).sum())
+
+
+def apfl_alpha_step(alpha: float, grad: float, lr: float) -> float:
+    """One projected gradient step on APFL's alpha, kept in [0, 1]."""
+    return min(1.0, max(0.0, alpha - lr * grad))
 
 
 @dataclass(frozen=True)

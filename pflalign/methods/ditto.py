@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pflalign.methods.fedavg import FedAvg, trained_upload
 from pflalign.settings.params import Params, param
 from pflalign.training.client import ClientRuntime
+from pflalign.training.corrections import Proximal
 from pflalign.training.loops import STREAM_PERSONAL
-from pflalign.training.runs import LocalRun, Proximal, Rule
+from pflalign.training.runs import LocalRun, Rule
 from pflalign.wire.messages import Received
 from pflalign.wire.protocol import LOSS
 from pflalign.wire.state import ArrayState, TorchState

@@ -27,8 +27,10 @@ batched engine can run with other clients'.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,16 +38,41 @@ from torch import nn
 from pflalign.methods.base import Method
 from pflalign.methods.fedavg import trained_upload
 from pflalign.models.registry import head_keys
-from pflalign.server.baselines import ala_converged, ala_merge, ala_weight_step_, grads_of
 from pflalign.settings.params import Params, param
 from pflalign.training.client import ClientRuntime
 from pflalign.training.loops import STREAM_ADAPT, batch_indices
+from pflalign.training.optim.common import Tensors, grads_of
 from pflalign.training.runs import LocalRun, Rule
 from pflalign.wire.messages import Received
 from pflalign.wire.protocol import Metric
 from pflalign.wire.state import ArrayState, TorchState
 
 MAX_FIRST_EPOCHS = 50
+
+
+@torch.no_grad()
+def ala_merge(local: Tensors, global_: Tensors, weights: Tensors) -> list[torch.Tensor]:
+    """FedALA's adaptive local aggregation (Zhang et al., AAAI 2023, eq. 4) for the higher
+    layers: ``theta_hat = theta_i + (Theta - theta_i) * W``, element-wise."""
+    diff = torch._foreach_sub(list(global_), list(local))
+    return torch._foreach_add(list(local), torch._foreach_mul(diff, list(weights)))
+
+
+@torch.no_grad()
+def ala_weight_step_(weights: Tensors, grads: Tensors, local: Tensors, global_: Tensors,
+                     eta: float) -> None:
+    """FedALA's weight update (eq. 5): ``W <- clip(W - eta grad_theta_hat * (Theta - theta_i),
+    0, 1)``; by the chain rule ``grad_theta_hat * (Theta - theta_i)`` is ``dL/dW``."""
+    diff = torch._foreach_sub(list(global_), list(local))
+    torch._foreach_add_(list(weights), torch._foreach_mul(list(grads), diff), alpha=-eta)
+    torch._foreach_clamp_min_(list(weights), 0.0)
+    torch._foreach_clamp_max_(list(weights), 1.0)
+
+
+def ala_converged(losses: Sequence[float], window: int, threshold: float) -> bool:
+    """FedALA's stopping rule for the first adaptation: the standard deviation of the last
+    ``window`` losses is below ``threshold``."""
+    return len(losses) >= window and float(np.std(losses[-window:])) < threshold
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ FINETUNE_HELP = ("Local epochs of fine-tuning before evaluation (fedavg-ft: of t
 class FineTuneParams(Params):
     group = "fedavg-ft"
 
-    finetune_epochs: int = param(1, FINETUNE_HELP, key="finetune-epochs", minimum=1)
+    finetune_epochs: int = param(1, FINETUNE_HELP, key="finetune-epochs", minimum=1,
+                                 group="fedavg-ft")
 
 
 class FedAvgFineTune(FedAvg):

@@ -103,7 +103,7 @@ def fedcp_logits(features: torch.Tensor, vector: torch.Tensor, policy: Condition
     return global_head(r * features) + personal_head(s * features)
 
 
-class PersonalizedModel(nn.Module):
+class FedCPModel(nn.Module):
     """A client's FedCP model as one module (features, policy, both heads), so that the shared
     evaluation loop can score it."""
 
@@ -247,9 +247,9 @@ class FedCP(Method):
                             policy.state_dict(), ce_sum, mmd_sum, seen, steps)
 
     def _personalized(self, client: ClientRuntime, received: Received,
-                      state: FedCPClientState) -> PersonalizedModel:
+                      state: FedCPClientState) -> FedCPModel:
         model, global_head, personal_head, policy, _ = self._parts(client, received, state)
-        return PersonalizedModel(model, global_head, personal_head, policy)
+        return FedCPModel(model, global_head, personal_head, policy)
 
     def evaluate(self, client: ClientRuntime, received: Received,
                  state: FedCPClientState) -> dict:

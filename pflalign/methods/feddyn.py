@@ -8,7 +8,7 @@ its dynamically regularized loss
 
 where ``g_k`` (the client's state, zeros at first; the paper's ``grad L_k(theta_k^{t-1})``) is the
 linear term: every mini-batch gradient becomes ``grad L_k - g_k + alpha (theta - theta^{t-1})``
-(:class:`~pflalign.training.runs.DynamicRegularizer`) under the run's local optimizer. After
+(:class:`~pflalign.methods.feddyn.DynamicRegularizer`) under the run's local optimizer. After
 training, the first-order condition of that minimization updates the linear term, ``g_k <- g_k -
 alpha (theta_k^t - theta^{t-1})`` (:func:`linear_term_update`), and the client uploads
 ``theta_k^t``. With ``g_k = 0`` (a client's first round) the local update is FedProx's with ``mu =
@@ -38,7 +38,8 @@ from pflalign.server.aggregation import fedavg
 from pflalign.server.runtime import ServerRuntime
 from pflalign.settings.params import Params, param
 from pflalign.training.client import ClientRuntime
-from pflalign.training.runs import DynamicRegularizer, LocalRun, Rule
+from pflalign.training.corrections import Correction, Entries
+from pflalign.training.runs import LocalRun, Rule
 from pflalign.wire.messages import Received, Update
 from pflalign.wire.state import ArrayState, ServerState, State, TorchState
 
@@ -62,6 +63,23 @@ def feddyn_server_update(model: np.ndarray, h: np.ndarray, client_models: Sequen
     stacked = np.stack(client_models).astype(np.float64)
     new_h = h - alpha * (stacked - model).sum(axis=0) / num_clients
     return stacked.mean(axis=0) - new_h / alpha, new_h
+
+
+@dataclass(frozen=True)
+class DynamicRegularizer(Correction):
+    """FedDyn's ``g += alpha (w - w^{t-1}) - g_k`` (Acar et al., ICLR 2021, Algorithm 1): the
+    gradient of its quadratic and linear terms, ``anchor`` the received server model and
+    ``linear`` the client's ``g_k``."""
+
+    anchor: Entries
+    linear: Entries
+    alpha: float
+
+    def apply_(self, grads: list[torch.Tensor], params: list[torch.Tensor],
+               names: Sequence[str]) -> None:
+        torch._foreach_add_(grads, torch._foreach_sub(params, [self.anchor[n] for n in names]),
+                            alpha=self.alpha)
+        torch._foreach_sub_(grads, [self.linear[n] for n in names])
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Client: local training on ``F_i(w) + mu/2 ||w - w_g||^2``: the proximal term's gradient
 ``mu (w - w_g)`` is added to every mini-batch gradient before the step
-(:class:`~pflalign.training.runs.Proximal`), with ``w_g`` the global model received this round. With
-``mu = 0`` the update is FedAvg's, bit for bit. Server: FedAvg's.
+(:class:`~pflalign.training.corrections.Proximal`), with ``w_g`` the global model received
+this round. With ``mu = 0`` the update is FedAvg's, bit for bit. Server: FedAvg's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pflalign.methods.fedavg import FedAvg, trained_upload
 from pflalign.settings.params import Params, param
 from pflalign.training.client import ClientRuntime
-from pflalign.training.runs import LocalRun, Proximal, Rule
+from pflalign.training.corrections import Proximal
+from pflalign.training.runs import LocalRun, Rule
 from pflalign.wire.messages import Received
 from pflalign.wire.state import NoClientState
 

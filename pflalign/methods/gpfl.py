@@ -121,7 +121,7 @@ def guidance_losses(global_features: torch.Tensor, embedding: torch.Tensor,
     return alg, mlg
 
 
-class PersonalizedModel(nn.Module):
+class GPFLModel(nn.Module):
     """``head(CoV(phi(x), p_i))``: a client's GPFL model as one module, for the evaluation
     loop."""
 
@@ -241,7 +241,7 @@ class GPFL(Method):
     def evaluate(self, client: ClientRuntime, received: Received,
                  state: GPFLClientState) -> dict:
         model, valve, _, _, p_i = self._parts(client, received, state)
-        personalized = PersonalizedModel(model, valve, p_i)
+        personalized = GPFLModel(model, valve, p_i)
         if state.head is None:  # a new client fits its head on the personalized route
             head = head_of(model)[1]
             personalized.requires_grad_(False)

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from pflalign.methods.base import Method
-from pflalign.methods.fedavg_ft import FINETUNE_HELP
+from pflalign.methods.fedavg_ft import FineTuneParams
 from pflalign.server.runtime import ServerRuntime
-from pflalign.settings.params import Params, param
+from pflalign.settings.params import param
 from pflalign.training.client import ClientRuntime
 from pflalign.training.loops import STREAM_FINETUNE, STREAM_TRAIN
 from pflalign.training.runs import LocalRun, Rule
@@ -39,11 +39,11 @@ HEAD_LAYERS_HELP = ("fedper, fedrep: number of final parameterised layers kept o
 
 
 @dataclass(frozen=True)
-class PartialParams(Params):
-    group = "fedper/fedrep/fedbn"
+class PartialParams(FineTuneParams):
+    """The new-client fine-tuning of fedper, fedrep and fedbn: the one ``finetune-epochs`` key,
+    declared by fedavg-ft."""
 
-    finetune_epochs: int = param(1, FINETUNE_HELP, key="finetune-epochs", minimum=1,
-                                 group="fedavg-ft")
+    group = "fedper/fedrep/fedbn"
 
 
 @dataclass

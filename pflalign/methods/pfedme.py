@@ -11,7 +11,7 @@ around the global model (``w`` held fixed at ``w_g``) over one epoch of the clie
 ``theta`` is scored.
 
 Server (line 12): ``w_g <- (1 - pfedme-beta) w_g + pfedme-beta sum_i p_i w_i`` with sample weights
-``p_i`` (:func:`pflalign.server.baselines.pfedme_server_update`); ``pfedme-beta = 1`` is FedAvg's
+``p_i`` (:func:`pfedme_server_update`); ``pfedme-beta = 1`` is FedAvg's
 average. Only the sampled clients train in a round (as for every method here; the paper lets all
 clients update locally and averages a sampled subset). Buffers are averaged as in FedAvg.
 """
@@ -27,14 +27,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from pflalign.methods.base import Method
-from pflalign.server.baselines import pfedme_inner_step_, pfedme_outer_step_, pfedme_server_update
 from pflalign.server.runtime import ServerRuntime
 from pflalign.settings.params import Params, param
 from pflalign.training.client import ClientRuntime
 from pflalign.training.loops import STREAM_FINETUNE, STREAM_TRAIN
+from pflalign.training.optim.common import Tensors, grads_of
 from pflalign.wire.messages import Received, Update, Upload
 from pflalign.wire.protocol import LOCAL_STEPS, TRAIN_LOSS
 from pflalign.wire.state import ArrayState, ServerState, TorchState
+
+
+@torch.no_grad()
+def pfedme_inner_step_(theta: Tensors, anchor: Tensors, lam: float, lr: float) -> None:
+    """One gradient step on pFedMe's inner problem ``f(theta) + lambda/2 ||theta - w||^2``
+    (T Dinh et al., NeurIPS 2020, eq. 7): ``theta -= lr (grad f(theta) + lambda (theta - w))``,
+    with ``grad f`` in ``theta[k].grad``."""
+    grads = grads_of(theta)
+    torch._foreach_add_(grads, torch._foreach_sub(list(theta), list(anchor)), alpha=lam)
+    torch._foreach_add_(list(theta), grads, alpha=-lr)
+
+
+@torch.no_grad()
+def pfedme_outer_step_(local: Tensors, theta: Tensors, lam: float, lr: float) -> None:
+    """pFedMe's local-model step (Algorithm 1 line 8): ``w <- w - lr lambda (w - theta)``."""
+    torch._foreach_add_(list(local), torch._foreach_sub(list(local), list(theta)),
+                        alpha=-lr * lam)
+
+
+def pfedme_server_update(global_: np.ndarray, average: np.ndarray, beta: float) -> np.ndarray:
+    """pFedMe's server step (Algorithm 1 line 12): ``w <- (1 - beta) w + beta avg_i w_i``."""
+    return (1.0 - beta) * global_ + beta * average
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Client, one round on client i (1.7, 1.8):
 1. ``theta <- theta_g + Delta_i`` (trainable parameters only; buffers come from ``theta_g``, or
    from the client's own copy with ``pflalign-bn = local``, 1.13 A6);
 2. ``T`` steps of :class:`pflalign.training.optim.PFLAlign` (``m`` reset; ``v``, ``P`` persistent;
-   :class:`~pflalign.training.runs.PFLAlignRule`);
+   :class:`~pflalign.methods.pflalign.PFLAlignRule`);
 3. ``Delta_i <- theta_end - theta_g`` against the global model received this round.
 
 Where ``Delta_i`` lives is ``pflalign-state``: ``client`` keeps it in the client's state;
@@ -39,20 +39,29 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar, Self
 
 import numpy as np
 import torch
 
 from pflalign.methods.base import Method
-from pflalign.server.aggregation import l2_norm, personal_offset, personalized_init
+from pflalign.server.aggregation import l2_norm
 from pflalign.server.runtime import ServerRuntime
 from pflalign.settings.options import Value
 from pflalign.settings.params import Params, param
 from pflalign.settings.schema import LocalTraining
 from pflalign.training.client import ClientRuntime
+from pflalign.training.corrections import Entries
 from pflalign.training.loops import EvalStats, num_local_steps
-from pflalign.training.optim import GAMMA_MODES
-from pflalign.training.runs import LocalRun, OptimizerRule, PersistentGenie, PFLAlignRule, Rule
+from pflalign.training.optim import GAMMA_MODES, PFLAlign, pflalign_update
+from pflalign.training.optimizers import (
+    OptimizerRule,
+    PersistentGenie,
+    StackedOptimizer,
+    put_rows,
+    rows_of,
+)
+from pflalign.training.runs import LocalRun, Rule
 from pflalign.wire.messages import Payload, Received, Update, Upload
 from pflalign.wire.protocol import (
     COUNT,
@@ -63,11 +72,151 @@ from pflalign.wire.protocol import (
     TRAIN_LOSS,
     Metric,
 )
-from pflalign.wire.state import ArrayState, ServerState, State, TorchState
+from pflalign.wire.state import ArrayState, ServerState, State, TorchState, state_key
 
 OFFSET, PERSONAL = "offset", "personal"
 #: the per-client config flag: score the model right after training (personal-acc)
 EVALUATE_AFTER_FIT = "evaluate-after-fit"
+
+
+# --- the server's offsets (ALGORITHMS.md 1.7) ------------------------------------------------
+def personal_offset(end_state: Mapping[str, np.ndarray], global_state: Mapping[str, np.ndarray],
+                    keys: Sequence[str]) -> State:
+    """pFLAlign's ``Delta_i = theta_i^end - theta_g`` over the trainable entries ``keys``
+    (ALGORITHMS.md 1.7; buffers carry no offset, 1.13 A6)."""
+    return {k: np.asarray(end_state[k]) - np.asarray(global_state[k]) for k in keys}
+
+
+def personalized_init(global_state: Mapping[str, np.ndarray],
+                      offset: Mapping[str, np.ndarray]) -> State:
+    """pFLAlign's personalized initialization ``theta_g + Delta_i`` (entries without an offset,
+    such as batch-norm buffers, are the global model's)."""
+    return {k: (v + offset[k] if k in offset else v) for k, v in global_state.items()}
+
+
+
+# --- the client's local update (ALGORITHMS.md 1.4, 1.8) ------------------------------------------
+@dataclass(frozen=True)
+class PFLAlignRule(OptimizerRule):
+    """pFLAlign's PersonalizedLocalUpdate for one client's round (:class:`~pflalign.training.optim.
+    PFLAlign`, ALGORITHMS.md 1.4 and 1.8): ``v`` and ``P`` from ``saved`` (``<entry>.v``,
+    ``<entry>.P``; zeros when None), the offset ``offsets`` (None: no correction) and the round's
+    ``num_steps``. Its outcome is the new ``v`` and ``P`` and the round's mean P and gamma."""
+
+    stackable: ClassVar[bool] = True
+
+    lr: float
+    beta: float
+    eps: float
+    precondition: bool
+    gamma: str
+    num_steps: int
+    saved: Entries | None = None
+    offsets: Entries | None = None
+
+    def build(self, params: list[torch.Tensor], names: Sequence[str],
+              generator: torch.Generator) -> torch.optim.Optimizer:
+        optimizer = PFLAlign(params, lr=self.lr, beta=self.beta, eps=self.eps,
+                             precondition=self.precondition, gamma=self.gamma)
+        if self.saved:  # freshly deserialized tensors: the optimizer may own them
+            for name, q in zip(names, params, strict=True):
+                optimizer.state[q]["v"] = self.saved[state_key(name, "v")].to(q.device)
+                optimizer.state[q]["P"] = self.saved[state_key(name, "P")].to(q.device)
+        optimizer.begin_round([self.offsets[n] for n in names] if self.offsets else None,
+                              self.num_steps)
+        return optimizer
+
+    def outcome(self, optimizer: torch.optim.Optimizer, names: Sequence[str]) -> PFLAlignOutcome:
+        params = [q for group in optimizer.param_groups for q in group["params"]]
+        state = {}
+        for name, q in zip(names, params, strict=True):
+            state.update({state_key(name, "v"): optimizer.state[q]["v"],
+                          state_key(name, "P"): optimizer.state[q]["P"]})
+        return PFLAlignOutcome(state, optimizer.mean_preconditioner(), optimizer.mean_gamma())
+
+    def cohort_key(self) -> object:
+        return (type(self), self.lr, self.beta, self.eps, self.precondition, self.gamma,
+                self.offsets is None)
+
+    @classmethod
+    def stacked(cls, rules: Sequence[Self], params: list[torch.Tensor], names: Sequence[str],
+                generators: Sequence[torch.Generator]) -> StackedOptimizer:
+        return StackedPFLAlign(rules, params, names)
+
+
+@dataclass
+class PFLAlignOutcome:
+    """What a pFLAlign run reports: ``v`` and ``P`` by ``<entry>.v``/``<entry>.P``, and the
+    round's mean preconditioner and mean gamma."""
+
+    state: dict[str, torch.Tensor]
+    mean_p: float
+    mean_gamma: float
+
+
+class StackedPFLAlign(StackedOptimizer):
+    """pFLAlign for a cohort: :func:`~pflalign.training.optim.pflalign_update` on stacked ``m``,
+    ``v``,
+    ``P`` and offsets, with each client's own T; a finished client's rows are left out of the
+    later steps. Its outcomes are :class:`PFLAlignOutcome` per client."""
+
+    def __init__(self, rules: Sequence[PFLAlignRule], params: list[torch.Tensor],
+                 names: Sequence[str]):
+        rule = rules[0]
+        self.options = dict(lr=rule.lr, beta=rule.beta, eps=rule.eps,
+                            precondition=rule.precondition, gamma=rule.gamma)
+        self.names = list(names)
+
+        def stacked(field: str, key: str = "") -> list[torch.Tensor]:
+            """Each entry's tensors from every rule's ``field`` (zeros where a rule has none),
+            stacked."""
+            return [torch.stack([getattr(r, field)[state_key(n, key) if key else n].to(p)
+                                 if getattr(r, field) else torch.zeros_like(p[0])
+                                 for r in rules])
+                    for n, p in zip(self.names, params, strict=True)]
+
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v, self.P = stacked("saved", "v"), stacked("saved", "P")
+        self.deltas = stacked("offsets") if rule.offsets else None
+        self.signs = [torch.sign(d) for d in self.deltas] if self.deltas else None
+        steps = [r.num_steps for r in rules]
+        self.num_steps = steps[0] if len(set(steps)) == 1 else torch.tensor(
+            steps, dtype=torch.float64, device=params[0].device)
+        self.gamma_sum = torch.zeros(len(rules), dtype=torch.float64, device=params[0].device)
+        self.gamma_count = 0
+        self.counted = torch.zeros(len(rules), dtype=torch.float64, device=params[0].device)
+
+    @torch.no_grad()
+    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+             active: torch.Tensor | None) -> None:
+        state = [rows_of(x, active) for x in (params, self.m, self.v, self.P)]
+        deltas = rows_of(self.deltas, active) if self.deltas else [None] * len(params)
+        signs = rows_of(self.signs, active) if self.signs else [None] * len(params)
+        steps = self.num_steps
+        if isinstance(steps, torch.Tensor) and active is not None:
+            steps = steps.index_select(0, active)
+        gamma_sum, self.gamma_count = pflalign_update(
+            *state[:1], list(grads), *state[1:], deltas, signs, **self.options,
+            num_steps=steps, stacked=True)
+        for target, value in zip((params, self.m, self.v, self.P), state, strict=True):
+            put_rows(target, value, active)
+        rows = slice(None) if active is None else active
+        self.gamma_sum[rows] += torch.as_tensor(gamma_sum, dtype=torch.float64)
+        self.counted[rows] += 1
+
+    def outcomes(self, params: list[torch.Tensor]) -> list[object]:
+        out = []
+        for i in range(params[0].shape[0]):
+            state = {}
+            for name, v, p in zip(self.names, self.v, self.P, strict=True):
+                state.update({state_key(name, "v"): v[i].clone(),
+                              state_key(name, "P"): p[i].clone()})
+            total = sum(p[i].numel() for p in self.P)
+            mean_p = float(sum(float(p[i].sum()) for p in self.P) / total)
+            count = float(self.counted[i]) * self.gamma_count
+            mean_gamma = float(self.gamma_sum[i]) / count if count else float("nan")
+            out.append(PFLAlignOutcome(state, mean_p, mean_gamma))
+        return out
 
 
 @dataclass(frozen=True)

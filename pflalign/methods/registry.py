@@ -50,6 +50,7 @@ from pflalign.methods.perfedavg import PerFedAvg
 from pflalign.methods.pfedme import PFedMe
 from pflalign.methods.pflalign import PFLAlignMethod
 from pflalign.methods.scaffold import Scaffold
+from pflalign.models.registry import MODELS
 from pflalign.settings.options import ConfigError, Value
 
 
@@ -143,10 +144,6 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
 )}
 
 
-#: a method that needs batch norm runs on this version of the run's model
-BATCH_NORM_VERSION = {"cnn": "cnn-bn"}
-#: registered models with batch-norm layers
-BATCH_NORM_MODELS = ("cnn-bn", "resnet18")
 
 
 def method_overrides(spec: MethodSpec, settings: Mapping[str, Any],
@@ -155,9 +152,13 @@ def method_overrides(spec: MethodSpec, settings: Mapping[str, Any],
     for a method that needs batch norm the batch-norm version of a model without it."""
     overrides = {**spec.overrides, **entry_overrides}
     model = overrides.get("model", settings["model"])
-    if spec.needs_batch_norm and "model" not in entry_overrides and model in BATCH_NORM_VERSION:
-        overrides["model"] = model = BATCH_NORM_VERSION[str(model)]
-    if spec.needs_batch_norm and model not in BATCH_NORM_MODELS:
+    registered = MODELS.get(str(model))
+    if (spec.needs_batch_norm and "model" not in entry_overrides and registered is not None
+            and registered.batch_norm_version):
+        overrides["model"] = model = registered.batch_norm_version
+        registered = MODELS[model]
+    if spec.needs_batch_norm and not (registered is not None and registered.batch_norm):
+        with_norm = ", ".join(name for name, m in MODELS.items() if m.batch_norm)
         raise ConfigError(f"Method '{spec.name}' needs a model with batch norm; model '{model}' "
-                          f"has none: choose one of {', '.join(BATCH_NORM_MODELS)}.")
+                          f"has none: choose one of {with_norm}.")
     return overrides

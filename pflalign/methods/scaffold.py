@@ -10,7 +10,7 @@ client that has not trained yet has ``c_i = 0``. Option II's estimate assumes pl
 Server (lines 16-17): it keeps ``c`` (trainable entries, zeros at start) and sends it as the record
 ``control`` beside the global model; it steps ``x <- x + eta_g sum_i p_i (y_i - x)`` (sample
 weights ``p_i``; buffers averaged as in FedAvg) and ``c <- c + (1/N) sum_i dc_i`` over the N
-training clients (:func:`pflalign.server.baselines.scaffold_server_update`).
+training clients (:func:`scaffold_server_update`).
 """
 
 from __future__ import annotations
@@ -23,19 +23,63 @@ import numpy as np
 import torch
 
 from pflalign.methods.fedavg import FedAvg, trained_upload
-from pflalign.server.aggregation import FlatSpec, fedavg
-from pflalign.server.baselines import scaffold_client_control, scaffold_server_update
+from pflalign.server.aggregation import FlatSpec, fedavg, weighted_average
 from pflalign.server.runtime import ServerRuntime
 from pflalign.settings.options import ConfigError
 from pflalign.settings.params import Params, param
 from pflalign.settings.schema import Settings
 from pflalign.training.client import ClientRuntime
-from pflalign.training.runs import ControlVariates, LocalRun, Rule
+from pflalign.training.corrections import Correction, Entries
+from pflalign.training.optim.common import Tensors
+from pflalign.training.runs import LocalRun, Rule
 from pflalign.wire.messages import Payload, Received, Update
 from pflalign.wire.protocol import MODEL
 from pflalign.wire.state import ArrayState, ServerState, State, TorchState
 
 CONTROL, CONTROL_DELTA = "control", "control-delta"
+
+
+@torch.no_grad()
+def scaffold_client_control(client_control: Tensors, server_control: Tensors, start: Tensors,
+                            end: Tensors, steps: int, lr: float) -> list[torch.Tensor]:
+    """SCAFFOLD option II (Alg. 1 line 12): ``c_i+ = c_i - c + (x - y_i) / (K lr)`` where ``x`` is
+    the model the client started from and ``y_i`` the model after ``K`` local SGD steps."""
+    if steps < 1 or lr <= 0:
+        raise ValueError(f"scaffold_client_control needs steps >= 1 and lr > 0, got {steps}, {lr}.")
+    new = torch._foreach_sub(list(client_control), list(server_control))
+    torch._foreach_add_(new, torch._foreach_sub(list(start), list(end)), alpha=1.0 / (steps * lr))
+    return new
+
+
+def scaffold_server_update(model: np.ndarray, control: np.ndarray,
+                           model_deltas: Sequence[np.ndarray], control_deltas: Sequence[np.ndarray],
+                           weights: Sequence[float], num_clients: int, server_lr: float,
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """SCAFFOLD's server step (Alg. 1 lines 16-17) on flat vectors:
+    ``x <- x + eta_g sum_i p_i dy_i`` and ``c <- c + (1/N) sum_i dc_i``.
+
+    ``p_i`` are the clients' sample weights normalised to sum to 1 (the paper's 1/|S| when clients
+    hold equal data; sample weighting makes ``eta_g = 1`` with zero control variates exactly
+    FedAvg). ``N`` is the number of training clients, sampled or not.
+    """
+    step = weighted_average(model_deltas, weights)
+    new_control = control.astype(np.float64) + np.sum(control_deltas, axis=0,
+                                                      dtype=np.float64) / num_clients
+    return model + server_lr * step, new_control
+
+
+@dataclass(frozen=True)
+class ControlVariates(Correction):
+    """SCAFFOLD's corrected gradient ``g + c - c_i`` (Karimireddy et al., ICML 2020, Algorithm 1
+    line 10): ``server`` is ``c``, ``client`` is ``c_i``."""
+
+    server: Entries
+    client: Entries
+
+    def apply_(self, grads: list[torch.Tensor], params: list[torch.Tensor],
+               names: Sequence[str]) -> None:
+        torch._foreach_add_(grads, torch._foreach_sub([self.server[n] for n in names],
+                                                      [self.client[n] for n in names]))
 
 
 @dataclass(frozen=True)

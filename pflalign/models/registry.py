@@ -6,14 +6,15 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pflalign.data.datasets import IMAGE, TOKENS
 from pflalign.models.language import LoraSpec, build_adapter_model, is_language_model
 from pflalign.process.caches import cached
 from pflalign.settings.options import ConfigError
+from pflalign.settings.schema import IMAGE, TOKENS
 
 
 class CNN(nn.Module):
@@ -107,18 +108,34 @@ def _sequence_model(name: str, shape: tuple[int, ...], num_classes: int) -> nn.M
 
 
 ModelFactory = Callable[[str, tuple[int, ...], int], nn.Module]
-MODELS: dict[str, ModelFactory] = {
-    "cnn": _image_model(lambda c, s, k: CNN(c, s, k)),
-    "cnn-bn": _image_model(lambda c, s, k: CNN(c, s, k, batch_norm=True)),
-    "mlp": _image_model(lambda c, s, k: MLP(c * s * s, k)),
-    "resnet18": _image_model(_resnet18),
-    "char-lstm": _sequence_model,
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A registered model: how to build it, what it takes, and its batch norm."""
+
+    build: ModelFactory
+    #: the kind of samples it takes (:data:`~pflalign.settings.schema.DATASETS`' kinds)
+    takes: str
+    #: it has batch-norm layers (a method that needs batch norm can run on it)
+    batch_norm: bool = False
+    #: the registered model with batch norm that a method needing it runs on instead
+    batch_norm_version: str | None = None
+
+
+#: every registered model: the one table of them (``hf:<model>`` language models aside)
+MODELS: dict[str, ModelSpec] = {
+    "cnn": ModelSpec(_image_model(lambda c, s, k: CNN(c, s, k)), IMAGE,
+                     batch_norm_version="cnn-bn"),
+    "cnn-bn": ModelSpec(_image_model(lambda c, s, k: CNN(c, s, k, batch_norm=True)), IMAGE,
+                        batch_norm=True),
+    "mlp": ModelSpec(_image_model(lambda c, s, k: MLP(c * s * s, k)), IMAGE),
+    "resnet18": ModelSpec(_image_model(_resnet18), IMAGE, batch_norm=True),
+    "char-lstm": ModelSpec(_sequence_model, TOKENS),
 }
-#: what each model takes (the data kinds of :data:`pflalign.data.datasets.DATASET_KINDS`)
-MODEL_INPUTS = {"cnn": IMAGE, "cnn-bn": IMAGE, "mlp": IMAGE, "resnet18": IMAGE,
-                "char-lstm": TOKENS}
-_INPUT_HINT = (f"choose {', '.join(m for m, k in MODEL_INPUTS.items() if k == IMAGE)} for "
-               f"images, {', '.join(m for m, k in MODEL_INPUTS.items() if k == TOKENS)} for text.")
+_INPUT_HINT = (f"choose {', '.join(m for m, spec in MODELS.items() if spec.takes == IMAGE)} for "
+               f"images, {', '.join(m for m, spec in MODELS.items() if spec.takes == TOKENS)} for "
+               "text.")
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int,
@@ -132,7 +149,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int,
     def build() -> nn.Module:
         if is_language_model(name):
             return build_adapter_model(name, lora or LoraSpec())
-        return MODELS[name](name, tuple(int(d) for d in input_shape), num_classes)
+        return MODELS[name].build(name, tuple(int(d) for d in input_shape), num_classes)
 
     if seed is None:
         return build()

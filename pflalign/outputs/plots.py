@@ -18,7 +18,6 @@ files.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -37,22 +36,6 @@ DIAGNOSTICS = (("mean-P", "mean P (preconditioner)"), ("mean-gamma", "mean γ"),
                ("delta-norm", "‖Δ‖ (personal offset norm)"), ("update-cosine", "update cosine"))
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
             "#7f7f7f", "#bcbd22", "#17becf")
-
-
-def slug(text: str) -> str:
-    """A file-name-safe lower-case form of ``text`` (runs of other characters become '-')."""
-    return re.sub(r"[^a-z0-9._]+", "-", text.lower()).strip("-.")
-
-
-def unique_slugs(labels: Sequence[str]) -> list[str]:
-    """:func:`slug` of each label, with ``-2``, ``-3`` ... appended where two would collide."""
-    seen: dict[str, int] = {}
-    out = []
-    for label in labels:
-        base = slug(label)
-        seen[base] = seen.get(base, 0) + 1
-        out.append(base if seen[base] == 1 else f"{base}-{seen[base]}")
-    return out
 
 
 def method_colors(labels: Sequence[str]) -> dict[str, str]:

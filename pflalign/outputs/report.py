@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from pflalign.outputs import stats
-from pflalign.outputs.results import json_safe
+from pflalign.outputs.results import json_safe, slug
 
 #: (key in a run's "final" metrics, column label, scale, whether to show the std over runs)
 COLUMNS = (("personal-acc", "personal", 100, True), ("personal-acc-next", "next", 100, True),
@@ -141,7 +141,7 @@ def group_runs(doc: Mapping) -> list[Group]:
     return sorted(groups.values(), key=lambda g: position.get(g.scenario, len(order)))
 
 
-def method_labels(groups: Sequence[Group]) -> list[str]:
+def labels_in_groups(groups: Sequence[Group]) -> list[str]:
     """Every method label, first-seen order."""
     labels: dict[str, None] = {}
     for group in groups:
@@ -207,7 +207,7 @@ def summarize_study(doc: Mapping, reference: str | None = None) -> dict:
     overrides the protocol's (default: the protocol's, else the first method)."""
     protocol = study_protocol(doc)
     groups = group_runs(doc)
-    labels = method_labels(groups)
+    labels = labels_in_groups(groups)
     reference = _choose_reference(reference, protocol, labels)
     metric = str(protocol.get("metric") or "personal-acc")
     keys = list(dict.fromkeys([metric, *STUDY_METRICS]))
@@ -487,7 +487,7 @@ def write_report(out_dir: str | Path, doc: Mapping, reference: str | None = None
     colors = plotting.method_colors(summary["methods"])
     images: dict[str, list[tuple[str, str]]] = {}
     written: list[Path] = []
-    names = plotting.unique_slugs([g["label"] for g in summary["groups"]])
+    names = [slug(g["label"]) for g in summary["groups"]]
     for group, group_summary, name in zip(group_runs(doc), summary["groups"], names, strict=True):
         for caption, path in plotting.write_group_plots(plot_dir, name, group.runs,
                                                         group_summary, summary["reference"],

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -159,6 +161,17 @@ def audit_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
         notes.append(f"Audit: the server recomputed the last evaluation of every client that "
                      f"replied, for {rows} (eval-audit-fraction samples the earlier rounds).")
     return notes
+
+
+def slug(label: str) -> str:
+    """A safe file name for a label (a method entry's, a scenario's, a setting's): ``fedavg``
+    stays ``fedavg``; a label with other characters (``pflalign(pflalign-lr=2)``) gets them
+    replaced and a short hash of the label appended, so two labels never share a file."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.")[:80] or "entry"
+    if name == label:
+        return name
+    digest = hashlib.sha256(json.dumps(label, sort_keys=True).encode()).hexdigest()
+    return f"{name}-{digest[:8]}"
 
 
 class Reporter:

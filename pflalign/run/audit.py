@@ -6,7 +6,7 @@ replied (at least one; a draw seeded by (seed, round), the same for every method
 client in the last round, whose scores are the run's final metrics. For each, it asks the client
 for the method state it holds (a :data:`~pflalign.wire.protocol.STATE` exchange, as checkpoints do),
 checks that state as a checkpoint would, and runs the method's own evaluation rule here
-(:func:`pflalign.engines.host.handle` without fault injection) on what the client was sent, that
+(:func:`pflalign.engines.host.handle`, which injects no fault) on what the client was sent, that
 state, and the client's test split from the server's copy of the partition. The rule is seeded by
 (seed, round, client), so an honest reply is reproduced exactly: counts must be equal and losses
 equal to ``LOSS_TOLERANCE`` (relative; the last bits of a GPU's kernels may differ). A reply that
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pflalign.engines.host import handle, to_torch
 from pflalign.methods.base import Method
 from pflalign.server.runtime import ServerRuntime
 from pflalign.server.validation import ClientFailure, Collected, ReplyValidator, state_problem
@@ -259,15 +260,13 @@ class Audit:
         """The metrics and array records an honest client replies to ``message`` holding
         ``state``, computed here on the server's copy of its data; the process's torch threads
         and random state are left as they were."""
-        from pflalign.engines.host import handle, to_torch  # the engines import this module
-
         arrays = to_torch({name: {k: np.ascontiguousarray(v) for k, v in record.items()}
                            for name, record in message.payload.arrays.items()})
         threads = torch.get_num_threads()
         try:
             with torch.random.fork_rng(devices=[]):
                 metrics, reply, _ = handle(action, self.server.settings, message.client,
-                                           message.config, arrays, state, inject=False)
+                                           message.config, arrays, state)
         finally:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import re
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pflalign.outputs.results import slug
 from pflalign.settings.options import ConfigError
 from pflalign.settings.schema import NON_RUN_KEYS
 from pflalign.wire.state import State, atomic_write
@@ -57,14 +57,6 @@ def entry_fingerprint(settings: Mapping[str, object], label: str) -> str:
     this entry), without :data:`NON_RUN_KEYS`: equal exactly when the entry would compute the
     same thing."""
     return _digest({**comparable(settings), "methods": label, "label": label})[:24]
-
-
-def slug(label: str) -> str:
-    """A safe file name for a method entry's label: ``fedavg`` stays ``fedavg``; a label with
-    other characters (``pflalign(pflalign-lr=2)``) gets them replaced and a short hash of the
-    label appended, so two labels never share a file."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.")[:80] or "entry"
-    return name if name == label else f"{name}-{_digest(label)[:8]}"
 
 
 def checkpoint_path(out_dir: str | Path, label: str) -> Path:

@@ -19,13 +19,22 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pflalign.data.datasets import CHARACTERS, DATASET_KINDS, IMAGE, TOKENS
+from pflalign.data.datasets import CHARACTERS
 from pflalign.data.partition import parse_angles
 from pflalign.methods.registry import METHODS, method_overrides
 from pflalign.models.language import SMOLLM2, is_language_model, source_of
-from pflalign.models.registry import MODEL_INPUTS
+from pflalign.models.registry import MODELS
 from pflalign.settings.options import ConfigError, Option, Value
-from pflalign.settings.schema import RUN_WIDE_KEYS, GGAParams, LocalTraining, RunConfig, Settings
+from pflalign.settings.schema import (
+    DATASETS,
+    IMAGE,
+    RUN_WIDE_KEYS,
+    TOKENS,
+    GGAParams,
+    LocalTraining,
+    RunConfig,
+    Settings,
+)
 
 
 def _method_options() -> list[Option]:
@@ -235,9 +244,9 @@ _NOUNS = {IMAGE: "images", TOKENS: "token sequences"}
 
 
 def _check_model_name(model: str, key: str) -> None:
-    if model not in MODEL_INPUTS and not is_language_model(model):
+    if model not in MODELS and not is_language_model(model):
         raise ConfigError(f"Config key '{key}' = {model!r} is not a model: choose one of "
-                          f"{', '.join(MODEL_INPUTS)}, or hf:<model> for a pretrained language "
+                          f"{', '.join(MODELS)}, or hf:<model> for a pretrained language "
                           f"model with LoRA adapters (hf:{SMOLLM2} offline).")
     if is_language_model(model):
         source_of(model)  # a missing folder, file or package is one sentence, before any data
@@ -249,7 +258,7 @@ def _model_tokenizer(model: str) -> str:
 
 def _resolve_tokenizer(values: dict[str, Value]) -> None:
     """A text dataset's tokenizer: the model's, unless given (and then it must be the model's)."""
-    if DATASET_KINDS[str(values["dataset"])] != TOKENS:
+    if DATASETS[str(values["dataset"])] != TOKENS:
         return
     if not values["tokenizer"]:
         values["tokenizer"] = _model_tokenizer(str(values["model"]))
@@ -260,10 +269,10 @@ def _check_model_fits_data(values: Mapping[str, Value], label: str) -> None:
     run's data is."""
     model = str(values["model"])
     _check_model_name(model, "model")
-    kind = DATASET_KINDS[str(values["dataset"])]
-    takes = TOKENS if is_language_model(model) else MODEL_INPUTS[model]
+    kind = DATASETS[str(values["dataset"])]
+    takes = TOKENS if is_language_model(model) else MODELS[model].takes
     if kind != takes:
-        fits = ", ".join(m for m, k in MODEL_INPUTS.items() if k == kind)
+        fits = ", ".join(m for m, spec in MODELS.items() if spec.takes == kind)
         fits += ", or hf:<model>" if kind == TOKENS else ""
         raise ConfigError(f"Method '{label}' would run model = {model!r}, which takes "
                           f"{_NOUNS[takes]}, on dataset = {values['dataset']!r}, which holds "
@@ -280,7 +289,7 @@ def _check_cross_keys(values: Mapping[str, Value]) -> None:
     if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
         raise ConfigError(f"batched-workers = {values['batched-workers']!r}: give a whole number "
                           "of worker processes (>= 1), or auto.")
-    kind = DATASET_KINDS[str(values["dataset"])]
+    kind = DATASETS[str(values["dataset"])]
     if kind == TOKENS and values["partition"] not in TEXT_PARTITIONS:
         raise ConfigError(f"partition = {values['partition']!r} splits by class label or "
                           f"rotates images, which mean nothing for dataset = "

@@ -41,7 +41,7 @@ import numpy as np
 
 from pflalign.methods.registry import METHODS
 from pflalign.outputs.report import setting_label
-from pflalign.outputs.results import Reporter, write_results
+from pflalign.outputs.results import Reporter, slug, write_results
 from pflalign.run.config import (
     MethodChoice,
     build_settings,
@@ -120,11 +120,6 @@ def parse_sweep(items: Sequence[str]) -> dict[str, tuple[Value, ...]]:
             raise ConfigError(f"--sweep {item!r} lists a value twice.")
         sweep[key] = values
     return sweep
-
-
-def slug(text: str) -> str:
-    """A file-name-safe form of a label or setting."""
-    return re.sub(r"[^A-Za-z0-9.+-]+", "_", text).strip("_") or "default"
 
 
 @dataclass

@@ -156,20 +156,6 @@ def mean_cosine(vectors: Sequence[np.ndarray], reference: np.ndarray) -> float:
     return float(np.mean(cosines)) if cosines else float("nan")
 
 
-def personal_offset(end_state: Mapping[str, np.ndarray], global_state: Mapping[str, np.ndarray],
-                    keys: Sequence[str]) -> State:
-    """pFLAlign's ``Delta_i = theta_i^end - theta_g`` over the trainable entries ``keys``
-    (ALGORITHMS.md 1.7; buffers carry no offset, 1.13 A6)."""
-    return {k: np.asarray(end_state[k]) - np.asarray(global_state[k]) for k in keys}
-
-
-def personalized_init(global_state: Mapping[str, np.ndarray],
-                      offset: Mapping[str, np.ndarray]) -> State:
-    """pFLAlign's personalized initialization ``theta_g + Delta_i`` (entries without an offset,
-    such as batch-norm buffers, are the global model's)."""
-    return {k: (v + offset[k] if k in offset else v) for k, v in global_state.items()}
-
-
 def l2_norm(state: Mapping[str, np.ndarray]) -> float:
     """Euclidean norm of a state viewed as one vector."""
     return float(np.sqrt(sum(float(np.vdot(v, v)) for v in state.values())))

@@ -31,7 +31,7 @@ from pflalign.wire.protocol import (
     PARTITION_ID,
     Metric,
 )
-from pflalign.wire.state import ServerState, State
+from pflalign.wire.state import ServerState, State, state_key
 
 #: rounds of accepted update norms the update-norm bound keeps (its reference for rounds with
 #: fewer than three uploads)
@@ -263,7 +263,7 @@ def quote_names(keys: Sequence[str], shown: int = 5) -> str:
 #: the characters a state array's name may use (model keys, field names and their separators)
 _NAME = re.compile(r"[A-Za-z0-9_.:#/-]{1,300}")
 #: per-tensor optimizer state kept beside a model key (pFLAlign's v and P, GENIE's moments)
-_MOMENTS = (".v", ".P", ".m", ".s", ".step")
+_MOMENTS = tuple(state_key("", field) for field in ("v", "P", "m", "s", "step"))
 
 
 def state_limit(model: Mapping[str, np.ndarray]) -> int:
@@ -298,7 +298,7 @@ def state_problem(state_class: type, arrays: Mapping[str, np.ndarray],
         # the model entry the tensor is kept for: its name, or its name and a moment's suffix
         entries = [(key, "")] + [(key[:-len(s)], s) for s in _MOMENTS if key.endswith(s)]
         for entry, suffix in entries:
-            if entry in model and not (suffix == ".step" and array.ndim == 0):
+            if entry in model and not (suffix == state_key("", "step") and array.ndim == 0):
                 expected = np.asarray(model[entry])
                 if array.shape != expected.shape or (
                         array.dtype.kind == "f" and array.dtype != expected.dtype):

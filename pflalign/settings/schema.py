@@ -46,14 +46,18 @@ ENGINES = {
                           "cohort-size, on the GPU when client-resources-num-gpus > 0, or on "
                           "batched-workers Ray actors", session="pflalign.engines.workers:session"),
 }
-DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100", "shakespeare")
+#: what a dataset's samples are: ``image`` (uint8 N x C x H x W, normalised per channel) or
+#: ``tokens`` (uint8 N x L indices into a vocabulary of ``num_classes`` symbols, given to the
+#: model as int64)
+IMAGE, TOKENS = "image", "tokens"
+#: every dataset the ``dataset`` key names, and the kind of its samples (known before anything is
+#: read): the one table of datasets (:func:`pflalign.data.datasets.load_dataset` loads each)
+DATASETS = {"fashion-mnist": IMAGE, "mnist": IMAGE, "cifar10": IMAGE, "cifar100": IMAGE,
+            "shakespeare": TOKENS}
 PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated", "natural")
 AGGREGATIONS = ("mean", "trimmed-mean", "median")
 ATTACKS = ("none", "signflip", "scale", "noise", "labelflip", "inflate-count", "fake-eval",
            "perfect-eval", "hang")
-#: the registered models (:data:`pflalign.models.registry.MODELS` builds each; a test checks they
-#: agree)
-MODEL_NAMES = ("cnn", "cnn-bn", "mlp", "resnet18", "char-lstm")
 #: GGA's agreement objectives (:func:`pflalign.training.gga.choose_candidate`)
 GGA_OBJECTIVES = ("min", "mean")
 
@@ -100,7 +104,7 @@ class RunConfig(Params):
         '(torchvision files under data-root), or shakespeare (next-character prediction, one '
         'client per role of a play, as LEAF; needs model = char-lstm and the texts fetched '
         'by scripts/fetch-shakespeare.sh).',
-        choices=DATASETS, group='data', scope='data')
+        choices=tuple(DATASETS), group='data', scope='data')
     data_root: str = param(
         '',
         "Directory holding the dataset files; empty means the Debian package's directory for "

@@ -38,9 +38,10 @@ from pflalign.training.loops import (
     evaluate,
     head_inputs,
     make_generator,
-    train_local,
+    train_batches,
 )
-from pflalign.training.runs import LocalOptimizer, LocalRun, RunResult
+from pflalign.training.optimizers import LocalOptimizer
+from pflalign.training.runs import LocalRun, RunResult
 from pflalign.wire.protocol import (
     GLOBAL_CORRECT,
     GLOBAL_LOSS,
@@ -127,12 +128,12 @@ class ClientRuntime:
                     server_round, STREAM_OPTIMIZER, run.stream))
                 features = self.head_inputs(model, head)
                 model.train()
-                stats = self.local_train(head, server_round, run.stream, run.epochs, optimizer,
+                stats = self.train_split(head, server_round, run.stream, run.epochs, optimizer,
                                          before_step, features=features)
             else:
                 optimizer = rule.build(params, names, self.generator(
                     server_round, STREAM_OPTIMIZER, run.stream))
-                stats = self.local_train(model, server_round, run.stream, run.epochs, optimizer,
+                stats = self.train_split(model, server_round, run.stream, run.epochs, optimizer,
                                          before_step)
         trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return RunResult(trained, stats, rule.outcome(optimizer, names))
@@ -163,7 +164,7 @@ class ClientRuntime:
             if kept:
                 model.load_state_dict(kept, strict=False)
 
-    def local_train(self, model: nn.Module, server_round: int, stream: int = STREAM_TRAIN,
+    def train_split(self, model: nn.Module, server_round: int, stream: int = STREAM_TRAIN,
                     epochs: int | None = None,
                     optimizer: torch.optim.Optimizer | None = None,
                     before_step: Callable[[], None] | None = None,
@@ -177,7 +178,7 @@ class ClientRuntime:
         t = self.training
         inputs, normalize = ((self.data.train_x, self.data.normalize) if features is None
                              else (features, _identity))
-        return train_local(
+        return train_batches(
             model, inputs, self.data.train_y, normalize,
             optimizer=optimizer or self.make_optimizer(model.parameters(), server_round, stream),
             batch_size=t.batch_size, epochs=t.local_epochs if epochs is None else epochs,
@@ -194,14 +195,14 @@ class ClientRuntime:
     def batches(self, server_round: int, stream: int = STREAM_TRAIN, epochs: int | None = None,
                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Normalised (inputs, targets) batches of the train split, in the seeded order
-        :meth:`local_train` uses for the same ``(round, stream)``."""
+        :meth:`train_split` uses for the same ``(round, stream)``."""
         data = self.data
         for idx in self.batch_order(server_round, stream, epochs):
             yield data.normalize(data.train_x[idx]), data.train_y[idx]
 
     def batch_order(self, server_round: int, stream: int = STREAM_TRAIN,
                     epochs: int | None = None) -> Iterator[torch.Tensor]:
-        """The index batches behind :meth:`batches` (the step cap as in :meth:`local_train`)."""
+        """The index batches behind :meth:`batches` (the step cap as in :meth:`train_split`)."""
         t = self.training
         return batch_indices(self.data.num_train, t.batch_size,
                              t.local_epochs if epochs is None else epochs,

@@ -85,7 +85,7 @@ def batch_indices(num_samples: int, batch_size: int, epochs: int, max_steps: int
             steps += 1
 
 
-def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Normalizer, *,
+def train_batches(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Normalizer, *,
                 optimizer: torch.optim.Optimizer, batch_size: int, epochs: int = 1,
                 max_steps: int = 0, generator: torch.Generator,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,

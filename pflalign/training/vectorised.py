@@ -13,9 +13,9 @@ rule. Runs that agree on everything but their tensors (:func:`cohort_key`) are e
   longest, with a mask.
 - **Vectorised.** One :func:`torch.func.vmap` call computes every client's gradient of its
   masked mean cross-entropy (one kernel launch per layer for the cohort: the GPU path); the
-  correction (:class:`~pflalign.training.runs.Correction`) is applied to the stacked gradients, and
-  the optimizer rule steps the stacked tensors through its functional core
-  (:meth:`~pflalign.training.runs.OptimizerRule.stacked`).
+  correction (:class:`~pflalign.training.corrections.Correction`) is applied to the stacked
+  gradients, and the optimizer rule steps the stacked tensors through its functional core
+  (:meth:`~pflalign.training.optimizers.OptimizerRule.stacked`).
 
 The results agree with one client at a time within float32 rounding (vmap's grouped kernels,
 masked means and per-client reductions round differently); a test bounds the difference. A run
@@ -34,8 +34,10 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from pflalign.models.registry import is_deterministic_in_training
 from pflalign.training.client import ClientRuntime
+from pflalign.training.corrections import Correction
 from pflalign.training.loops import STREAM_OPTIMIZER, TrainStats
-from pflalign.training.runs import Correction, LocalOptimizer, LocalRun, RunResult
+from pflalign.training.optimizers import LocalOptimizer
+from pflalign.training.runs import LocalRun, RunResult
 
 
 def unstackable(client: ClientRuntime, run: LocalRun) -> str | None:

@@ -44,6 +44,12 @@ TorchState = dict[str, torch.Tensor]
 _SEP = "/"
 
 
+def state_key(entry: str, field: str) -> str:
+    """The flat-state key of one entry's ``field`` in an optimizer's persistent state
+    (``<entry>.<field>``, e.g. ``conv1.weight.v``): the one place the format is written."""
+    return f"{entry}.{field}"
+
+
 def _to_numpy(value: object) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy().copy()

@@ -1,0 +1,254 @@
+"""How a local run's trained tensors are stepped: optimizer rules, for one client and for a cohort.
+
+An :class:`OptimizerRule` builds a client's ``torch.optim`` optimizer over its tensors (the
+per-client executor) or a :class:`StackedOptimizer` over a cohort's stacked tensors (the
+vectorised executor), both through the functional cores of :mod:`pflalign.training.optim`.
+The run's ``local-optimizer`` (:class:`LocalOptimizer`) and GENIE with state kept across rounds
+(:class:`PersistentGenie`) are here; a method's own rule lives in its file (pFLAlign's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Self
+
+import torch
+
+from pflalign.settings.schema import LocalTraining
+from pflalign.training.corrections import Entries
+from pflalign.training.optim import GENIE, GenieBuffers, genie_update
+from pflalign.training.optim.genie import draw_device
+from pflalign.training.optim.genie import hyperparameters as genie_hyperparameters
+from pflalign.wire.state import state_key
+
+
+class StackedOptimizer:
+    """A cohort's optimizer: steps stacked tensors (a leading client dimension) in place.
+
+    ``step(params, grads, active)``: ``grads`` are the active clients' (their rows, in the order
+    of ``active``; every client when ``active`` is None); the other clients' rows are left as
+    they are. :meth:`outcomes` gives each client what :meth:`OptimizerRule.outcome` gives it."""
+
+    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+             active: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def outcomes(self, params: list[torch.Tensor]) -> list[object]:
+        return [None] * params[0].shape[0]
+
+
+class OptimizerRule:
+    """How a run's trained tensors are stepped: :meth:`build` a client's ``torch.optim``
+    optimizer over its tensors, or :meth:`stacked` one for a cohort's stacked tensors; after the
+    run, :meth:`outcome` is what the rule returns about it (a persistent state, diagnostics).
+    Rules of one class describe the same optimizer; a cohort may differ only in their state."""
+
+    #: the vectorised executor can step a cohort with this rule (:meth:`stacked`)
+    stackable: ClassVar[bool] = False
+
+    def build(self, params: list[torch.Tensor], names: Sequence[str],
+              generator: torch.Generator) -> torch.optim.Optimizer:
+        """A client's optimizer over its trained tensors ``params`` (entries ``names``); its
+        randomness (GENIE's) from ``generator``."""
+        raise NotImplementedError
+
+    def outcome(self, optimizer: torch.optim.Optimizer, names: Sequence[str]) -> object:
+        return None
+
+    @classmethod
+    def stacked(cls, rules: Sequence[Self], params: list[torch.Tensor], names: Sequence[str],
+                generators: Sequence[torch.Generator]) -> StackedOptimizer:
+        raise NotImplementedError
+
+    def cohort_key(self) -> object:
+        """What must be equal for clients to be stepped together (the hyperparameters)."""
+        return type(self)
+
+
+@dataclass(frozen=True)
+class LocalOptimizer(OptimizerRule):
+    """The run's ``local-optimizer`` (sgd, adam, adamw or genie), a new one each run
+    (:func:`local_optimizer`)."""
+
+    stackable: ClassVar[bool] = True
+
+    training: LocalTraining
+
+    def build(self, params: list[torch.Tensor], names: Sequence[str],
+              generator: torch.Generator) -> torch.optim.Optimizer:
+        return local_optimizer(self.training, params, generator)
+
+    def cohort_key(self) -> object:
+        return (type(self), self.training)
+
+    @classmethod
+    def stacked(cls, rules: Sequence[Self], params: list[torch.Tensor], names: Sequence[str],
+                generators: Sequence[torch.Generator]) -> StackedOptimizer:
+        training = rules[0].training
+        if training.local_optimizer == "genie":
+            zeros = [torch.zeros_like(p) for p in params]
+            return StackedGenie(training, params, zeros, zeros, 0, generators)
+        return ElementwiseStacked(local_optimizer(training, params))
+
+
+def local_optimizer(training: LocalTraining, params: Iterable[torch.Tensor],
+                    generator: torch.Generator | None = None) -> torch.optim.Optimizer:
+    """The run's ``local-optimizer`` over ``params``: ``sgd`` (``lr``, ``momentum``,
+    ``weight-decay``), ``adam`` and ``adamw`` (``adam-lr``, ``weight-decay``: L2 in the
+    gradient for adam, decoupled for adamw) or ``genie`` (``genie-*``,
+    ``weight-decay``; its mask and noise drawn from ``generator``). A new one each run: its state
+    does not outlive it."""
+    if training.local_optimizer == "sgd":
+        return training.sgd(params)
+    if training.local_optimizer == "adam":
+        return torch.optim.Adam(params, lr=training.adam_lr, weight_decay=training.weight_decay)
+    if training.local_optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=training.adam_lr, weight_decay=training.weight_decay)
+    if training.local_optimizer == "genie":
+        return GENIE(params, **training.genie_options(), generator=generator)
+    raise ValueError(f"Unknown local-optimizer {training.local_optimizer!r}; choose sgd, adam, "
+                     "adamw or genie.")
+
+
+@dataclass(frozen=True)
+class PersistentGenie(OptimizerRule):
+    """GENIE with its state kept by the client across rounds (pFLAlign's GENIE variant,
+    ALGORITHMS.md 4.2): ``m``, ``s`` and the step count from ``saved`` (``<entry>.m``,
+    ``<entry>.s``, ``<entry>.step``; fresh when None); the outcome is the new state."""
+
+    stackable: ClassVar[bool] = True
+
+    training: LocalTraining
+    saved: Entries | None = None
+
+    def build(self, params: list[torch.Tensor], names: Sequence[str],
+              generator: torch.Generator) -> torch.optim.Optimizer:
+        optimizer = GENIE(params, **self.training.genie_options(), generator=generator)
+        if self.saved:
+            for name, q in zip(names, params, strict=True):
+                optimizer.state[q].update(step=int(self.saved[state_key(name, "step")]),
+                                          m=self.saved[state_key(name, "m")].to(q.device),
+                                          s=self.saved[state_key(name, "s")].to(q.device))
+        return optimizer
+
+    def outcome(self, optimizer: torch.optim.Optimizer, names: Sequence[str],
+                ) -> dict[str, torch.Tensor]:
+        params = [q for group in optimizer.param_groups for q in group["params"]]
+        state = {}
+        for name, q in zip(names, params, strict=True):
+            s = optimizer.state[q]
+            state.update({state_key(name, "m"): s["m"], state_key(name, "s"): s["s"],
+                          state_key(name, "step"): torch.tensor(s["step"])})
+        return state
+
+    def steps_done(self) -> int:
+        return int(next(v for k, v in self.saved.items() if k.endswith(state_key("", "step")))) \
+            if self.saved else 0
+
+    def cohort_key(self) -> object:
+        return (type(self), self.training, self.steps_done())
+
+    @classmethod
+    def stacked(cls, rules: Sequence[Self], params: list[torch.Tensor], names: Sequence[str],
+                generators: Sequence[torch.Generator]) -> StackedOptimizer:
+        def moments(key: str) -> list[torch.Tensor]:
+            if rules[0].saved is None:
+                return [torch.zeros_like(p) for p in params]
+            return [torch.stack([r.saved[state_key(n, key)] for r in rules]).to(p)
+                    for n, p in zip(names, params, strict=True)]
+
+        return StackedGenie(rules[0].training, params, moments("m"), moments("s"),
+                            rules[0].steps_done(), generators, names=names)
+
+
+# --- cohorts' optimizers (the vectorised executor's) ---------------------------------------
+def rows_of(tensors: list[torch.Tensor], active: torch.Tensor | None) -> list[torch.Tensor]:
+    """The rows of ``active`` clients of each stacked tensor (all of them when None)."""
+    return list(tensors) if active is None else [t.index_select(0, active) for t in tensors]
+
+
+def put_rows(targets: list[torch.Tensor], values: list[torch.Tensor],
+              active: torch.Tensor | None) -> None:
+    if active is not None:
+        for target, value in zip(targets, values, strict=True):
+            target.index_copy_(0, active, value)
+
+
+class ElementwiseStacked(StackedOptimizer):
+    """A ``torch.optim`` optimizer with an element-wise rule (SGD, Adam) over a cohort's stacked
+    tensors: one optimizer steps every client's rows at once, each row as the client's own
+    optimizer would (the cohort takes its steps together, so Adam's shared step count is every
+    active client's). A client with fewer steps has finished: its rows are put back after each
+    later step (a fresh local optimizer's state dies with the run)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    @torch.no_grad()
+    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+             active: torch.Tensor | None) -> None:
+        if active is None:
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+        else:
+            done = torch.ones(params[0].shape[0], dtype=torch.bool, device=params[0].device)
+            done[active] = False
+            kept = [p[done].clone() for p in params]
+            for p, g in zip(params, grads, strict=True):
+                p.grad = torch.zeros_like(p).index_copy_(0, active, g)
+        self.optimizer.step()
+        for p in params:
+            p.grad = None
+        if active is not None:
+            for p, k in zip(params, kept, strict=True):
+                p[done] = k
+
+
+class StackedGenie(StackedOptimizer):
+    """GENIE for a cohort at one step count: :func:`~pflalign.training.optim.genie_update` on
+    stacked
+    buffers, each client drawing from its own generator; a finished client's rows are left out of
+    the later steps. With ``names``, :meth:`outcomes` gives each client's new state as
+    :meth:`PersistentGenie.outcome` does."""
+
+    def __init__(self, training: LocalTraining, params: list[torch.Tensor],
+                 m: list[torch.Tensor], s: list[torch.Tensor], steps: int,
+                 generators: Sequence[torch.Generator], names: Sequence[str] | None = None):
+        self.options = genie_hyperparameters({**training.genie_options(),
+                                              "moving_avg": training.genie_moving_avg})
+        self.generators = list(generators)
+        self.device = draw_device(self.generators[0], params[0])
+        self.buffers = GenieBuffers(params, m, s, self.device, stacked=True)
+        self.steps = steps
+        self.names = names
+
+    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+             active: torch.Tensor | None) -> None:
+        self.steps += 1
+        if active is None:
+            genie_update(self.buffers, params, grads, step=self.steps,
+                         generators=self.generators, **self.options)
+            return
+        rows = rows_of(params, active)
+        part = GenieBuffers(rows, rows_of(self.buffers.m_views, active),
+                            rows_of(self.buffers.s_views, active), self.device, stacked=True)
+        genie_update(part, rows, grads, step=self.steps,
+                     generators=[self.generators[i] for i in active.tolist()], **self.options)
+        put_rows(params, rows, active)
+        put_rows(self.buffers.m_views, part.m_views, active)
+        put_rows(self.buffers.s_views, part.s_views, active)
+
+    def outcomes(self, params: list[torch.Tensor]) -> list[object]:
+        if self.names is None:
+            return super().outcomes(params)
+        out = []
+        for i in range(params[0].shape[0]):
+            state = {}
+            for name, m, s in zip(self.names, self.buffers.m_views, self.buffers.s_views,
+                                  strict=True):
+                state.update({state_key(name, "m"): m[i].clone(),
+                              state_key(name, "s"): s[i].clone(),
+                              state_key(name, "step"): torch.tensor(self.steps)})
+            out.append(state)
+        return out
