@@ -114,9 +114,8 @@ class Method(Generic[P, C, S]):
     @classmethod
     def check(cls, settings: Settings) -> None:
         """Refuse, in one :class:`~pflalign.settings.options.ConfigError` sentence, a configuration
-        this
-        method cannot run (``settings``: a method entry's own, its overrides applied); the config
-        parser calls it for every entry before any data is read. The default refuses a robust
+        this method cannot run (``settings``: a method entry's own, its overrides applied); the
+        config parser calls it for every entry before any data is read. The default refuses a robust
         ``aggregation`` for a server update that is not an average of models, and a
         ``local-optimizer`` other than sgd for a method with its own local rule."""
         if cls.feature_head and is_language_model(settings.run.model):

@@ -15,7 +15,6 @@ scores the adapted model, ``global-acc`` the meta-model.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -26,6 +25,8 @@ from pflalign.methods.base import Method
 from pflalign.settings.params import Params, param
 from pflalign.training.client import ClientRuntime
 from pflalign.training.loops import STREAM_FINETUNE
+from pflalign.training.optimizers import PlainSGD
+from pflalign.training.runs import LocalRun, Rule
 from pflalign.wire.messages import Received, Upload
 from pflalign.wire.protocol import LOCAL_STEPS, TRAIN_LOSS
 from pflalign.wire.state import NoClientState
@@ -100,20 +101,11 @@ class PerFedAvg(Method):
         return Upload(model.state_dict(), {TRAIN_LOSS: loss_sum / max(seen, 1),
                                            LOCAL_STEPS: len(pairs)}), state
 
-    def personalize(self, client: ClientRuntime, received: Received) -> torch.nn.Module:
-        """``perfedavg-eval-steps`` SGD steps at rate ``perfedavg-alpha`` from the global model."""
-        model = client.new_model(received.model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.SGD(params, lr=self.params.alpha)
-        model.train()
-        steps = self.params.eval_steps
-        stream = client.batches(received.server_round, STREAM_FINETUNE, epochs=steps)
-        for x, y in itertools.islice(stream, steps):
-            optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-        return model
-
-    def evaluate(self, client: ClientRuntime, received: Received, state: NoClientState) -> dict:
+    def evaluate(self, client: ClientRuntime, received: Received, state: NoClientState) -> Rule:
+        """``personal-acc`` after ``perfedavg-eval-steps`` SGD steps at rate ``perfedavg-alpha``
+        from the global model; ``global-acc`` of the global model."""
         global_result = client.test(received.model)
-        return client.eval_metrics(client.test(self.personalize(client, received)), global_result)
+        steps = self.params.eval_steps
+        adapted = yield LocalRun(received.model, stream=STREAM_FINETUNE, epochs=steps,
+                                 max_steps=steps, optimizer=PlainSGD(self.params.alpha))
+        return client.eval_metrics(client.test(adapted.model), global_result)

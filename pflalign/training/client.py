@@ -94,12 +94,11 @@ class ClientRuntime:
 
     def execute(self, run: LocalRun, server_round: int) -> RunResult:
         """Run ``run`` on this client (:class:`~pflalign.training.runs.LocalRun`): the template's
-        reused
-        training module loaded with its start, its optimizer over the trained parameters, and at
-        every step ``backward``, the correction on their ``.grad``, ``step``. When only the
-        model's last layer trains and the rest is deterministic in training, the layer trains on
-        the body's features computed once (the same batches and updates at the cost of one
-        forward pass of the body)."""
+        reused training module loaded with its start, its optimizer over the trained parameters, and
+        at every step ``backward``, the correction on their ``.grad``, ``step``. When only the
+        model's last layer trains and the rest is deterministic in training, the layer trains on the
+        body's features computed once (the same batches and updates at the cost of one forward pass
+        of the body)."""
         model = self.template.trainer(run.start, self.device)
         if self.template.has_dropout:
             # dropout draws from torch's global generator: seed it per run (lora-dropout > 0),
@@ -129,12 +128,13 @@ class ClientRuntime:
                 features = self.head_inputs(model, head)
                 model.train()
                 stats = self.train_split(head, server_round, run.stream, run.epochs, optimizer,
-                                         before_step, features=features)
+                                         before_step, features=features,
+                                         max_steps=run.max_steps)
             else:
                 optimizer = rule.build(params, names, self.generator(
                     server_round, STREAM_OPTIMIZER, run.stream))
                 stats = self.train_split(model, server_round, run.stream, run.epochs, optimizer,
-                                         before_step)
+                                         before_step, max_steps=run.max_steps)
         trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return RunResult(trained, stats, rule.outcome(optimizer, names))
 
@@ -168,13 +168,15 @@ class ClientRuntime:
                     epochs: int | None = None,
                     optimizer: torch.optim.Optimizer | None = None,
                     before_step: Callable[[], None] | None = None,
-                    features: torch.Tensor | None = None) -> TrainStats:
+                    features: torch.Tensor | None = None,
+                    max_steps: int | None = None) -> TrainStats:
         """Train on the client's train split, shuffled by (seed, round, client, stream).
 
         ``epochs=None`` is the round's local training: ``local-epochs``, capped at ``local-steps``.
         An explicit ``epochs`` (a method's other phases: fine-tuning, personal models, heads) is
-        run in full. ``features``, one row per train sample, replaces the normalised images as
-        ``model``'s input (a head trained on a frozen body's outputs)."""
+        run in full; ``max_steps`` caps either. ``features``, one row per train sample, replaces
+        the normalised images as ``model``'s input (a head trained on a frozen body's
+        outputs)."""
         t = self.training
         inputs, normalize = ((self.data.train_x, self.data.normalize) if features is None
                              else (features, _identity))
@@ -182,7 +184,7 @@ class ClientRuntime:
             model, inputs, self.data.train_y, normalize,
             optimizer=optimizer or self.make_optimizer(model.parameters(), server_round, stream),
             batch_size=t.batch_size, epochs=t.local_epochs if epochs is None else epochs,
-            max_steps=t.local_steps if epochs is None else 0,
+            max_steps=self._step_cap(epochs, max_steps),
             generator=self.generator(server_round, stream), before_step=before_step)
 
     def make_optimizer(self, params: Iterable[torch.Tensor], server_round: int,
@@ -201,13 +203,21 @@ class ClientRuntime:
             yield data.normalize(data.train_x[idx]), data.train_y[idx]
 
     def batch_order(self, server_round: int, stream: int = STREAM_TRAIN,
-                    epochs: int | None = None) -> Iterator[torch.Tensor]:
+                    epochs: int | None = None, max_steps: int | None = None,
+                    ) -> Iterator[torch.Tensor]:
         """The index batches behind :meth:`batches` (the step cap as in :meth:`train_split`)."""
         t = self.training
         return batch_indices(self.data.num_train, t.batch_size,
                              t.local_epochs if epochs is None else epochs,
-                             t.local_steps if epochs is None else 0,
+                             self._step_cap(epochs, max_steps),
                              self.generator(server_round, stream), self.data.train_x.device)
+
+    def _step_cap(self, epochs: int | None, max_steps: int | None) -> int:
+        """A run's cap on its steps (0: none): ``max_steps`` when given, else ``local-steps`` for
+        the round's local training and none for a run of its own ``epochs``."""
+        if max_steps is not None:
+            return max_steps
+        return self.training.local_steps if epochs is None else 0
 
     @staticmethod
     def last_layer_owning(model: nn.Module, keys: Iterable[str]) -> nn.Module | None:

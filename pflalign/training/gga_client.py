@@ -1,7 +1,6 @@
 """The client's side of the federated annealed warm start (:mod:`pflalign.run.gga_warm_start`): its
-answer
-to an annealing round, and the names of that exchange's records and config entries. The client
-handler (:mod:`pflalign.engines.host`) imports this, never the server's round hook.
+answer to an annealing round, and the names of that exchange's records and config entries. The
+client handler (:mod:`pflalign.engines.host`) imports this, never the server's round hook.
 """
 
 from __future__ import annotations
@@ -27,10 +26,10 @@ def losses_key(k: int) -> str:
 
 def client_answer(client: ClientRuntime, received: Received, params: GGAParams,
                   ) -> tuple[dict[str, float | int], dict[str, TorchState]]:
-    """A client's answer to an annealing round (:func:`pflalign.training.gga.candidate_statistics`):
-    the
-    global model (shared entries over the run's initial model), ``gga-batch-size`` of its train
-    samples drawn by (seed, round, client), the candidates named by the server's seed."""
+    """A client's answer to an annealing round
+    (:func:`pflalign.training.gga.candidate_statistics`): the global model (shared entries over
+    the run's initial model), ``gga-batch-size`` of its train samples drawn by (seed, round,
+    client), the candidates named by the server's seed."""
     model = client.new_model()
     model.load_state_dict(received.model, strict=False)
     model.train()

@@ -92,6 +92,28 @@ class LocalOptimizer(OptimizerRule):
         return ElementwiseStacked(local_optimizer(training, params))
 
 
+@dataclass(frozen=True)
+class PlainSGD(OptimizerRule):
+    """Plain SGD at rate ``lr`` (no momentum, no weight decay), a new one each run: a method's
+    own step rule for one of its phases (Per-FedAvg's personalization at rate alpha)."""
+
+    stackable: ClassVar[bool] = True
+
+    lr: float
+
+    def build(self, params: list[torch.Tensor], names: Sequence[str],
+              generator: torch.Generator) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=self.lr)
+
+    def cohort_key(self) -> object:
+        return (type(self), self.lr)
+
+    @classmethod
+    def stacked(cls, rules: Sequence[Self], params: list[torch.Tensor], names: Sequence[str],
+                generators: Sequence[torch.Generator]) -> StackedOptimizer:
+        return ElementwiseStacked(torch.optim.SGD(params, lr=rules[0].lr))
+
+
 def local_optimizer(training: LocalTraining, params: Iterable[torch.Tensor],
                     generator: torch.Generator | None = None) -> torch.optim.Optimizer:
     """The run's ``local-optimizer`` over ``params``: ``sgd`` (``lr``, ``momentum``,
@@ -207,9 +229,8 @@ class ElementwiseStacked(StackedOptimizer):
 
 class StackedGenie(StackedOptimizer):
     """GENIE for a cohort at one step count: :func:`~pflalign.training.optim.genie_update` on
-    stacked
-    buffers, each client drawing from its own generator; a finished client's rows are left out of
-    the later steps. With ``names``, :meth:`outcomes` gives each client's new state as
+    stacked buffers, each client drawing from its own generator; a finished client's rows are left
+    out of the later steps. With ``names``, :meth:`outcomes` gives each client's new state as
     :meth:`PersistentGenie.outcome` does."""
 
     def __init__(self, training: LocalTraining, params: list[torch.Tensor],

@@ -48,6 +48,8 @@ class LocalRun:
     - ``stream`` and ``epochs``: the seeded shuffle of the client's train split, and how long:
       ``None`` is the round's local training (``local-epochs`` capped at ``local-steps``), a
       number that many epochs in full;
+    - ``max_steps``: at most this many steps (None: as ``epochs`` says; Per-FedAvg's
+      personalization takes its first few batches);
     - ``optimizer``: None is the run's ``local-optimizer``;
     - ``correction``: a per-step change to the gradients (None: none).
     """
@@ -56,6 +58,7 @@ class LocalRun:
     trainable: tuple[str, ...] | None = None
     stream: int = STREAM_TRAIN
     epochs: int | None = None
+    max_steps: int | None = None
     optimizer: OptimizerRule | None = None
     correction: Correction | None = None
 

@@ -55,8 +55,8 @@ def cohort_key(client: ClientRuntime, run: LocalRun) -> tuple:
     correction = run.correction
     scalars = None if correction is None else tuple(
         (k, v) for k, v in vars(correction).items() if k not in correction.tensors())
-    return (run.trainable, run.stream, run.epochs, rule.cohort_key(), type(correction), scalars,
-            client.device, client.training)
+    return (run.trainable, run.stream, run.epochs, run.max_steps, rule.cohort_key(),
+            type(correction), scalars, client.device, client.training)
 
 
 def _stack_correction(corrections: Sequence[Correction], names: Sequence[str],
@@ -143,7 +143,7 @@ def execute_together(clients: Sequence[ClientRuntime], runs: Sequence[LocalRun],
     loss_sums = torch.zeros(count, device=device)
     seen, steps = [0] * count, [0] * count
     module.train()
-    orders = [c.batch_order(server_round, r.stream, r.epochs)
+    orders = [c.batch_order(server_round, r.stream, r.epochs, r.max_steps)
               for c, r in zip(clients, runs, strict=True)]
     for batch, active in lockstep(orders):
         rows = None if len(active) == count else torch.tensor(active, device=device)
