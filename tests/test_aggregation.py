@@ -221,7 +221,8 @@ def test_evaluation_metrics_from_client_replies():
 
 
 def test_personal_offset_and_personalized_init_by_hand():
-    from pflalign.server.aggregation import l2_norm, personal_offset, personalized_init
+    from pflalign.methods.pflalign import personal_offset, personalized_init
+    from pflalign.server.aggregation import l2_norm
 
     theta_g = {"w": np.array([1.0, 2.0], np.float32), "bn": np.array([5.0], np.float32)}
     end = {"w": np.array([4.0, -2.0], np.float32), "bn": np.array([7.0], np.float32)}

@@ -34,7 +34,7 @@ TINY = {"engine": "sequential", "num-clients": 6, "max-samples": 1500, "rounds":
 #: runs ``simulate`` on the sequential engine: argv = settings as JSON, then "resume" or not
 DRIVER = ("import json, sys\n"
           "from pflalign.run.config import build_settings\n"
-          "from pflalign.engines.sequential import simulate\n"
+          "from pflalign.run.driver import simulate\n"
           "from pflalign.outputs.results import Reporter\n"
           "simulate(build_settings(json.loads(sys.argv[1])), Reporter(quiet=False),\n"
           "         resume=sys.argv[2] == 'resume')\n")

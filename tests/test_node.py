@@ -100,7 +100,7 @@ def test_handle_from_the_partition_file_is_bit_identical(tmp_path, monkeypatch):
     def from_file(settings_, cid):
         return node_data_from_file(paths[cid], settings_, cid)
 
-    monkeypatch.setattr(sequential, "handle", lambda action, s, cid, *rest: real_handle(
+    monkeypatch.setattr(sequential, "handle", lambda action, s, cid, *rest, node=None: real_handle(
         action, s, cid, *rest, node=from_file(s, cid)))
     monkeypatch.setattr(sequential, "discovery", lambda s, cid: real_discovery(
         s, cid, from_file(s, cid)))

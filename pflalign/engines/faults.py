@@ -203,7 +203,8 @@ def with_faults(handler: Handler) -> Handler:
                arrays: Mapping[str, Mapping[str, torch.Tensor]], saved: State | None,
                node: NodeData | None = None) -> tuple[Metrics, ReplyArrays, State | None]:
         node = before_handler(action, settings, client_id, config, node)
-        metrics, reply, state = handler(action, settings, client_id, config, arrays, saved, node)
+        metrics, reply, state = handler(action, settings, client_id, config, arrays, saved,
+                                        node=node)
         return (*after_handler(action, settings, client_id, config, arrays, metrics, reply),
                 state)
 
