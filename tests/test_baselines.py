@@ -6,7 +6,7 @@ import torch
 
 from pflalign.methods.apfl import apfl_alpha_grad, apfl_alpha_step, lerp_models
 from pflalign.methods.fedala import ala_converged, ala_merge, ala_weight_step_
-from pflalign.methods.pfedme import pfedme_inner_step_, pfedme_outer_step_, pfedme_server_update
+from pflalign.methods.pfedme import MoreauEnvelope, pfedme_outer_step_, pfedme_server_update
 from pflalign.methods.scaffold import (
     ControlVariates,
     scaffold_client_control,
@@ -103,22 +103,37 @@ def test_apfl_alpha_step_is_projected_onto_the_unit_interval():
     assert apfl_alpha_step(0.5, -100.0, 0.1) == 1.0
 
 
+def _inner_step_(envelope: MoreauEnvelope, theta: torch.Tensor, lr: float) -> None:
+    """One of pFedMe's inner steps as a local run takes it: the envelope's correction on the
+    gradient, then plain SGD."""
+    with torch.no_grad():
+        envelope.apply_([theta.grad], [theta], ["t"])
+        theta.add_(theta.grad, alpha=-lr)
+
+
 def test_pfedme_inner_and_outer_steps_by_hand():
     theta = _param([1.0], grad=[0.5])
-    pfedme_inner_step_([theta], [torch.tensor([0.0])], lam=2.0, lr=0.1)
+    envelope = MoreauEnvelope({"t": torch.tensor([0.0])}, mu=2.0, lr=0.1)
+    _inner_step_(envelope, theta, lr=0.1)
     torch.testing.assert_close(theta.detach(), torch.tensor([0.75]))  # 1 - 0.1 (0.5 + 2 * 1)
     w = torch.tensor([1.0])
     pfedme_outer_step_([w], [torch.tensor([0.5])], lam=2.0, lr=0.1)
     torch.testing.assert_close(w, torch.tensor([0.9]))  # 1 - 0.1 * 2 * (1 - 0.5)
+    # the envelope moves its own anchor so after a batch: w <- w - lr lam (w - theta)
+    envelope = MoreauEnvelope({"t": torch.tensor([1.0])}, mu=2.0, lr=0.1)
+    envelope.end_batch_([torch.tensor([0.5])], ["t"])
+    torch.testing.assert_close(envelope.anchor["t"], torch.tensor([0.9]))
+    assert envelope.moves and not Proximal({}, 1.0).moves
 
 
 def test_pfedme_inner_steps_converge_to_the_moreau_proximal_point():
     # f(theta) = 1/2 ||theta - a||^2: argmin f + lam/2 ||theta - w||^2 = (a + lam w) / (1 + lam)
     a, w, lam = torch.tensor([3.0, -1.0]), torch.tensor([0.0, 1.0]), 4.0
     theta = w.clone().requires_grad_(True)
+    envelope = MoreauEnvelope({"t": w}, mu=lam, lr=0.0)
     for _ in range(200):
         theta.grad = theta.detach() - a
-        pfedme_inner_step_([theta], [w], lam=lam, lr=0.1)
+        _inner_step_(envelope, theta, lr=0.1)
     torch.testing.assert_close(theta.detach(), (a + lam * w) / (1 + lam))
 
 

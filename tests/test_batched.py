@@ -131,10 +131,16 @@ def test_the_vmap_backend_agrees_within_float32_rounding(sequential, tmp_path):
     said = {line.split("]")[0][1:]: line for line in lines if "one at a time" in line}
     own_loops = {name for name in METHODS if name not in VECTORISED
                  and not METHODS[name].needs_batch_norm}
-    assert own_loops == {"apfl", "perfedavg", "pfedme", "fedcp", "gpfl", "feddbe"}
+    assert own_loops == {"apfl", "perfedavg", "fedcp", "gpfl", "feddbe"}
     for name in own_loops:
         assert "a loop of its own" in said[name]
-        assert comparable(vmapped["methods"][name]) == comparable(sequential["methods"][name])
+        ours, theirs = (comparable(run["methods"][name]) for run in (vmapped, sequential))
+        if is_generator_rule(METHODS[name].method.evaluate):  # Per-FedAvg's personalization
+            assert ours != theirs, name
+            _close(theirs["rounds"], ours["rounds"], name)
+            _close(theirs["clients"], ours["clients"], name)
+        else:
+            assert ours == theirs, name
     assert "batch norm" in said["fedbn"]
     assert comparable(vmapped["methods"]["fedbn"]) == comparable(sequential["methods"]["fedbn"])
 

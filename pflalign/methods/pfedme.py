@@ -23,28 +23,19 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from pflalign.methods.base import Method
 from pflalign.server.runtime import ServerRuntime
 from pflalign.settings.params import Params, param
 from pflalign.training.client import ClientRuntime
+from pflalign.training.corrections import Proximal
 from pflalign.training.loops import STREAM_FINETUNE, STREAM_TRAIN
-from pflalign.training.optim.common import Tensors, grads_of
+from pflalign.training.optim.common import Tensors
+from pflalign.training.optimizers import PlainSGD
+from pflalign.training.runs import LocalRun, Rule
 from pflalign.wire.messages import Received, Update, Upload
 from pflalign.wire.protocol import LOCAL_STEPS, TRAIN_LOSS
 from pflalign.wire.state import ArrayState, ServerState, TorchState
-
-
-@torch.no_grad()
-def pfedme_inner_step_(theta: Tensors, anchor: Tensors, lam: float, lr: float) -> None:
-    """One gradient step on pFedMe's inner problem ``f(theta) + lambda/2 ||theta - w||^2``
-    (T Dinh et al., NeurIPS 2020, eq. 7): ``theta -= lr (grad f(theta) + lambda (theta - w))``,
-    with ``grad f`` in ``theta[k].grad``."""
-    grads = grads_of(theta)
-    torch._foreach_add_(grads, torch._foreach_sub(list(theta), list(anchor)), alpha=lam)
-    torch._foreach_add_(list(theta), grads, alpha=-lr)
 
 
 @torch.no_grad()
@@ -78,6 +69,19 @@ class PFedMeClientState(ArrayState):
     personal: TorchState | None = None
 
 
+@dataclass(frozen=True)
+class MoreauEnvelope(Proximal):
+    """pFedMe's inner problem as a correction: ``g += lambda (theta - w)`` at every inner step
+    (eq. 7, the gradient of ``lambda/2 ||theta - w||^2``), and after each batch's K steps the
+    local model moves, ``w <- w - lr lambda (w - theta)`` (Algorithm 1 line 8,
+    :func:`pfedme_outer_step_`). ``anchor`` is ``w``; ``mu`` is ``lambda``."""
+
+    lr: float
+
+    def end_batch_(self, params: list[torch.Tensor], names: Sequence[str]) -> None:
+        pfedme_outer_step_([self.anchor[n] for n in names], params, self.mu, self.lr)
+
+
 class PFedMe(Method):
     name = "pfedme"
     summary = ("Personal models as Moreau-envelope proximal points of the local model (K inner "
@@ -88,54 +92,35 @@ class PFedMe(Method):
     ClientState = PFedMeClientState
     local_optimizer = False
 
-    def _inner_step_(self, theta: list[torch.Tensor], w: list[torch.Tensor]) -> None:
-        """One step on the inner problem, ``grad f(theta)`` in ``theta[k].grad``."""
+    def _solve(self, client: ClientRuntime, received: Received, stream: int,
+               epochs: int | None, correction: Proximal) -> LocalRun:
+        """The inner problem solved batch by batch from the global model: ``pfedme-k`` steps of
+        plain SGD at ``pfedme-personal-lr`` per batch, with the proximal pull to ``w``."""
         p = self.params
-        pfedme_inner_step_(theta, w, p.lambda_, p.personal_lr)
+        return LocalRun(received.model, stream=stream, epochs=epochs, steps_per_batch=p.k,
+                        optimizer=PlainSGD(p.personal_lr), correction=correction)
 
-    def _solve(self, client: ClientRuntime, theta: nn.Module, local: nn.Module,
-               server_round: int, stream: int, epochs: int | None, move_local: bool,
-               ) -> tuple[float, int]:
-        p = self.params
-        th = [q for q in theta.parameters() if q.requires_grad]
-        w = [q for q in local.parameters() if q.requires_grad]
-        theta.train()
-        loss_sum, seen, steps = 0.0, 0, 0
-        for x, y in client.batches(server_round, stream, epochs):
-            for _ in range(p.k):
-                theta.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(theta(x), y)
-                loss.backward()
-                self._inner_step_(th, w)
-            if move_local:
-                pfedme_outer_step_(w, th, p.lambda_, client.training.lr)
-            loss_sum += float(loss.detach()) * len(y)
-            seen += len(y)
-            steps += 1
-        return loss_sum / max(seen, 1), steps
+    def _anchor(self, client: ClientRuntime, received: Received) -> dict[str, torch.Tensor]:
+        return {n: received.model[n] for n in client.template.trainable}
 
     def train(self, client: ClientRuntime, received: Received, state: PFedMeClientState,
-              ) -> tuple[Upload, PFedMeClientState]:
-        local = client.new_model(received.model)
-        theta = client.new_model(received.model)
-        loss, steps = self._solve(client, theta, local, received.server_round, STREAM_TRAIN,
-                                  None, True)
-        personal = theta.state_dict()
-        local.load_state_dict({k: v for k, v in personal.items()
-                               if k not in dict(local.named_parameters())}, strict=False)
-        return (Upload(local.state_dict(), {TRAIN_LOSS: loss, LOCAL_STEPS: steps}),
+              ) -> Rule:
+        p = self.params
+        envelope = MoreauEnvelope(self._anchor(client, received), p.lambda_, client.training.lr)
+        result = yield self._solve(client, received, STREAM_TRAIN, None, envelope)
+        personal = result.model  # theta; the local model w is the moved anchor
+        local = {**personal, **result.correction.anchor}
+        return (Upload(local, {TRAIN_LOSS: result.stats.loss, LOCAL_STEPS: result.stats.steps}),
                 PFedMeClientState(personal))
 
     def evaluate(self, client: ClientRuntime, received: Received,
-                 state: PFedMeClientState) -> dict:
-        global_model = client.new_model(received.model)
-        global_result = client.test(global_model)
-        if state.personal is None:
-            theta = client.new_model(received.model)
-            self._solve(client, theta, global_model, received.server_round, STREAM_FINETUNE, 1,
-                        False)
+                 state: PFedMeClientState) -> Rule:
+        global_result = client.test(received.model)
+        if state.personal is None:  # a new client: theta around the global model, held fixed
+            fixed = Proximal(self._anchor(client, received), self.params.lambda_)
+            theta = (yield self._solve(client, received, STREAM_FINETUNE, 1, fixed)).model
         else:
-            theta = client.new_model(state.personal)
+            theta = state.personal
         return client.eval_metrics(client.test(theta), global_result)
 
     def aggregate(self, server: ServerRuntime, state: ServerState, server_round: int,

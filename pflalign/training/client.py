@@ -110,13 +110,22 @@ class ClientRuntime:
                  if (p.requires_grad if run.trainable is None else n in set(run.trainable))]
         params = [named[n] for n in names]
         rule = run.optimizer or LocalOptimizer(self.training)
-        before_step = None
+        before_step = after_batch = correction = None
         if run.correction is not None:
             correction = run.correction.to(self.device)
+            if correction.moves:  # its own copies, which it moves
+                correction = correction.replaced({
+                    field: {n: t.clone() for n, t in entries.items()}
+                    for field, entries in correction.tensors().items()})
 
             @torch.no_grad()
             def before_step() -> None:
                 correction.apply_([p.grad for p in params], params, names)
+
+            if correction.moves:
+                @torch.no_grad()
+                def after_batch() -> None:
+                    correction.end_batch_(params, names)
 
         with self._only_training(model, run.trainable):
             head = (None if run.trainable is None
@@ -129,14 +138,19 @@ class ClientRuntime:
                 model.train()
                 stats = self.train_split(head, server_round, run.stream, run.epochs, optimizer,
                                          before_step, features=features,
-                                         max_steps=run.max_steps)
+                                         max_steps=run.max_steps,
+                                         steps_per_batch=run.steps_per_batch,
+                                         after_batch=after_batch)
             else:
                 optimizer = rule.build(params, names, self.generator(
                     server_round, STREAM_OPTIMIZER, run.stream))
                 stats = self.train_split(model, server_round, run.stream, run.epochs, optimizer,
-                                         before_step, max_steps=run.max_steps)
+                                         before_step, max_steps=run.max_steps,
+                                         steps_per_batch=run.steps_per_batch,
+                                         after_batch=after_batch)
         trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return RunResult(trained, stats, rule.outcome(optimizer, names))
+        return RunResult(trained, stats, rule.outcome(optimizer, names),
+                         correction if correction is not None and correction.moves else None)
 
     @staticmethod
     @contextmanager
@@ -169,14 +183,16 @@ class ClientRuntime:
                     optimizer: torch.optim.Optimizer | None = None,
                     before_step: Callable[[], None] | None = None,
                     features: torch.Tensor | None = None,
-                    max_steps: int | None = None) -> TrainStats:
+                    max_steps: int | None = None, steps_per_batch: int = 1,
+                    after_batch: Callable[[], None] | None = None) -> TrainStats:
         """Train on the client's train split, shuffled by (seed, round, client, stream).
 
         ``epochs=None`` is the round's local training: ``local-epochs``, capped at ``local-steps``.
         An explicit ``epochs`` (a method's other phases: fine-tuning, personal models, heads) is
         run in full; ``max_steps`` caps either. ``features``, one row per train sample, replaces
         the normalised images as ``model``'s input (a head trained on a frozen body's
-        outputs)."""
+        outputs). ``steps_per_batch`` and ``after_batch``: as
+        :func:`~pflalign.training.loops.train_batches` takes them."""
         t = self.training
         inputs, normalize = ((self.data.train_x, self.data.normalize) if features is None
                              else (features, _identity))
@@ -185,7 +201,8 @@ class ClientRuntime:
             optimizer=optimizer or self.make_optimizer(model.parameters(), server_round, stream),
             batch_size=t.batch_size, epochs=t.local_epochs if epochs is None else epochs,
             max_steps=self._step_cap(epochs, max_steps),
-            generator=self.generator(server_round, stream), before_step=before_step)
+            generator=self.generator(server_round, stream), before_step=before_step,
+            steps_per_batch=steps_per_batch, after_batch=after_batch)
 
     def make_optimizer(self, params: Iterable[torch.Tensor], server_round: int,
                        stream: int = STREAM_TRAIN) -> torch.optim.Optimizer:

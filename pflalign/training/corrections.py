@@ -33,6 +33,18 @@ class Correction:
                names: Sequence[str]) -> None:
         raise NotImplementedError
 
+    def end_batch_(self, params: list[torch.Tensor], names: Sequence[str]) -> None:
+        """Change the correction's own tensors in place after each batch's steps (pFedMe's
+        local model moves toward the personalized one); none by default. A correction that
+        does so gives its tensors as they ended in :attr:`~pflalign.training.runs.RunResult.
+        correction`."""
+
+    @property
+    def moves(self) -> bool:
+        """Whether :meth:`end_batch_` changes the correction's tensors (then an executor works on
+        copies of them)."""
+        return type(self).end_batch_ is not Correction.end_batch_
+
     def tensors(self) -> dict[str, Entries]:
         """The correction's per-client tensor fields."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore

@@ -86,14 +86,18 @@ def batch_indices(num_samples: int, batch_size: int, epochs: int, max_steps: int
 
 
 def train_batches(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Normalizer, *,
-                optimizer: torch.optim.Optimizer, batch_size: int, epochs: int = 1,
-                max_steps: int = 0, generator: torch.Generator,
-                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-                before_step: Callable[[], None] | None = None) -> TrainStats:
-    """Mini-batch training over :func:`batch_indices`.
+                  optimizer: torch.optim.Optimizer, batch_size: int, epochs: int = 1,
+                  max_steps: int = 0, generator: torch.Generator,
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+                  before_step: Callable[[], None] | None = None, steps_per_batch: int = 1,
+                  after_batch: Callable[[], None] | None = None) -> TrainStats:
+    """Mini-batch training over :func:`batch_indices`: each batch is stepped on
+    ``steps_per_batch`` times (pFedMe's inner steps), then ``after_batch`` runs; the loss counted
+    for a batch is its last step's, and a batch counts as one step.
 
     ``before_step`` runs between ``backward()`` and ``optimizer.step()``: the place where a
     method adds its gradient correction (FedProx's proximal term, SCAFFOLD's control variates).
+    The losses stay on the device until the end.
     """
     model.train()
     loss_sum = torch.zeros((), device=x.device)
@@ -101,12 +105,15 @@ def train_batches(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize:
     steps = 0
     for idx in batch_indices(len(y), batch_size, epochs, max_steps, generator, x.device):
         inputs, targets = normalize(x[idx]), y[idx]
-        loss = loss_fn(model(inputs), targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if before_step is not None:
-            before_step()
-        optimizer.step()
+        for _ in range(steps_per_batch):
+            loss = loss_fn(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if before_step is not None:
+                before_step()
+            optimizer.step()
+        if after_batch is not None:
+            after_batch()
         loss_sum += loss.detach() * len(idx)
         seen += len(idx)
         steps += 1

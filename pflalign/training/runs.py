@@ -50,8 +50,11 @@ class LocalRun:
       number that many epochs in full;
     - ``max_steps``: at most this many steps (None: as ``epochs`` says; Per-FedAvg's
       personalization takes its first few batches);
+    - ``steps_per_batch``: the steps taken on each batch (pFedMe's K inner steps); a batch
+      counts as one step, with its last step's loss;
     - ``optimizer``: None is the run's ``local-optimizer``;
-    - ``correction``: a per-step change to the gradients (None: none).
+    - ``correction``: a per-step change to the gradients (None: none), which may also move its
+      own tensors after each batch (:meth:`~pflalign.training.corrections.Correction.end_batch_`).
     """
 
     start: Entries
@@ -59,6 +62,7 @@ class LocalRun:
     stream: int = STREAM_TRAIN
     epochs: int | None = None
     max_steps: int | None = None
+    steps_per_batch: int = 1
     optimizer: OptimizerRule | None = None
     correction: Correction | None = None
 
@@ -66,11 +70,13 @@ class LocalRun:
 @dataclass
 class RunResult:
     """What a run gives back: the model's full state after it, its training statistics, and
-    what its optimizer rule reports (:meth:`OptimizerRule.outcome`; None for most)."""
+    what its optimizer rule reports (:meth:`OptimizerRule.outcome`; None for most), and its
+    correction as it ended (for one that moves its tensors; else None)."""
 
     model: dict[str, torch.Tensor]
     stats: TrainStats
     optimizer: object = None
+    correction: Correction | None = None
 
 
 def is_generator_rule(function: Callable) -> bool:

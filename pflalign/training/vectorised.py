@@ -36,7 +36,7 @@ from pflalign.models.registry import is_deterministic_in_training
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Correction
 from pflalign.training.loops import STREAM_OPTIMIZER, TrainStats
-from pflalign.training.optimizers import LocalOptimizer
+from pflalign.training.optimizers import LocalOptimizer, rows_of
 from pflalign.training.runs import LocalRun, RunResult
 
 
@@ -55,8 +55,8 @@ def cohort_key(client: ClientRuntime, run: LocalRun) -> tuple:
     correction = run.correction
     scalars = None if correction is None else tuple(
         (k, v) for k, v in vars(correction).items() if k not in correction.tensors())
-    return (run.trainable, run.stream, run.epochs, run.max_steps, rule.cohort_key(),
-            type(correction), scalars, client.device, client.training)
+    return (run.trainable, run.stream, run.epochs, run.max_steps, run.steps_per_batch,
+            rule.cohort_key(), type(correction), scalars, client.device, client.training)
 
 
 def _stack_correction(corrections: Sequence[Correction], names: Sequence[str],
@@ -71,6 +71,22 @@ def _select(correction: Correction, rows: torch.Tensor | None) -> Correction:
     if rows is None:
         return correction
     return correction.replaced({field: {n: t.index_select(0, rows) for n, t in entries.items()}
+                                for field, entries in correction.tensors().items()})
+
+
+def _put_back(correction: Correction, part: Correction, rows: torch.Tensor | None) -> None:
+    """Write the rows :func:`_select` took of ``correction`` back from ``part`` (nothing to do
+    when they were every row: ``part`` is ``correction``)."""
+    if rows is None:
+        return
+    for field, entries in correction.tensors().items():
+        for n, t in entries.items():
+            t.index_copy_(0, rows, part.tensors()[field][n])
+
+
+def _row(correction: Correction, i: int) -> Correction:
+    """Client ``i``'s correction from a stacked one."""
+    return correction.replaced({field: {n: t[i].clone() for n, t in entries.items()}
                                 for field, entries in correction.tensors().items()})
 
 
@@ -148,14 +164,20 @@ def execute_together(clients: Sequence[ClientRuntime], runs: Sequence[LocalRun],
     for batch, active in lockstep(orders):
         rows = None if len(active) == count else torch.tensor(active, device=device)
         x, y, mask = padded(clients, batch, active)
-        params, others = ({k: t if rows is None else t.index_select(0, rows)
-                           for k, t in part.items()} for part in (trained, fixed))
-        g, losses = gradient(params, others, x, y, mask)
-        grads = [g[n] for n in names]
-        if correction is not None:
+        for _ in range(run.steps_per_batch):
+            params, others = ({k: t if rows is None else t.index_select(0, rows)
+                               for k, t in part.items()} for part in (trained, fixed))
+            g, losses = gradient(params, others, x, y, mask)
+            grads = [g[n] for n in names]
+            if correction is not None:
+                with torch.no_grad():
+                    _select(correction, rows).apply_(grads, [params[n] for n in names], names)
+            optimizer.step(stacked, grads, rows)
+        if correction is not None and correction.moves:
             with torch.no_grad():
-                _select(correction, rows).apply_(grads, [params[n] for n in names], names)
-        optimizer.step(stacked, grads, rows)
+                part = _select(correction, rows)
+                part.end_batch_(rows_of(stacked, rows), names)
+                _put_back(correction, part, rows)
         sizes = torch.tensor([len(batch[i]) for i in active], device=device,
                              dtype=loss_sums.dtype)
         loss_sums.index_add_(0, torch.tensor(active, device=device), losses.detach() * sizes)
@@ -163,7 +185,9 @@ def execute_together(clients: Sequence[ClientRuntime], runs: Sequence[LocalRun],
             seen[i] += len(batch[i])
             steps[i] += 1
     outcomes = optimizer.outcomes(stacked)
+    moved = correction is not None and correction.moves
     return [RunResult({k: trained[k][i].clone() if k in trained else r.start[k] for k in keys},
                       TrainStats(loss=float(loss_sums[i]) / max(seen[i], 1), steps=steps[i],
-                                 samples=seen[i]), outcomes[i])
+                                 samples=seen[i]), outcomes[i],
+                      _row(correction, i) if moved else None)
             for i, r in enumerate(runs)]
