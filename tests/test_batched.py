@@ -94,22 +94,28 @@ def test_the_batched_engine_gives_the_sequential_engines_results_bit_for_bit(seq
 #: metrics agree to a relative 2e-3 (an absolute 2e-4 near zero); an accuracy may move by one
 #: of a client's 50-odd test samples where a prediction sits near a tie (0.02)
 LOSS_RTOL, LOSS_ATOL, ACC_ATOL = 2e-3, 2e-4, 0.02
+#: pFedMe takes K = 5 steps on each batch at pfedme-personal-lr 0.05: a direction of curvature h
+#: is multiplied by 1 - 0.05 (lambda + h) per step, which grows for h > 25, so its local runs
+#: amplify rounding. On the loop backend itself, a start 1e-7 away ends an epoch's new-client
+#: solve up to 9e-4 away (measured on this test's client 2), and the vmap backend's runs are as
+#: far from the loop's (7e-4): its losses agree within this wider relative bound
+AMPLIFIED_RTOL = {"pfedme": 1e-2}
 
 
-def _close(a: object, b: object, where: str = "") -> None:
+def _close(a: object, b: object, where: str = "", rtol: float = LOSS_RTOL) -> None:
     if isinstance(a, dict):
         assert set(a) == set(b), where
         for k in a:
-            _close(a[k], b[k], f"{where}.{k}")
+            _close(a[k], b[k], f"{where}.{k}", rtol)
     elif isinstance(a, list):
         assert len(a) == len(b), where
         for k, (x, y) in enumerate(zip(a, b, strict=True)):
-            _close(x, y, f"{where}[{k}]")
+            _close(x, y, f"{where}[{k}]", rtol)
     elif isinstance(a, float) and not math.isnan(a):
         if "acc" in where.rsplit(".", 1)[-1]:
             assert abs(a - b) <= ACC_ATOL, where
         else:
-            assert b == pytest.approx(a, rel=LOSS_RTOL, abs=LOSS_ATOL), where
+            assert b == pytest.approx(a, rel=rtol, abs=LOSS_ATOL), where
     else:
         assert a == b or (isinstance(a, float) and math.isnan(b)), where
 
@@ -122,8 +128,9 @@ def test_the_vmap_backend_agrees_within_float32_rounding(sequential, tmp_path):
         ours = comparable(vmapped["methods"][label])
         theirs = comparable(sequential["methods"][label])
         assert ours != theirs, label  # not the loop backend in disguise: rounding does differ
-        _close(theirs["rounds"], ours["rounds"], label)
-        _close(theirs["clients"], ours["clients"], label)
+        rtol = AMPLIFIED_RTOL.get(label, LOSS_RTOL)
+        _close(theirs["rounds"], ours["rounds"], label, rtol)
+        _close(theirs["clients"], ours["clients"], label, rtol)
     # pFLAlign's GENIE variant and GENIE as a local optimizer: the mask's and noise's draws are
     # each client's own, so they agree as closely (their metrics are in the loop above or here)
     _close(comparable(sequential["methods"]['fedavg(local-optimizer="genie")'])["rounds"],
