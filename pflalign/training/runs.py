@@ -5,7 +5,7 @@ A client rule (:meth:`~pflalign.methods.base.Method.train`,
 LocalRun(...)`` hands one stretch of local training to whoever runs the rule and receives its
 :class:`RunResult`; what comes before and after a ``yield`` (starting points, uploads, new state,
 scoring) is the method's own code, run per client. A rule that trains in a loop of its own (APFL,
-Per-FedAvg, pFedMe, FedCP, GPFL) is a plain function.
+Per-FedAvg's training, FedCP, GPFL, FedDBE) is a plain function.
 
 A :class:`LocalRun` names everything one run needs, and nothing about how it is executed: the
 model it starts from, which parameters train, the data stream and epochs, the optimizer
