@@ -102,7 +102,6 @@ class Call:
     what it received and its state (:func:`begin`), and what :func:`finish` needs afterwards."""
 
     action: str
-    settings: Settings
     method: Method
     client: ClientRuntime
     received: Received
@@ -174,7 +173,7 @@ def begin(action: str, settings: Settings, client_id: int, config: Mapping[str, 
     if action not in (TRAIN, EVALUATE):
         raise ValueError(f"Unknown action {action!r}.")
     state = method.ClientState.from_arrays(saved or {})
-    return Call(action, settings, method, client, received, state, saved, restored, started)
+    return Call(action, method, client, received, state, saved, restored, started)
 
 
 def finish(call: Call, result: object) -> tuple[Metrics, ReplyArrays, State | None]:
