@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -204,14 +205,21 @@ def test_two_workers_give_the_sequential_engines_metrics_and_a_dead_worker_is_re
 
     # worker 1 killed at the start of round 2: the clients it was given count as failed, the
     # round completes with the others, and round 3 runs every client on a new worker; the
-    # states worker 1 held are lost, and each of their clients is warned about once
+    # states worker 1 held are lost, and each of their clients is warned about once. How many
+    # clients worker 1 is given in round 2 depends on timing (round 1's idle steals decide
+    # which worker holds which state, and the assignment keeps states home within 5% of an even
+    # share: 5 or 6 of the 10 here), so the failures are checked against what the engine says
+    # it failed, not against a constant
     rows = report["rows"]
     (dead,) = report["dead"]
     assert dead["held"] and report["after"] != dead["pid"]
-    assert [r["failures"] for r in rows] == [0, 5, 0]
-    assert [r["clients-trained"] for r in rows] == [10, 5, 10]
-    assert rows[1]["evaluated"] == 11 and rows[2]["evaluated"] == 11
     died = [line for line in report["lines"] if "Ray worker 1 died" in line]
     assert len(died) == 1 and f"{len(dead['held'])} client(s)' saved state went with it" in died[0]
+    failed = int(re.search(r"its (\d+) client\(s\) of this exchange count as failed",
+                           died[0]).group(1))
+    assert 0 < failed < 10  # some, not all: the round completes with the other worker
+    assert [r["failures"] for r in rows] == [0, failed, 0]
+    assert [r["clients-trained"] for r in rows] == [10, 10 - failed, 10]
+    assert rows[1]["evaluated"] == 11 and rows[2]["evaluated"] == 11
     came_back = [line for line in report["lines"] if "came back without it" in line]
     assert len(came_back) == len(dead["held"])
