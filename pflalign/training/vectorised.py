@@ -36,7 +36,7 @@ from pflalign.models.registry import is_deterministic_in_training
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Correction
 from pflalign.training.loops import STREAM_OPTIMIZER, TrainStats
-from pflalign.training.optimizers import LocalOptimizer, rows_of
+from pflalign.training.optimizers import LocalOptimizer, put_rows, rows_of
 from pflalign.training.runs import LocalRun, RunResult
 
 
@@ -77,11 +77,9 @@ def _select(correction: Correction, rows: torch.Tensor | None) -> Correction:
 def _put_back(correction: Correction, part: Correction, rows: torch.Tensor | None) -> None:
     """Write the rows :func:`_select` took of ``correction`` back from ``part`` (nothing to do
     when they were every row: ``part`` is ``correction``)."""
-    if rows is None:
-        return
+    taken = part.tensors()
     for field, entries in correction.tensors().items():
-        for n, t in entries.items():
-            t.index_copy_(0, rows, part.tensors()[field][n])
+        put_rows(list(entries.values()), [taken[field][n] for n in entries], rows)
 
 
 def _row(correction: Correction, i: int) -> Correction:
