@@ -17,19 +17,28 @@ method is FedAvg exactly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from pflalign.methods.base import Method
 from pflalign.settings.options import ConfigError
 from pflalign.settings.params import Params, param
 from pflalign.settings.schema import Settings
 from pflalign.training.client import ClientRuntime
-from pflalign.training.optim.common import Tensors, grads_of
+from pflalign.training.corrections import Entries
+from pflalign.training.objectives import (
+    ModelCall,
+    Objective,
+    Step,
+    cross_entropy,
+    prefixed,
+    with_prefix,
+)
+from pflalign.training.optim.common import Tensors
+from pflalign.training.optimizers import EntryGroup, SGDGroups
+from pflalign.training.runs import LocalRun, Rule
 from pflalign.wire.messages import Received, Upload
 from pflalign.wire.protocol import LOCAL_STEPS, LOSS, TRAIN_LOSS, Metric
 from pflalign.wire.state import ArrayState, TorchState
@@ -42,18 +51,36 @@ def lerp_models(start: Tensors, end: Tensors, weight: float) -> list[torch.Tenso
     return torch._foreach_lerp(list(start), list(end), weight)
 
 
-@torch.no_grad()
-def apfl_alpha_grad(personal: Tensors, global_: Tensors, mixed_grads: Tensors) -> float:
-    """APFL's mixing-weight gradient (Deng et al., 2020, eq. 8 / Algorithm 1):
-    ``d f(alpha v + (1 - alpha) w) / d alpha = <v - w, grad f(v_bar)>``."""
-    products = torch._foreach_mul(torch._foreach_sub(list(personal), list(global_)),
-                                  list(mixed_grads))
-    return float(torch.stack([p.sum() for p in products]).sum())
+#: the run's extra tensors: the personal model v (``personal.<entry>``) and alpha
+PERSONAL, ALPHA = "personal", "alpha"
+MIXED_LOSS = "personal-train-loss"
 
 
-def apfl_alpha_step(alpha: float, grad: float, lr: float) -> float:
-    """One projected gradient step on APFL's alpha, kept in [0, 1]."""
-    return min(1.0, max(0.0, alpha - lr * grad))
+@dataclass(frozen=True)
+class MixtureObjective(Objective):
+    """An APFL client's step (Algorithm 1) as one objective: ``f(w) + f(v_bar)`` with the
+    mixture ``v_bar = alpha v + (1 - alpha) sg(w)`` (``sg``: no gradient), so that one gradient
+    gives ``grad f(w)`` for ``w``, ``alpha grad f(v_bar)`` for ``v`` (the chain rule through the
+    mixture) and ``<v - w, grad f(v_bar)>`` for ``alpha`` (eq. 8), all at the step's start. ``v``
+    and, when it adapts, ``alpha`` are the run's extra tensors; a fixed ``alpha`` is
+    ``fixed["alpha"]``; the mixture's buffers (batch-norm statistics) are its own, from
+    ``buffers`` at the run's start. ``f(v_bar)`` is reported as ``personal-train-loss``."""
+
+    fixed: Entries
+    buffers: Entries
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.buffers.items()}
+
+    def loss(self, model: ModelCall, params: Mapping[str, torch.Tensor], extras: Entries,
+             state: Entries, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None,
+             ) -> Step:
+        alpha = extras[ALPHA] if ALPHA in extras else self.fixed[ALPHA]
+        own = cross_entropy(model(params, x), y, mask)
+        mixture = {k: torch.lerp(params[k].detach(), v, alpha)
+                   for k, v in prefixed(extras, PERSONAL).items()}
+        mixed = cross_entropy(model({**params, **state, **mixture}, x), y, mask)
+        return Step(own + mixed, own, {MIXED_LOSS: mixed}, state)
 
 
 @dataclass(frozen=True)
@@ -77,10 +104,6 @@ class APFLClientState(ArrayState):
     alpha: float | None = None
 
 
-def _trainable(model: nn.Module) -> list[torch.Tensor]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 class APFL(Method):
     name = "apfl"
     summary = ("Each client mixes a personal model v with the global model w as "
@@ -91,7 +114,7 @@ class APFL(Method):
     ClientState = APFLClientState
     local_optimizer = False
     #: the mixed model's training loss and the mixing weight alpha (kept in [0, 1])
-    train_metrics = {"personal-train-loss": LOSS, "alpha": Metric(0, 1)}
+    train_metrics = {MIXED_LOSS: LOSS, "alpha": Metric(0, 1)}
 
     def _alpha(self, state: APFLClientState) -> float:
         return self.params.alpha if state.alpha is None else state.alpha
@@ -104,62 +127,30 @@ class APFL(Method):
                               "momentum = 0 for it, so that both of its models use the same "
                               "rule.")
 
-    @staticmethod
-    @torch.no_grad()
-    def _mix_(w_bar: list[torch.Tensor], w: list[torch.Tensor], v: list[torch.Tensor],
-              alpha: float) -> None:
-        """``w_bar <- alpha v + (1 - alpha) w``: the mixture a step's mixed loss is taken at."""
-        torch._foreach_copy_(w_bar, lerp_models(w, v, alpha))
-
-    def _alpha_grad(self, v: list[torch.Tensor], w: list[torch.Tensor],
-                    g_bar: list[torch.Tensor]) -> float | None:
-        """alpha's gradient at ``v`` and ``w`` before the step (None without adaptation)."""
-        return apfl_alpha_grad(v, w, g_bar) if self.params.adaptive else None
-
-    def _personal_step_(self, v: list[torch.Tensor], g_bar: list[torch.Tensor], alpha: float,
-                        alpha_grad: float | None, lr: float) -> float:
-        """``v <- v - lr alpha grad f(v_bar)`` in place, and alpha's new value."""
-        with torch.no_grad():
-            torch._foreach_add_(v, g_bar, alpha=-lr * alpha)
-        return alpha if alpha_grad is None else apfl_alpha_step(alpha, alpha_grad,
-                                                                self.params.alpha_lr)
-
-    @staticmethod
-    def _metrics(loss_sum: float, mixed_sum: float, seen: int, steps: int, alpha: float,
-                 ) -> dict:
-        return {TRAIN_LOSS: loss_sum / max(seen, 1), LOCAL_STEPS: steps,
-                "personal-train-loss": mixed_sum / max(seen, 1), "alpha": alpha}
-
     def train(self, client: ClientRuntime, received: Received, state: APFLClientState,
-              ) -> tuple[Upload, APFLClientState]:
-        t = client.training
-        model = client.new_model(received.model)
-        personal = client.new_model(state.personal or received.model)
-        mixed = client.new_model(received.model)
-        w, v, w_bar = _trainable(model), _trainable(personal), _trainable(mixed)
-        alpha = self._alpha(state)
-        optimizer = t.sgd(w)
-        model.train()
-        mixed.train()
-        loss_sum, mixed_sum, seen, steps = 0.0, 0.0, 0, 0
-        for inputs, targets in client.batches(received.server_round):
-            self._mix_(w_bar, w, v, alpha)
-            mixed.zero_grad(set_to_none=True)
-            mixed_loss = F.cross_entropy(mixed(inputs), targets)
-            mixed_loss.backward()
-            g_bar = grads_of(w_bar)
-            alpha_grad = self._alpha_grad(v, w, g_bar)
-            loss = F.cross_entropy(model(inputs), targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            alpha = self._personal_step_(v, g_bar, alpha, alpha_grad, t.lr)
-            loss_sum += float(loss.detach()) * len(targets)
-            mixed_sum += float(mixed_loss.detach()) * len(targets)
-            seen += len(targets)
-            steps += 1
-        upload = Upload(model.state_dict(), self._metrics(loss_sum, mixed_sum, seen, steps, alpha))
-        return upload, APFLClientState(personal.state_dict(), alpha)
+              ) -> Rule:
+        t, p = client.training, self.params
+        keys = client.template.trainable
+        personal = state.personal or received.model
+        alpha = torch.tensor(self._alpha(state))
+        extras = with_prefix({k: personal[k] for k in keys}, PERSONAL)
+        if p.adaptive:
+            extras[ALPHA] = alpha
+        result = yield LocalRun(
+            received.model, objective=MixtureObjective(
+                {} if p.adaptive else {ALPHA: alpha},
+                {k: received.model[k] for k, _ in client.layout.named_buffers()
+                 if k in received.model}),
+            extras=extras, optimizer=SGDGroups(t.lr, t.momentum, t.weight_decay, (
+                EntryGroup(f"{PERSONAL}.", weight_decay=0.0),
+                EntryGroup(ALPHA, lr=p.alpha_lr, weight_decay=0.0, bounds=(0.0, 1.0)))))
+        stats = result.stats
+        alpha_after = float(result.extras[ALPHA]) if p.adaptive else float(alpha)
+        upload = Upload(result.model, {
+            TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps,
+            "personal-train-loss": stats.metrics[MIXED_LOSS], "alpha": alpha_after})
+        return upload, APFLClientState({**personal, **prefixed(result.extras, PERSONAL)},
+                                       alpha_after)
 
     def _mixture(self, global_: TorchState, state: APFLClientState, names: Sequence[str],
                  device: torch.device) -> list[torch.Tensor]:

@@ -33,20 +33,22 @@ from the first round on (the code starts from a random vector). The MMD kernel b
 authors' code's. The CPN adds ``2K^2 + 6K`` values to the traffic (527,360 for the ``cnn``'s
 ``K = 512``, about 90% of its model).
 
-Its local training is a loop of its own (the objective is not the run's model's cross-entropy):
-the batched engine runs it client by client.
+Its local training is one :class:`~pflalign.training.runs.LocalRun` with its own objective
+(:class:`PolicyObjective`), the personalized head and the CPN as the run's extra tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from pflalign.methods.base import Method
 from pflalign.models.registry import head_of, without_head
@@ -55,12 +57,22 @@ from pflalign.server.aggregation import FlatSpec
 from pflalign.server.runtime import ServerRuntime
 from pflalign.settings.params import Params, param
 from pflalign.training.client import ClientRuntime
+from pflalign.training.corrections import Entries
 from pflalign.training.loops import derive_seed
+from pflalign.training.objectives import (
+    ModelCall,
+    Objective,
+    Step,
+    cross_entropy,
+    prefixed,
+    with_prefix,
+)
+from pflalign.training.runs import LocalRun, Rule
 from pflalign.wire.messages import Payload, Received, Update, Upload
 from pflalign.wire.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS, Metric
 from pflalign.wire.state import ArrayState, ServerState, State, TorchState
 
-CPN = "cpn"
+CPN, HEAD = "cpn", "head"
 #: the MMD's Gaussian kernel bandwidths sigma in exp(-||u - v||^2 / (2 sigma))
 BANDWIDTHS = (10.0, 15.0, 20.0, 50.0)
 _CPN_STREAM = 0xC9
@@ -96,9 +108,13 @@ def client_vector(head_weight: torch.Tensor) -> torch.Tensor:
     return v / v.norm()
 
 
-def fedcp_logits(features: torch.Tensor, vector: torch.Tensor, policy: ConditionalPolicy,
-                 global_head: nn.Module, personal_head: nn.Module) -> torch.Tensor:
-    """``W^hd(r * h) + W_i^hd(s * h)`` with ``{r, s} = CPN(v * h)``."""
+Layer = Callable[[torch.Tensor], Any]
+
+
+def fedcp_logits(features: torch.Tensor, vector: torch.Tensor, policy: Layer,
+                 global_head: Layer, personal_head: Layer) -> torch.Tensor:
+    """``W^hd(r * h) + W_i^hd(s * h)`` with ``{r, s} = CPN(v * h)`` (the CPN and the heads as
+    modules, or as functional calls of them)."""
     r, s = policy(vector * features)
     return global_head(r * features) + personal_head(s * features)
 
@@ -135,6 +151,36 @@ def mmd2(x: torch.Tensor, y: torch.Tensor, bandwidths: Sequence[float] = BANDWID
         return kernel(x, x).mean() + kernel(y, y).mean() - 2 * kernel(x, y).mean()
     w = mask / mask.sum().clamp_min(1)
     return w @ kernel(x, x) @ w + w @ kernel(y, y) @ w - 2 * (w @ kernel(x, y) @ w)
+
+
+@dataclass(frozen=True)
+class PolicyObjective(Objective):
+    """A FedCP client's round: ``CE(W^hd(r * h) + W_i^hd(s * h), y) + lambda MMD^2(h, h^g)``
+    with ``h`` the trained extractor's features and ``h^g`` the received extractor's
+    (``reference``, held fixed). The personalized head (``head.*``) and the CPN
+    (``cpn.*``) are the run's extra tensors, ``policy`` the CPN's structure; ``vector["v"]`` is
+    ``v_i / ||v_i||``. MMD^2 is reported as the diagnostic ``mmd``."""
+
+    reference: Entries
+    vector: Entries
+    policy: ConditionalPolicy
+    lambda_: float
+
+    def loss(self, model: ModelCall, params: Mapping[str, torch.Tensor], extras: Entries,
+             state: Entries, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None,
+             ) -> Step:
+        features = model.features(params, x)
+        policy = prefixed(extras, CPN)
+        logits = fedcp_logits(
+            features, self.vector["v"],
+            lambda c: functional_call(self.policy, policy, (c,)),
+            lambda h: model.head(params, h),
+            lambda h: model.head_with(prefixed(extras, HEAD), h))
+        ce = cross_entropy(logits, y, mask)
+        with torch.no_grad():
+            reference = model.features({**params, **self.reference}, x)
+        mmd = mmd2(features, reference, mask=mask)
+        return Step(ce + self.lambda_ * mmd, ce, {"mmd": mmd})
 
 
 @cached(maxsize=None)
@@ -201,50 +247,33 @@ class FedCP(Method):
     @staticmethod
     def _result(model_state: Mapping[str, torch.Tensor], name: str,
                 global_head: Mapping[str, torch.Tensor], own_head: TorchState,
-                policy: Mapping[str, torch.Tensor], ce_sum: float, mmd_sum: float, seen: int,
-                steps: int) -> tuple[Upload, FedCPClientState]:
+                policy: Mapping[str, torch.Tensor], loss: float, mmd: float, steps: int,
+                ) -> tuple[Upload, FedCPClientState]:
         """The upload (the trained extractor, ``(W^hd + W_i^hd) / 2`` as the head, the CPN) and
         the new state (``W_i^hd``) of a client's round."""
         upload = dict(model_state)
         for key, value in own_head.items():
             upload[f"{name}.{key}"] = (global_head[key] + value) / 2
-        return (Upload(upload, {TRAIN_LOSS: ce_sum / max(seen, 1), LOCAL_STEPS: steps,
-                                "mmd": mmd_sum / max(seen, 1)},
+        return (Upload(upload, {TRAIN_LOSS: loss, LOCAL_STEPS: steps, "mmd": mmd},
                        arrays={CPN: dict(policy)}),
                 FedCPClientState(own_head))
 
     def train(self, client: ClientRuntime, received: Received, state: FedCPClientState,
-              ) -> tuple[Upload, FedCPClientState]:
+              ) -> Rule:
         model, global_head, personal_head, policy, name = self._parts(client, received, state)
-        frozen = client.new_model(received.model)
-        frozen.requires_grad_(False)
-        vector = client_vector(personal_head.weight)
-        body = [p for n, p in model.named_parameters() if not n.startswith(f"{name}.")]
-        optimizer = client.make_optimizer([*body, *personal_head.parameters(),
-                                           *policy.parameters()], received.server_round)
-        lam = self.params.lambda_
-        model.train()
-        frozen.train()
-        policy.train()
-        ce_sum, mmd_sum, seen, steps = 0.0, 0.0, 0, 0
-        with without_head(model), without_head(frozen):
-            for x, y in client.batches(received.server_round):
-                features = model(x)
-                ce = F.cross_entropy(fedcp_logits(features, vector, policy, global_head,
-                                                  personal_head), y)
-                with torch.no_grad():
-                    reference = frozen(x)
-                mmd = mmd2(features, reference)
-                optimizer.zero_grad(set_to_none=True)
-                (ce + lam * mmd).backward()
-                optimizer.step()
-                ce_sum += float(ce.detach()) * len(y)
-                mmd_sum += float(mmd.detach()) * len(y)
-                seen += len(y)
-                steps += 1
-        own_head = {k: v.detach().clone() for k, v in personal_head.state_dict().items()}
-        return self._result(model.state_dict(), name, global_head.state_dict(), own_head,
-                            policy.state_dict(), ce_sum, mmd_sum, seen, steps)
+        reference = {k: v for k, v in received.model.items() if not k.startswith(f"{name}.")}
+        objective = PolicyObjective(reference,
+                                    {"v": client_vector(personal_head.weight)}, policy,
+                                    self.params.lambda_)
+        result = yield LocalRun(received.model, trainable=tuple(reference),
+                                objective=objective, extras={
+                                    **with_prefix(personal_head.state_dict(), HEAD),
+                                    **with_prefix(policy.state_dict(), CPN)})
+        own_head = prefixed(result.extras, HEAD)
+        stats = result.stats
+        return self._result(result.model, name, global_head.state_dict(), own_head,
+                            prefixed(result.extras, CPN), stats.loss, stats.metrics["mmd"],
+                            stats.steps)
 
     def _personalized(self, client: ClientRuntime, received: Received,
                       state: FedCPClientState) -> FedCPModel:

@@ -35,12 +35,11 @@ input trained at the local learning rate. ``feddbe-kappa`` = 5 keeps the authors
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pflalign.methods.fedavg import FedAvg
@@ -49,12 +48,17 @@ from pflalign.server.aggregation import FlatSpec
 from pflalign.server.runtime import ServerRuntime
 from pflalign.settings.params import Params, param
 from pflalign.training.client import ClientRuntime
+from pflalign.training.corrections import Entries
+from pflalign.training.objectives import ModelCall, Objective, Step, batch_mean, cross_entropy
+from pflalign.training.runs import LocalRun, Rule
 from pflalign.wire.messages import Payload, Received, Update, Upload
 from pflalign.wire.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS, Metric
 from pflalign.wire.state import ArrayState, ServerState, State
 
 #: the server's global mean (sent) and a client's running mean (uploaded), each as ``{"mean": v}``
 GLOBAL_MEAN, FEATURE_MEAN, MEAN = "global-mean", "feature-mean", "mean"
+#: the PRBM, the run's extra trained tensor
+BIAS = "bias"
 
 
 def running_mean(previous: torch.Tensor, batch_mean: torch.Tensor,
@@ -79,6 +83,34 @@ class BiasedModel(nn.Module):
         with without_head(self.model):
             features = self.model(x)
         return head_of(self.model)[1](features + self.bias)
+
+
+@dataclass(frozen=True)
+class BiasedObjective(Objective):
+    """A FedDBE client's round: ``CE(head(z^g + z_i^p), y) + kappa MR`` with the running mean
+    carried from batch to batch (state ``mean``); without a global mean (``target`` empty) the
+    plain cross-entropy, no PRBM, the running mean still kept (the first round's). The PRBM is
+    the run's extra tensor ``bias``; MR is reported as the diagnostic ``mr``."""
+
+    target: Entries
+    features: int
+    kappa: float
+    momentum: float
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        return {MEAN: torch.zeros(self.features)}
+
+    def loss(self, model: ModelCall, params: Mapping[str, torch.Tensor], extras: Entries,
+             state: Entries, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None,
+             ) -> Step:
+        features = model.features(params, x)
+        mean = running_mean(state[MEAN], batch_mean(features, mask), self.momentum)
+        biased = features + extras[BIAS] if BIAS in extras else features
+        ce = cross_entropy(model.head(params, biased), y, mask)
+        if not self.target:
+            return Step(ce, ce, state={MEAN: mean.detach()})
+        mr = mean_regularization(mean, self.target[MEAN])
+        return Step(ce + self.kappa * mr, ce, {"mr": mr}, {MEAN: mean.detach()})
 
 
 @dataclass(frozen=True)
@@ -122,45 +154,21 @@ class FedDBE(FedAvg):
 
     # --- client --------------------------------------------------------------------------------
     def train(self, client: ClientRuntime, received: Received, state: FedDBEClientState,
-              ) -> tuple[Upload, FedDBEClientState]:
+              ) -> Rule:
         p = self.params
-        model = client.new_model(received.model)
-        head = head_of(model)[1]
+        features = head_of(client.layout)[1].in_features
         target = received.arrays.get(GLOBAL_MEAN, {}).get(MEAN)
-        trained = list(model.parameters())
-        bias = None
+        extras = {}
         if target is not None:  # the regularized round; before the global mean: FedAvg's
-            target = target.to(client.device)
-            bias = (torch.zeros(head.in_features, device=client.device) if state.bias is None
-                    else state.bias.to(client.device).clone()).requires_grad_(True)
-            trained.append(bias)
-        optimizer = client.make_optimizer(trained, received.server_round)
-        mean = torch.zeros(head.in_features, device=client.device)
-        ce_sum = torch.zeros((), device=client.device)
-        mr_sum, seen, steps = 0.0, 0, 0
-        model.train()
-        for x, y in client.batches(received.server_round):
-            with without_head(model):
-                features = model(x)
-            mean = running_mean(mean, features.mean(dim=0), p.momentum)
-            ce = F.cross_entropy(head(features if bias is None else features + bias), y)
-            loss = ce
-            if target is not None:
-                mr = mean_regularization(mean, target)
-                loss = ce + p.kappa * mr
-                mr_sum += float(mr.detach()) * len(y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            ce_sum += ce.detach() * len(y)
-            seen += len(y)
-            steps += 1
-        metrics = {TRAIN_LOSS: float(ce_sum) / max(seen, 1), LOCAL_STEPS: steps}
-        if target is not None:
-            metrics["mr"] = mr_sum / max(seen, 1)
-        new = state if bias is None else FedDBEClientState(bias.detach().clone())
-        return Upload(model.state_dict(), metrics,
-                      arrays={FEATURE_MEAN: {MEAN: mean.detach().clone()}}), new
+            extras[BIAS] = (torch.zeros(features) if state.bias is None else state.bias)
+        result = yield LocalRun(received.model, objective=BiasedObjective(
+            {} if target is None else {MEAN: target}, features, p.kappa, p.momentum),
+            extras=extras)
+        metrics = {TRAIN_LOSS: result.stats.loss, LOCAL_STEPS: result.stats.steps,
+                   **result.stats.metrics}
+        new = state if target is None else FedDBEClientState(result.extras[BIAS])
+        return Upload(result.model, metrics,
+                      arrays={FEATURE_MEAN: {MEAN: result.state[MEAN]}}), new
 
     def evaluate(self, client: ClientRuntime, received: Received,
                  state: FedDBEClientState) -> dict:

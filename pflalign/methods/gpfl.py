@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from pflalign.methods.base import Method
 from pflalign.methods.partial import PartialParams
@@ -59,7 +60,19 @@ from pflalign.server.aggregation import FlatSpec
 from pflalign.server.runtime import ServerRuntime
 from pflalign.settings.params import param
 from pflalign.training.client import ClientRuntime
-from pflalign.training.loops import STREAM_FINETUNE, STREAM_TRAIN, derive_seed
+from pflalign.training.corrections import Entries
+from pflalign.training.loops import STREAM_FINETUNE, derive_seed
+from pflalign.training.objectives import (
+    ModelCall,
+    Objective,
+    Step,
+    batch_mean,
+    cross_entropy,
+    prefixed,
+    with_prefix,
+)
+from pflalign.training.optimizers import EntryGroup, SGDGroups
+from pflalign.training.runs import LocalRun, Rule
 from pflalign.wire.messages import Payload, Received, Update, Upload
 from pflalign.wire.protocol import LOCAL_STEPS, MODEL, TRAIN_LOSS, Metric
 from pflalign.wire.state import ArrayState, ServerState, State, TorchState
@@ -111,13 +124,13 @@ def conditional_inputs(embedding: torch.Tensor, labels: torch.Tensor,
 
 def guidance_losses(global_features: torch.Tensor, embedding: torch.Tensor,
                     received: torch.Tensor, labels: torch.Tensor,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``L_alg`` (Eq. 8: the cross-entropy of the cosines between each ``f^G`` and every class
     embedding of the trained GCE) and ``L_mlg`` (Eq. 9: each ``f^G``'s L2 distance to its class
-    in the received GCE), each averaged over the batch."""
+    in the received GCE), each averaged over the batch (its masked-in samples)."""
     cosines = F.normalize(global_features, dim=1) @ F.normalize(embedding, dim=1).T
-    alg = F.cross_entropy(cosines, labels)
-    mlg = (global_features - received[labels].detach()).norm(dim=1).mean()
+    alg = cross_entropy(cosines, labels, mask)
+    mlg = batch_mean((global_features - received[labels].detach()).norm(dim=1), mask)
     return alg, mlg
 
 
@@ -133,6 +146,51 @@ class GPFLModel(nn.Module):
         with without_head(self.model):
             features = self.model(x)
         return head_of(self.model)[1](self.valve(features, self.personal))
+
+
+@dataclass(frozen=True)
+class GuidedObjective(Objective):
+    """A GPFL client's round (Eqs. 8-11): ``CE(head(f^P), y) + L_alg + lambda L_mlg``, the CoV
+    (``cov.*``) and the GCE (``gce.*``) trained as the run's extra tensors (their weight decay,
+    the ``mu`` term, is the optimizer's); ``inputs`` holds ``g``, ``p_i`` and the received GCE
+    ``C^``, ``valve`` the CoV's structure. ``L_alg`` and ``L_mlg`` are reported as the
+    diagnostics ``alg`` and ``mlg``."""
+
+    inputs: Entries
+    valve: ConditionalValve
+    lambda_: float
+
+    def loss(self, model: ModelCall, params: Mapping[str, torch.Tensor], extras: Entries,
+             state: Entries, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None,
+             ) -> Step:
+        features = model.features(params, x)
+        cov = prefixed(extras, COV)
+
+        def valve(f: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
+            return functional_call(self.valve, cov, (f, condition))
+
+        ce = cross_entropy(model.head(params, valve(features, self.inputs["personal"])), y, mask)
+        alg, mlg = guidance_losses(valve(features, self.inputs["global"]),
+                                   extras[f"{GCE}.weight"], self.inputs["received"], y, mask)
+        return Step(ce + alg + self.lambda_ * mlg, ce, {"alg": alg, "mlg": mlg})
+
+
+@dataclass(frozen=True)
+class ValvedObjective(Objective):
+    """A new client's head fit: the cross-entropy of ``head(CoV(phi(x), p_i))`` with the
+    received CoV (``valve_state``, fixed) and ``p_i`` (``inputs["p"]``)."""
+
+    valve_state: Entries
+    inputs: Entries
+    valve: ConditionalValve
+
+    def loss(self, model: ModelCall, params: Mapping[str, torch.Tensor], extras: Entries,
+             state: Entries, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None,
+             ) -> Step:
+        routed = functional_call(self.valve, prefixed(self.valve_state, COV),
+                                 (model.features(params, x), self.inputs["p"]))
+        ce = cross_entropy(model.head(params, routed), y, mask)
+        return Step(ce, ce)
 
 
 @cached(maxsize=None)
@@ -206,55 +264,37 @@ class GPFL(Method):
         return model, valve, embedding, g, p_i
 
     def train(self, client: ClientRuntime, received: Received, state: GPFLClientState,
-              ) -> tuple[Upload, GPFLClientState]:
+              ) -> Rule:
         t, p = client.training, self.params
         model, valve, embedding, g, p_i = self._parts(client, received, state)
-        frozen = embedding.weight.detach().clone()  # C^, the received GCE
-        optimizer = torch.optim.SGD(
-            [{"params": list(model.parameters()), "weight_decay": t.weight_decay},
-             {"params": [*valve.parameters(), *embedding.parameters()], "weight_decay": p.mu}],
-            lr=t.lr, momentum=t.momentum)
-        head = head_of(model)[1]
-        ce_sum, alg_sum, mlg_sum, seen, steps = 0.0, 0.0, 0.0, 0, 0
-        model.train()
-        for x, y in client.batches(received.server_round, STREAM_TRAIN):
-            with without_head(model):
-                features = model(x)
-            ce = F.cross_entropy(head(valve(features, p_i)), y)
-            alg, mlg = guidance_losses(valve(features, g), embedding.weight, frozen, y)
-            optimizer.zero_grad(set_to_none=True)
-            (ce + alg + p.lambda_ * mlg).backward()
-            optimizer.step()
-            ce_sum += float(ce.detach()) * len(y)
-            alg_sum += float(alg.detach()) * len(y)
-            mlg_sum += float(mlg.detach()) * len(y)
-            seen += len(y)
-            steps += 1
-        entries = model.state_dict()
+        result = yield LocalRun(
+            model.state_dict(), objective=GuidedObjective(
+                {"global": g, "personal": p_i, "received": embedding.weight.detach()}, valve,
+                p.lambda_),
+            extras={**with_prefix(valve.state_dict(), COV),
+                    **with_prefix(embedding.state_dict(), GCE)},
+            optimizer=SGDGroups(t.lr, t.momentum, t.weight_decay,
+                                (EntryGroup(f"{COV}.", weight_decay=p.mu),
+                                 EntryGroup(f"{GCE}.", weight_decay=p.mu))))
         personal = set(head_keys(model))
-        upload = Upload({k: v for k, v in entries.items() if k not in personal},
-                        {TRAIN_LOSS: ce_sum / max(seen, 1), LOCAL_STEPS: steps,
-                         "alg": alg_sum / max(seen, 1), "mlg": mlg_sum / max(seen, 1)},
-                        arrays={COV: dict(valve.state_dict()), GCE: dict(embedding.state_dict())})
-        return upload, GPFLClientState({k: v for k, v in entries.items() if k in personal})
+        stats = result.stats
+        upload = Upload({k: v for k, v in result.model.items() if k not in personal},
+                        {TRAIN_LOSS: stats.loss, LOCAL_STEPS: stats.steps, **stats.metrics},
+                        arrays={COV: prefixed(result.extras, COV),
+                                GCE: prefixed(result.extras, GCE)})
+        return upload, GPFLClientState({k: v for k, v in result.model.items() if k in personal})
 
     def evaluate(self, client: ClientRuntime, received: Received,
-                 state: GPFLClientState) -> dict:
+                 state: GPFLClientState) -> Rule:
         model, valve, _, _, p_i = self._parts(client, received, state)
-        personalized = GPFLModel(model, valve, p_i)
         if state.head is None:  # a new client fits its head on the personalized route
-            head = head_of(model)[1]
-            personalized.requires_grad_(False)
-            head.requires_grad_(True)
-            optimizer = client.make_optimizer(head.parameters(), received.server_round,
-                                              STREAM_FINETUNE)
-            personalized.train()
-            for x, y in client.batches(received.server_round, STREAM_FINETUNE,
-                                       self.params.finetune_epochs):
-                optimizer.zero_grad(set_to_none=True)
-                F.cross_entropy(personalized(x), y).backward()
-                optimizer.step()
-        return client.eval_metrics(client.test(personalized))
+            fitted = yield LocalRun(
+                model.state_dict(), trainable=head_keys(model), stream=STREAM_FINETUNE,
+                epochs=self.params.finetune_epochs,
+                objective=ValvedObjective(with_prefix(valve.state_dict(), COV), {"p": p_i},
+                                          valve))
+            model.load_state_dict(fitted.model)
+        return client.eval_metrics(client.test(GPFLModel(model, valve, p_i)))
 
     # --- server --------------------------------------------------------------------------------
     @staticmethod

@@ -15,45 +15,48 @@ scores the adapted model, ``global-acc`` the meta-model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
+from torch.func import grad_and_value
 
 from pflalign.methods.base import Method
 from pflalign.settings.params import Params, param
 from pflalign.training.client import ClientRuntime
+from pflalign.training.corrections import Entries
 from pflalign.training.loops import STREAM_FINETUNE
+from pflalign.training.objectives import ModelCall, Objective, Step, cross_entropy
 from pflalign.training.optimizers import PlainSGD
 from pflalign.training.runs import LocalRun, Rule
 from pflalign.wire.messages import Received, Upload
 from pflalign.wire.protocol import LOCAL_STEPS, TRAIN_LOSS
 from pflalign.wire.state import NoClientState
 
-T = TypeVar("T")
 
+@dataclass(frozen=True)
+class MetaObjective(Objective):
+    """One first-order MAML step on a pair of batches ``(D, D')``: the loss ``f(w_tmp; D')`` at
+    ``w_tmp = w - alpha sg(grad f(w; D))`` (``sg``: no gradient), whose gradient in ``w`` is
+    ``grad f(w_tmp; D')``, the FO approximation; the run's optimizer (plain SGD at beta) steps
+    ``w`` with it. The reported loss is ``f(w; D)``. ``trained``: the model's entries that adapt."""
 
-def _pairs(batches: list[T]) -> list[tuple[T, T]]:
-    """A round's meta-steps: consecutive batches ``(D, D')``; a single batch is used twice."""
-    return list(zip(batches[0::2], batches[1::2], strict=False)) or [(batches[0], batches[0])]
+    trained: tuple[str, ...]
+    alpha: float
 
+    def loss(self, model: ModelCall, params: Mapping[str, torch.Tensor], extras: Entries,
+             state: Entries, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None,
+             ) -> Step:
+        (x1, x2), (y1, y2) = x, y
+        m1, m2 = (None, None) if mask is None else mask
 
-@torch.no_grad()
-def _adapt_(params: list[torch.Tensor], grads: list[torch.Tensor], alpha: float,
-            ) -> list[torch.Tensor]:
-    """``w_tmp = w - alpha grad f(w; D)`` in place; returns ``w`` as it was."""
-    saved = [p.detach().clone() for p in params]
-    torch._foreach_add_(params, grads, alpha=-alpha)
-    return saved
+        def inner(adapted: dict[str, torch.Tensor]) -> torch.Tensor:
+            return cross_entropy(model({**params, **adapted}, x1), y1, m1)
 
-
-@torch.no_grad()
-def _meta_step_(params: list[torch.Tensor], saved: list[torch.Tensor],
-                grads: list[torch.Tensor], beta: float) -> None:
-    """``w <- w - beta grad f(w_tmp; D')``, ``params`` holding ``w_tmp`` and ``saved`` ``w``."""
-    torch._foreach_copy_(params, saved)
-    torch._foreach_add_(params, grads, alpha=-beta)
+        grads, first = grad_and_value(inner)({k: params[k] for k in self.trained})
+        adapted = {k: torch.add(params[k], grads[k].detach(), alpha=-self.alpha)
+                   for k in self.trained}
+        return Step(cross_entropy(model({**params, **adapted}, x2), y2, m2), first.detach())
 
 
 @dataclass(frozen=True)
@@ -80,26 +83,14 @@ class PerFedAvg(Method):
     tuned_training = ()  # its step sizes are alpha and beta
     local_optimizer = False
 
-    def train(self, client: ClientRuntime, received: Received, state: NoClientState,
-              ) -> tuple[Upload, NoClientState]:
-        alpha, beta = self.params.alpha, self.params.beta
-        model = client.new_model(received.model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        model.train()
-        pairs = _pairs(list(client.batches(received.server_round)))
-        loss_sum, seen = 0.0, 0
-        for (x1, y1), (x2, y2) in pairs:
-            model.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x1), y1)
-            loss.backward()
-            saved = _adapt_(params, [p.grad for p in params], alpha)
-            model.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x2), y2).backward()
-            _meta_step_(params, saved, [p.grad for p in params], beta)
-            loss_sum += float(loss.detach()) * len(y1)
-            seen += len(y1)
-        return Upload(model.state_dict(), {TRAIN_LOSS: loss_sum / max(seen, 1),
-                                           LOCAL_STEPS: len(pairs)}), state
+    def train(self, client: ClientRuntime, received: Received, state: NoClientState) -> Rule:
+        """``floor(T / 2)`` meta-steps on consecutive pairs of the ``T`` batches plain training
+        would use (a client with one batch uses it twice)."""
+        result = yield LocalRun(
+            received.model, batches_per_step=2, optimizer=PlainSGD(self.params.beta),
+            objective=MetaObjective(client.template.trainable, self.params.alpha))
+        return Upload(result.model, {TRAIN_LOSS: result.stats.loss,
+                                     LOCAL_STEPS: result.stats.steps}), state
 
     def evaluate(self, client: ClientRuntime, received: Received, state: NoClientState) -> Rule:
         """``personal-acc`` after ``perfedavg-eval-steps`` SGD steps at rate ``perfedavg-alpha``

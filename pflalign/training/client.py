@@ -32,6 +32,7 @@ from pflalign.training.loops import (
     STREAM_OPTIMIZER,
     STREAM_TRAIN,
     EvalStats,
+    StepLoss,
     TrainStats,
     batch_indices,
     derive_seed,
@@ -40,6 +41,7 @@ from pflalign.training.loops import (
     make_generator,
     train_batches,
 )
+from pflalign.training.objectives import ModelCall
 from pflalign.training.optimizers import LocalOptimizer
 from pflalign.training.runs import LocalRun, RunResult
 from pflalign.wire.protocol import (
@@ -95,10 +97,11 @@ class ClientRuntime:
     def execute(self, run: LocalRun, server_round: int) -> RunResult:
         """Run ``run`` on this client (:class:`~pflalign.training.runs.LocalRun`): the template's
         reused training module loaded with its start, its optimizer over the trained parameters, and
-        at every step ``backward``, the correction on their ``.grad``, ``step``. When only the
-        model's last layer trains and the rest is deterministic in training, the layer trains on the
-        body's features computed once (the same batches and updates at the cost of one forward pass
-        of the body)."""
+        at every step ``backward`` (of the run's objective, when it has one: with its extra
+        tensors trained after the model's), the correction on their ``.grad``, ``step``. When
+        only the model's last layer trains, the rest is deterministic in training and the run has
+        no objective of its own, the layer trains on the body's features computed once (the
+        same batches and updates at the cost of one forward pass of the body)."""
         model = self.template.trainer(run.start, self.device)
         if self.template.has_dropout:
             # dropout draws from torch's global generator: seed it per run (lora-dropout > 0),
@@ -109,8 +112,10 @@ class ClientRuntime:
         names = [n for n, p in named.items()
                  if (p.requires_grad if run.trainable is None else n in set(run.trainable))]
         params = [named[n] for n in names]
+        extras = {n: t.to(self.device).clone().requires_grad_(True)
+                  for n, t in run.extras.items()}
         rule = run.optimizer or LocalOptimizer(self.training)
-        before_step = after_batch = correction = None
+        before_step = after_batch = correction = step_loss = None
         if run.correction is not None:
             correction = run.correction.to(self.device)
             if correction.moves:  # its own copies, which it moves
@@ -127,8 +132,21 @@ class ClientRuntime:
                 def after_batch() -> None:
                     correction.end_batch_(params, names)
 
+        state: dict[str, torch.Tensor] = {}
+        if run.objective is not None:
+            objective, call = run.objective.to(self.device), ModelCall(model)
+            state = {k: v.to(self.device) for k, v in objective.initial_state().items()}
+
+            def step_loss(inputs: torch.Tensor, targets: torch.Tensor) -> tuple:
+                nonlocal state
+                step = objective.loss(call, named, extras, state, inputs, targets, None)
+                state = dict(step.state) or state
+                return step.objective, step.loss, step.metrics
+
+        trained = [*params, *extras.values()]
+        trained_names = [*names, *extras]
         with self._only_training(model, run.trainable):
-            head = (None if run.trainable is None
+            head = (None if run.trainable is None or step_loss is not None
                     else self.last_layer_owning(model, run.trainable))
             if head is not None:
                 params = list(head.parameters())
@@ -142,15 +160,18 @@ class ClientRuntime:
                                          steps_per_batch=run.steps_per_batch,
                                          after_batch=after_batch)
             else:
-                optimizer = rule.build(params, names, self.generator(
+                optimizer = rule.build(trained, trained_names, self.generator(
                     server_round, STREAM_OPTIMIZER, run.stream))
                 stats = self.train_split(model, server_round, run.stream, run.epochs, optimizer,
                                          before_step, max_steps=run.max_steps,
                                          steps_per_batch=run.steps_per_batch,
-                                         after_batch=after_batch)
-        trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return RunResult(trained, stats, rule.outcome(optimizer, names),
-                         correction if correction is not None and correction.moves else None)
+                                         after_batch=after_batch, step_loss=step_loss,
+                                         batches_per_step=run.batches_per_step)
+        model_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return RunResult(model_state, stats, rule.outcome(optimizer, trained_names),
+                         correction if correction is not None and correction.moves else None,
+                         {n: t.detach().clone() for n, t in extras.items()},
+                         {n: t.detach().clone() for n, t in state.items()})
 
     @staticmethod
     @contextmanager
@@ -184,14 +205,16 @@ class ClientRuntime:
                     before_step: Callable[[], None] | None = None,
                     features: torch.Tensor | None = None,
                     max_steps: int | None = None, steps_per_batch: int = 1,
-                    after_batch: Callable[[], None] | None = None) -> TrainStats:
+                    after_batch: Callable[[], None] | None = None,
+                    step_loss: StepLoss | None = None, batches_per_step: int = 1,
+                    ) -> TrainStats:
         """Train on the client's train split, shuffled by (seed, round, client, stream).
 
         ``epochs=None`` is the round's local training: ``local-epochs``, capped at ``local-steps``.
         An explicit ``epochs`` (a method's other phases: fine-tuning, personal models, heads) is
         run in full; ``max_steps`` caps either. ``features``, one row per train sample, replaces
         the normalised images as ``model``'s input (a head trained on a frozen body's
-        outputs). ``steps_per_batch`` and ``after_batch``: as
+        outputs). ``steps_per_batch``, ``after_batch``, ``step_loss`` and ``batches_per_step``: as
         :func:`~pflalign.training.loops.train_batches` takes them."""
         t = self.training
         inputs, normalize = ((self.data.train_x, self.data.normalize) if features is None
@@ -202,7 +225,8 @@ class ClientRuntime:
             batch_size=t.batch_size, epochs=t.local_epochs if epochs is None else epochs,
             max_steps=self._step_cap(epochs, max_steps),
             generator=self.generator(server_round, stream), before_step=before_step,
-            steps_per_batch=steps_per_batch, after_batch=after_batch)
+            steps_per_batch=steps_per_batch, after_batch=after_batch, step_loss=step_loss,
+            batches_per_step=batches_per_step)
 
     def make_optimizer(self, params: Iterable[torch.Tensor], server_round: int,
                        stream: int = STREAM_TRAIN) -> torch.optim.Optimizer:

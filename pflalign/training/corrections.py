@@ -19,7 +19,35 @@ import torch
 Entries = Mapping[str, torch.Tensor]
 
 
-class Correction:
+class PerClient:
+    """A frozen dataclass whose :data:`Entries` fields hold per-client tensors (one per name) and
+    whose other fields are hyperparameters, the same for every client of a cohort: a correction,
+    or a run's objective (:mod:`pflalign.training.objectives`). The vectorised executor stacks the
+    tensor fields of a cohort's along a leading client dimension."""
+
+    def tensors(self) -> dict[str, Entries]:
+        """The per-client tensor fields."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore
+                if isinstance(getattr(self, f.name), Mapping)}
+
+    def replaced(self, tensors: Mapping[str, Entries]) -> Self:
+        """The same object with its tensor fields replaced (stacked, moved, or selected)."""
+        return dataclasses.replace(self, **tensors)  # type: ignore[type-var]
+
+    def to(self, device: torch.device) -> Self:
+        return self.replaced({field: {n: t.to(device) for n, t in entries.items()}
+                              for field, entries in self.tensors().items()})
+
+    def scalars(self) -> tuple:
+        """The hyperparameter fields, and the names of the tensor fields' entries: what a cohort
+        must share (a module field, the structure a loss calls, counts by its type)."""
+        tensors = self.tensors()
+        return tuple((f.name, tuple(tensors[f.name]) if f.name in tensors else
+                      type(v) if isinstance(v := getattr(self, f.name), torch.nn.Module) else v)
+                     for f in dataclasses.fields(self))  # type: ignore[arg-type]
+
+
+class Correction(PerClient):
     """A per-step gradient transformation: ``apply_(grads, params, names)`` changes the
     gradients in place after ``backward`` and before the optimizer steps.
 
@@ -44,19 +72,6 @@ class Correction:
         """Whether :meth:`end_batch_` changes the correction's tensors (then an executor works on
         copies of them)."""
         return type(self).end_batch_ is not Correction.end_batch_
-
-    def tensors(self) -> dict[str, Entries]:
-        """The correction's per-client tensor fields."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore
-                if isinstance(getattr(self, f.name), Mapping)}
-
-    def replaced(self, tensors: Mapping[str, Entries]) -> Self:
-        """The same correction with its tensor fields replaced (stacked, moved, or selected)."""
-        return dataclasses.replace(self, **tensors)  # type: ignore[type-var]
-
-    def to(self, device: torch.device) -> Self:
-        return self.replaced({field: {n: t.to(device) for n, t in entries.items()}
-                              for field, entries in self.tensors().items()})
 
 
 @dataclass(frozen=True)

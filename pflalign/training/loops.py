@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,11 +54,18 @@ def num_local_steps(num_samples: int, batch_size: int, epochs: int, max_steps: i
 
 @dataclass(frozen=True)
 class TrainStats:
-    """Mean training loss over the samples seen, and how many steps and samples that was."""
+    """Mean training loss over the samples seen, and how many steps and samples that was;
+    ``metrics``: a run objective's diagnostics, each its mean over the samples seen."""
 
     loss: float
     steps: int
     samples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+#: a batch's (objective to differentiate, reported loss, diagnostics), from (inputs, targets)
+StepLoss = Callable[[torch.Tensor, torch.Tensor],
+                    tuple[torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]]]
 
 
 @dataclass(frozen=True)
@@ -85,39 +92,70 @@ def batch_indices(num_samples: int, batch_size: int, epochs: int, max_steps: int
             steps += 1
 
 
+def grouped(order: Iterable[torch.Tensor], size: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The batches of ``order`` in consecutive groups of ``size`` (a step that takes several
+    batches: Per-FedAvg's pair ``D``, ``D'``); a shorter tail is dropped, and an order of fewer
+    than ``size`` batches gives one group of its first batch repeated."""
+    batches = list(order)
+    groups = [tuple(batches[i:i + size]) for i in range(0, len(batches) - size + 1, size)]
+    if not groups and batches:
+        groups = [(batches[0],) * size]
+    return iter(groups)
+
+
 def train_batches(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Normalizer, *,
                   optimizer: torch.optim.Optimizer, batch_size: int, epochs: int = 1,
                   max_steps: int = 0, generator: torch.Generator,
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
                   before_step: Callable[[], None] | None = None, steps_per_batch: int = 1,
-                  after_batch: Callable[[], None] | None = None) -> TrainStats:
+                  after_batch: Callable[[], None] | None = None,
+                  step_loss: StepLoss | None = None, batches_per_step: int = 1) -> TrainStats:
     """Mini-batch training over :func:`batch_indices`: each batch is stepped on
     ``steps_per_batch`` times (pFedMe's inner steps), then ``after_batch`` runs; the loss counted
     for a batch is its last step's, and a batch counts as one step.
 
-    ``before_step`` runs between ``backward()`` and ``optimizer.step()``: the place where a
-    method adds its gradient correction (FedProx's proximal term, SCAFFOLD's control variates).
-    The losses stay on the device until the end.
+    The loss is ``loss_fn(model(inputs), targets)``, or a run objective's (``step_loss``: what
+    to differentiate, the loss to report and diagnostics, whose means over the samples come back
+    in :attr:`TrainStats.metrics`). ``before_step`` runs between ``backward()`` and
+    ``optimizer.step()``: the place where a method adds its gradient correction (FedProx's
+    proximal term, SCAFFOLD's control variates). The losses stay on the device until the end.
+
+    With ``batches_per_step`` > 1 a step takes that many consecutive batches (:func:`grouped`):
+    ``step_loss`` receives tuples of inputs and targets, and the step counts its first batch's
+    samples.
     """
     model.train()
     loss_sum = torch.zeros((), device=x.device)
+    sums: dict[str, torch.Tensor] = {}
+    metrics: Mapping[str, torch.Tensor] = {}
     seen = 0
     steps = 0
-    for idx in batch_indices(len(y), batch_size, epochs, max_steps, generator, x.device):
-        inputs, targets = normalize(x[idx]), y[idx]
+    order = batch_indices(len(y), batch_size, epochs, max_steps, generator, x.device)
+    for idx in (order if batches_per_step == 1 else grouped(order, batches_per_step)):
+        if batches_per_step == 1:
+            inputs, targets = normalize(x[idx]), y[idx]
+        else:
+            inputs, targets = tuple(normalize(x[i]) for i in idx), tuple(y[i] for i in idx)
+            idx = idx[0]
         for _ in range(steps_per_batch):
-            loss = loss_fn(model(inputs), targets)
+            if step_loss is None:
+                objective = loss = loss_fn(model(inputs), targets)
+            else:
+                objective, loss, metrics = step_loss(inputs, targets)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            objective.backward()
             if before_step is not None:
                 before_step()
             optimizer.step()
         if after_batch is not None:
             after_batch()
         loss_sum += loss.detach() * len(idx)
+        for name, value in metrics.items():
+            sums[name] = sums.get(name, 0) + value.detach() * len(idx)
         seen += len(idx)
         steps += 1
-    return TrainStats(loss=float(loss_sum) / max(seen, 1), steps=steps, samples=seen)
+    return TrainStats(loss=float(loss_sum) / max(seen, 1), steps=steps, samples=seen,
+                      metrics={k: float(v) / max(seen, 1) for k, v in sums.items()})
 
 
 @torch.no_grad()

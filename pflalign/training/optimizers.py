@@ -114,6 +114,67 @@ class PlainSGD(OptimizerRule):
         return ElementwiseStacked(torch.optim.SGD(params, lr=rules[0].lr))
 
 
+@dataclass(frozen=True)
+class EntryGroup:
+    """Entries stepped with their own SGD hyperparameters: those whose name starts with
+    ``prefix``; ``lr`` and ``weight_decay`` (None: the rule's), and ``bounds``, an interval the
+    entries are projected onto after every step (projected gradient descent)."""
+
+    prefix: str
+    lr: float | None = None
+    weight_decay: float | None = None
+    bounds: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
+class SGDGroups(OptimizerRule):
+    """SGD (``lr``, ``momentum``, ``weight_decay``) with groups of entries that have their own
+    (:class:`EntryGroup`; an entry belongs to the first group whose prefix it has), a new one
+    each run: GPFL's modules with their own weight decay, APFL's personal model and its projected
+    mixing weight. The torch parameter groups follow the order of the entries' first
+    appearance."""
+
+    stackable: ClassVar[bool] = True
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    groups: tuple[EntryGroup, ...] = ()
+
+    def _group(self, name: str) -> EntryGroup | None:
+        return next((g for g in self.groups if name.startswith(g.prefix)), None)
+
+    def build(self, params: list[torch.Tensor], names: Sequence[str],
+              generator: torch.Generator | None = None) -> torch.optim.Optimizer:
+        grouped: dict[EntryGroup | None, list[torch.Tensor]] = {}
+        for name, q in zip(names, params, strict=True):
+            grouped.setdefault(self._group(name), []).append(q)
+        optimizer = torch.optim.SGD(
+            [{"params": qs, **({} if g is None else {
+                k: v for k, v in (("lr", g.lr), ("weight_decay", g.weight_decay))
+                if v is not None})} for g, qs in grouped.items()],
+            lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        bounded = [(g.bounds, qs) for g, qs in grouped.items()
+                   if g is not None and g.bounds is not None]
+        if bounded:
+            @torch.no_grad()
+            def project(*_: object) -> None:
+                for (low, high), qs in bounded:
+                    torch._foreach_clamp_min_(qs, low)
+                    torch._foreach_clamp_max_(qs, high)
+
+            optimizer.register_step_post_hook(project)
+        return optimizer
+
+    def cohort_key(self) -> object:
+        return (type(self), self.lr, self.momentum, self.weight_decay, self.groups)
+
+    @classmethod
+    def stacked(cls, rules: Sequence[Self], params: list[torch.Tensor], names: Sequence[str],
+                generators: Sequence[torch.Generator]) -> StackedOptimizer:
+        return ElementwiseStacked(rules[0].build(params, names))
+
+
 def local_optimizer(training: LocalTraining, params: Iterable[torch.Tensor],
                     generator: torch.Generator | None = None) -> torch.optim.Optimizer:
     """The run's ``local-optimizer`` over ``params``: ``sgd`` (``lr``, ``momentum``,

@@ -4,13 +4,13 @@ A client rule (:meth:`~pflalign.methods.base.Method.train`,
 :meth:`~pflalign.methods.base.Method.evaluate`) is written once, as a generator. Each ``yield
 LocalRun(...)`` hands one stretch of local training to whoever runs the rule and receives its
 :class:`RunResult`; what comes before and after a ``yield`` (starting points, uploads, new state,
-scoring) is the method's own code, run per client. A rule that trains in a loop of its own (APFL,
-Per-FedAvg's training, FedCP, GPFL, FedDBE) is a plain function.
+scoring) is the method's own code, run per client.
 
 A :class:`LocalRun` names everything one run needs, and nothing about how it is executed: the
 model it starts from, which parameters train, the data stream and epochs, the optimizer
-(:mod:`pflalign.training.optimizers`), and a per-step gradient correction
-(:mod:`pflalign.training.corrections`). Two executors run it:
+(:mod:`pflalign.training.optimizers`), a per-step gradient correction
+(:mod:`pflalign.training.corrections`), and the loss with any extra trained tensors
+(:mod:`pflalign.training.objectives`). Two executors run it:
 
 - one client at a time (:meth:`pflalign.training.client.ClientRuntime.execute`): a module, a
   ``torch.optim`` optimizer, ``backward``, the correction on ``.grad``, ``step`` (every engine;
@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pflalign.training.corrections import Correction, Entries
 from pflalign.training.loops import STREAM_TRAIN, TrainStats
+from pflalign.training.objectives import Objective
 from pflalign.training.optimizers import OptimizerRule
 
 #: a client rule: a generator of local runs that returns the rule's result, or the result itself
@@ -52,9 +53,16 @@ class LocalRun:
       personalization takes its first few batches);
     - ``steps_per_batch``: the steps taken on each batch (pFedMe's K inner steps); a batch
       counts as one step, with its last step's loss;
+    - ``batches_per_step``: the consecutive batches one step takes (Per-FedAvg's ``D``, ``D'``:
+      :func:`~pflalign.training.loops.grouped`); the objective receives them as tuples;
     - ``optimizer``: None is the run's ``local-optimizer``;
     - ``correction``: a per-step change to the gradients (None: none), which may also move its
-      own tensors after each batch (:meth:`~pflalign.training.corrections.Correction.end_batch_`).
+      own tensors after each batch (:meth:`~pflalign.training.corrections.Correction.end_batch_`);
+    - ``objective``: the loss trained on (:mod:`pflalign.training.objectives`; None: the model's
+      cross-entropy);
+    - ``extras``: tensors trained beside the model's entries, by the same optimizer (after them,
+      in this order), which the objective reads; their trained values come back in
+      :attr:`RunResult.extras`.
     """
 
     start: Entries
@@ -63,20 +71,26 @@ class LocalRun:
     epochs: int | None = None
     max_steps: int | None = None
     steps_per_batch: int = 1
+    batches_per_step: int = 1
     optimizer: OptimizerRule | None = None
     correction: Correction | None = None
+    objective: Objective | None = None
+    extras: Entries = field(default_factory=dict)
 
 
 @dataclass
 class RunResult:
     """What a run gives back: the model's full state after it, its training statistics, and
-    what its optimizer rule reports (:meth:`OptimizerRule.outcome`; None for most), and its
-    correction as it ended (for one that moves its tensors; else None)."""
+    what its optimizer rule reports (:meth:`OptimizerRule.outcome`; None for most), its
+    correction as it ended (for one that moves its tensors; else None), its extra trained
+    tensors and its objective's per-run state as they ended."""
 
     model: dict[str, torch.Tensor]
     stats: TrainStats
     optimizer: object = None
     correction: Correction | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def is_generator_rule(function: Callable) -> bool:

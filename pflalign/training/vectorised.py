@@ -26,18 +26,22 @@ or an optimizer rule without a stacked form) is executed one client at a time, a
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import grad_and_value, vmap
 
 from pflalign.models.registry import is_deterministic_in_training
 from pflalign.training.client import ClientRuntime
-from pflalign.training.corrections import Correction
-from pflalign.training.loops import STREAM_OPTIMIZER, TrainStats
+from pflalign.training.corrections import Correction, PerClient
+from pflalign.training.loops import STREAM_OPTIMIZER, TrainStats, grouped
+from pflalign.training.objectives import CrossEntropy, ModelCall
 from pflalign.training.optimizers import LocalOptimizer, put_rows, rows_of
 from pflalign.training.runs import LocalRun, RunResult
+
+P = TypeVar("P", bound=PerClient)
+T = TypeVar("T")
 
 
 def unstackable(client: ClientRuntime, run: LocalRun) -> str | None:
@@ -52,26 +56,38 @@ def unstackable(client: ClientRuntime, run: LocalRun) -> str | None:
 def cohort_key(client: ClientRuntime, run: LocalRun) -> tuple:
     """What clients' runs must share to be executed together: everything but their tensors."""
     rule = run.optimizer or LocalOptimizer(client.training)
-    correction = run.correction
-    scalars = None if correction is None else tuple(
-        (k, v) for k, v in vars(correction).items() if k not in correction.tensors())
+    correction, objective = run.correction, run.objective
     return (run.trainable, run.stream, run.epochs, run.max_steps, run.steps_per_batch,
-            rule.cohort_key(), type(correction), scalars, client.device, client.training)
+            run.batches_per_step, rule.cohort_key(), type(correction),
+            None if correction is None else correction.scalars(), type(objective),
+            None if objective is None else objective.scalars(), tuple(run.extras),
+            client.device, client.training)
 
 
-def _stack_correction(corrections: Sequence[Correction], names: Sequence[str],
-                      device: torch.device) -> Correction:
-    fields = corrections[0].tensors()
-    return corrections[0].replaced({
-        field: {n: torch.stack([c.tensors()[field][n] for c in corrections]).to(device)
-                for n in names} for field in fields})
+def _stack(parts: Sequence[P], device: torch.device) -> P:
+    """One correction or objective whose tensor fields stack the clients' ``parts``."""
+    fields = parts[0].tensors()
+    return parts[0].replaced({
+        field: {n: torch.stack([c.tensors()[field][n] for c in parts]).to(device)
+                for n in entries} for field, entries in fields.items()})
 
 
-def _select(correction: Correction, rows: torch.Tensor | None) -> Correction:
+def _stacked(entries: Sequence[Mapping[str, torch.Tensor]], device: torch.device,
+             ) -> dict[str, torch.Tensor]:
+    return {n: torch.stack([e[n] for e in entries]).to(device) for n in entries[0]}
+
+
+def _rows(entries: Mapping[str, torch.Tensor], rows: torch.Tensor | None,
+          ) -> dict[str, torch.Tensor]:
+    return dict(entries) if rows is None else {n: t.index_select(0, rows)
+                                              for n, t in entries.items()}
+
+
+def _select(part: P, rows: torch.Tensor | None) -> P:
     if rows is None:
-        return correction
-    return correction.replaced({field: {n: t.index_select(0, rows) for n, t in entries.items()}
-                                for field, entries in correction.tensors().items()})
+        return part
+    return part.replaced({field: _rows(entries, rows)
+                          for field, entries in part.tensors().items()})
 
 
 def _put_back(correction: Correction, part: Correction, rows: torch.Tensor | None) -> None:
@@ -88,8 +104,7 @@ def _row(correction: Correction, i: int) -> Correction:
                                 for field, entries in correction.tensors().items()})
 
 
-def lockstep(orders: Sequence[Iterator[torch.Tensor]],
-             ) -> Iterator[tuple[list[torch.Tensor | None], list[int]]]:
+def lockstep(orders: Sequence[Iterator[T]]) -> Iterator[tuple[list[T | None], list[int]]]:
     """Step through every client's batch order together: per step, each client's next index
     batch (None once its order is done) and the clients that have one."""
     while True:
@@ -135,42 +150,60 @@ def execute_together(clients: Sequence[ClientRuntime], runs: Sequence[LocalRun],
     trained = {n: torch.stack([r.start[n] for r in runs]).to(device) for n in names}
     fixed = {k: torch.stack([r.start[k] for r in runs]).to(device)
              for k in keys if k not in trained}
+    extras = _stacked([r.extras for r in runs], device) if run.extras else {}
+    objective = (CrossEntropy() if run.objective is None
+                 else _stack([r.objective for r in runs], device))
+    state = (_stacked([r.objective.initial_state() for r in runs], device)
+             if run.objective is not None else {})
+    call = ModelCall(module)
 
-    def masked_loss(params: dict, others: dict, x: torch.Tensor, y: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
-        losses = F.cross_entropy(functional_call(module, {**others, **params}, (x,)), y,
-                                 reduction="none")
-        if losses.dim() > 1:  # a language model's window: its tokens' mean, as in the loop
-            losses = losses.flatten(1).mean(dim=1)
-        return (losses * mask).sum() / mask.sum().clamp_min(1)
+    def step_loss(params: dict, added: dict, others: dict, tensors: dict, carried: dict,
+                  x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> tuple:
+        step = objective.replaced(tensors).loss(call, {**others, **params}, added, carried, x,
+                                                y, mask)
+        return step.objective, (step.loss, dict(step.metrics), dict(step.state) or carried)
 
-    gradient = vmap(grad_and_value(masked_loss))
+    gradient = vmap(grad_and_value(step_loss, argnums=(0, 1), has_aux=True))
     rule = run.optimizer or LocalOptimizer(first.training)
     rules = [r.optimizer or rule for r in runs]
-    stacked = [trained[n] for n in names]
-    optimizer = type(rule).stacked(rules, stacked, names, [
+    all_names = [*names, *extras]
+    stacked = [trained[n] for n in names] + list(extras.values())
+    optimizer = type(rule).stacked(rules, stacked, all_names, [
         c.generator(server_round, STREAM_OPTIMIZER, r.stream)
         for c, r in zip(clients, runs, strict=True)])
-    correction = None if run.correction is None else _stack_correction(
-        [r.correction for r in runs], names, device)
+    correction = None if run.correction is None else _stack(
+        [r.correction for r in runs], device)
     count = len(clients)
     loss_sums = torch.zeros(count, device=device)
+    metric_sums: dict[str, torch.Tensor] = {}
     seen, steps = [0] * count, [0] * count
     module.train()
+    per_step = run.batches_per_step
     orders = [c.batch_order(server_round, r.stream, r.epochs, r.max_steps)
               for c, r in zip(clients, runs, strict=True)]
+    if per_step > 1:
+        orders = [grouped(order, per_step) for order in orders]
     for batch, active in lockstep(orders):
         rows = None if len(active) == count else torch.tensor(active, device=device)
-        x, y, mask = padded(clients, batch, active)
+        if per_step == 1:
+            x, y, mask = padded(clients, batch, active)
+        else:  # one padded batch per member of the clients' groups
+            x, y, mask = zip(*(padded(clients, [None if b is None else b[j] for b in batch],
+                                      active) for j in range(per_step)), strict=True)
+            batch = [None if b is None else b[0] for b in batch]
         for _ in range(run.steps_per_batch):
-            params, others = ({k: t if rows is None else t.index_select(0, rows)
-                               for k, t in part.items()} for part in (trained, fixed))
-            g, losses = gradient(params, others, x, y, mask)
+            params, others, added = (_rows(part, rows) for part in (trained, fixed, extras))
+            (g, g_extras), (_, (losses, metrics, carried)) = gradient(
+                params, added, others, _select(objective, rows).tensors(), _rows(state, rows),
+                x, y, mask)
             grads = [g[n] for n in names]
             if correction is not None:
                 with torch.no_grad():
                     _select(correction, rows).apply_(grads, [params[n] for n in names], names)
-            optimizer.step(stacked, grads, rows)
+            optimizer.step(stacked, grads + [g_extras[n] for n in extras], rows)
+        put_rows(list(state.values()), [carried[n] for n in state], rows)
+        if rows is None:
+            state = dict(carried)
         if correction is not None and correction.moves:
             with torch.no_grad():
                 part = _select(correction, rows)
@@ -178,7 +211,11 @@ def execute_together(clients: Sequence[ClientRuntime], runs: Sequence[LocalRun],
                 _put_back(correction, part, rows)
         sizes = torch.tensor([len(batch[i]) for i in active], device=device,
                              dtype=loss_sums.dtype)
-        loss_sums.index_add_(0, torch.tensor(active, device=device), losses.detach() * sizes)
+        at = torch.tensor(active, device=device)
+        loss_sums.index_add_(0, at, losses.detach() * sizes)
+        for name, value in metrics.items():
+            metric_sums.setdefault(name, torch.zeros(count, device=device)).index_add_(
+                0, at, value.detach() * sizes)
         for i in active:
             seen[i] += len(batch[i])
             steps[i] += 1
@@ -186,6 +223,10 @@ def execute_together(clients: Sequence[ClientRuntime], runs: Sequence[LocalRun],
     moved = correction is not None and correction.moves
     return [RunResult({k: trained[k][i].clone() if k in trained else r.start[k] for k in keys},
                       TrainStats(loss=float(loss_sums[i]) / max(seen[i], 1), steps=steps[i],
-                                 samples=seen[i]), outcomes[i],
-                      _row(correction, i) if moved else None)
+                                 samples=seen[i],
+                                 metrics={k: float(v[i]) / max(seen[i], 1)
+                                          for k, v in metric_sums.items()}),
+                      outcomes[i], _row(correction, i) if moved else None,
+                      {n: t[i].clone() for n, t in extras.items()},
+                      {n: t[i].clone() for n, t in state.items()})
             for i, r in enumerate(runs)]
