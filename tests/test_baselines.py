@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
-from pflalign.methods.apfl import apfl_alpha_grad, apfl_alpha_step, lerp_models
-from pflalign.methods.fedala import ala_converged, ala_merge, ala_weight_step_
+from pflalign.methods.apfl import ALPHA, PERSONAL, MixtureObjective
+from pflalign.methods.fedala import WEIGHTS, ala_converged, ala_merge, ala_weight_rule
 from pflalign.methods.pfedme import MoreauEnvelope, pfedme_outer_step_, pfedme_server_update
 from pflalign.methods.scaffold import (
     ControlVariates,
@@ -14,6 +15,8 @@ from pflalign.methods.scaffold import (
 )
 from pflalign.server.aggregation import fedavg
 from pflalign.training.corrections import Proximal
+from pflalign.training.objectives import ModelCall, with_prefix
+from pflalign.training.optimizers import EntryGroup, SGDGroups
 
 
 def _param(values, grad=None) -> torch.Tensor:
@@ -85,22 +88,50 @@ def test_scaffold_server_step_with_unit_rate_is_fedavg():
     np.testing.assert_allclose(model, expected, rtol=1e-6, atol=1e-7)  # fedavg packs float32
 
 
-def test_apfl_mixture_and_alpha_gradient_match_autograd():
+def _step(objective, model: torch.nn.Module, rule, extras: dict, x, y) -> dict:
+    """One step of a local run with ``objective`` on ``model``'s parameters and ``extras``,
+    stepped by ``rule``: the new values, by name."""
+    named = dict(model.named_parameters())
+    extras = {k: v.clone().requires_grad_(True) for k, v in extras.items()}
+    trained = {**named, **extras}
+    optimizer = rule.build(list(trained.values()), list(trained), None)
+    objective.loss(ModelCall(model), named, extras, {}, x, y, None).objective.backward()
+    optimizer.step()
+    return {k: v.detach().clone() for k, v in trained.items()}
+
+
+def test_apfl_step_by_hand():
+    """One APFL step (Algorithm 1) from the mixture objective and its grouped SGD, against the
+    three updates written out with separate gradients: w by grad f(w), v by alpha grad f(v_bar),
+    alpha by <v - w, grad f(v_bar)>, projected onto [0, 1]."""
     gen = torch.Generator().manual_seed(1)
-    w, v, target = (torch.randn(6, generator=gen) for _ in range(3))
-    alpha = torch.tensor(0.3, requires_grad=True)
-    mixed = alpha * v + (1 - alpha) * w
-    torch.testing.assert_close(lerp_models([w], [v], 0.3)[0], mixed.detach())
-    loss = ((mixed - target) ** 2).sum()
-    loss.backward()
-    grad_mixed = 2 * (mixed.detach() - target)
-    assert apfl_alpha_grad([v], [w], [grad_mixed]) == pytest.approx(float(alpha.grad), rel=1e-5)
+    model = torch.nn.Linear(3, 2)
+    x, y = torch.randn(5, 3, generator=gen), torch.tensor([0, 1, 1, 0, 1])
+    w = {k: p.detach().clone() for k, p in model.named_parameters()}
+    v = {k: t + 0.5 * torch.randn(t.shape, generator=gen) for k, t in w.items()}
+    alpha, lr, alpha_lr = 0.3, 0.1, 0.05
 
+    def f(entries: dict) -> torch.Tensor:
+        return F.cross_entropy(x @ entries["weight"].T + entries["bias"], y)
 
-def test_apfl_alpha_step_is_projected_onto_the_unit_interval():
-    assert apfl_alpha_step(0.5, 2.0, 0.1) == pytest.approx(0.3)
-    assert apfl_alpha_step(0.5, 100.0, 0.1) == 0.0
-    assert apfl_alpha_step(0.5, -100.0, 0.1) == 1.0
+    w_req = {k: t.clone().requires_grad_(True) for k, t in w.items()}
+    g_w = torch.autograd.grad(f(w_req), list(w_req.values()))
+    bar = {k: (alpha * v[k] + (1 - alpha) * w[k]).requires_grad_(True) for k in w}
+    g_bar = dict(zip(bar, torch.autograd.grad(f(bar), list(bar.values())), strict=True))
+    alpha_grad = sum(float(((v[k] - w[k]) * g_bar[k]).sum()) for k in w)
+    rule = SGDGroups(lr, groups=(EntryGroup(f"{PERSONAL}.", weight_decay=0.0),
+                                 EntryGroup(ALPHA, lr=alpha_lr, bounds=(0.0, 1.0))))
+    after = _step(MixtureObjective({}, {}), model, rule,
+                  {**with_prefix(v, PERSONAL), ALPHA: torch.tensor(alpha)}, x, y)
+    for (k, t), g in zip(w.items(), g_w, strict=True):
+        torch.testing.assert_close(after[k], t - lr * g)
+        torch.testing.assert_close(after[f"{PERSONAL}.{k}"], v[k] - lr * alpha * g_bar[k])
+    assert float(after[ALPHA]) == pytest.approx(alpha - alpha_lr * alpha_grad, rel=1e-5)
+    # the projection: a step past either end stops there
+    far = SGDGroups(lr, groups=(EntryGroup(ALPHA, lr=1e4, bounds=(0.0, 1.0)),))
+    end = float(_step(MixtureObjective({}, {}), model, far,
+                      {**with_prefix(v, PERSONAL), ALPHA: torch.tensor(alpha)}, x, y)[ALPHA])
+    assert end == (0.0 if alpha_grad > 0 else 1.0)
 
 
 def _inner_step_(envelope: MoreauEnvelope, theta: torch.Tensor, lr: float) -> None:
@@ -146,26 +177,30 @@ def test_pfedme_server_mixing():
 
 def test_ala_merge_and_weight_step_by_hand():
     local, global_ = [torch.tensor([0.0, 2.0])], [torch.tensor([1.0, 0.0])]
-    weights = [torch.tensor([1.0, 0.5])]
-    torch.testing.assert_close(ala_merge(local, global_, weights)[0], torch.tensor([1.0, 1.0]))
-    # W - eta * g * (Theta - theta) = [1 - 0.1 * 2 * 1, 0.5 - 0.1 * (-1) * (-2)] = [0.8, 0.3]
-    ala_weight_step_(weights, [torch.tensor([2.0, -1.0])], local, global_, eta=0.1)
-    torch.testing.assert_close(weights[0], torch.tensor([0.8, 0.3]))
-    ala_weight_step_(weights, [torch.tensor([-100.0, 100.0])], local, global_, eta=1.0)
-    torch.testing.assert_close(weights[0], torch.tensor([1.0, 1.0]))  # clipped into [0, 1]
-    ala_weight_step_(weights, [torch.tensor([100.0, -100.0])], local, global_, eta=1.0)
-    torch.testing.assert_close(weights[0], torch.tensor([0.0, 0.0]))
+    weights = torch.tensor([1.0, 0.5], requires_grad=True)
+    torch.testing.assert_close(ala_merge(local, global_, [weights])[0], torch.tensor([1.0, 1.0]))
+    optimizer = ala_weight_rule(0.1).build([weights], [f"{WEIGHTS}.t"])
+
+    def step(grad: list[float]) -> None:
+        weights.grad = torch.tensor(grad)
+        optimizer.step()
+
+    step([2.0, -0.5])  # W - eta dL/dW = [1 - 0.1 * 2, 0.5 - 0.1 * (-0.5)]
+    torch.testing.assert_close(weights.detach(), torch.tensor([0.8, 0.55]))
+    step([-100.0, -100.0])
+    torch.testing.assert_close(weights.detach(), torch.tensor([1.0, 1.0]))  # clipped into [0, 1]
+    step([100.0, 100.0])
+    torch.testing.assert_close(weights.detach(), torch.tensor([0.0, 0.0]))
 
 
 def test_ala_weight_gradient_is_the_chain_rule_through_the_merge():
+    """eq. 5: dL/dW = grad_theta_hat * (Theta - theta_i)."""
     gen = torch.Generator().manual_seed(2)
     local, global_, target = (torch.randn(4, generator=gen) for _ in range(3))
     w = torch.rand(4, generator=gen).requires_grad_(True)
-    merged = local + (global_ - local) * w
+    merged = ala_merge([local], [global_], [w])[0]
     ((merged - target) ** 2).sum().backward()
-    weights = [w.detach().clone()]
-    ala_weight_step_(weights, [2 * (merged.detach() - target)], [local], [global_], eta=0.01)
-    torch.testing.assert_close(weights[0], (w - 0.01 * w.grad).detach().clamp(0, 1))
+    torch.testing.assert_close(w.grad, 2 * (merged.detach() - target) * (global_ - local))
 
 
 def test_ala_stopping_rule():

@@ -23,6 +23,10 @@ import pytest
 import torch
 
 from pflalign.engines.store import ClientStateStore
+from pflalign.methods.fedala import WEIGHTS, Converged, MergeObjective, ala_weight_rule
+from pflalign.methods.fedcp import PolicyObjective, client_vector, new_policy
+from pflalign.methods.feddbe import BiasedObjective
+from pflalign.methods.perfedavg import MetaObjective
 from pflalign.methods.pflalign import PFLAlignRule
 from pflalign.methods.registry import METHODS
 from pflalign.outputs.results import Reporter
@@ -33,6 +37,8 @@ from pflalign.run.driver import initial_model, simulate
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Proximal
 from pflalign.training.loops import STREAM_FINETUNE, num_local_steps
+from pflalign.training.objectives import with_prefix
+from pflalign.training.optimizers import PlainSGD
 from pflalign.training.runs import LocalRun, is_generator_rule
 from pflalign.training.vectorised import execute_together, unstackable
 from tests.test_checkpoint import _StopAt
@@ -41,9 +47,9 @@ from tests.test_checkpoint import _StopAt
 #: server-held pFLAlign state and a local-BN pFLAlign
 ENTRIES = ",".join([*METHODS, 'fedavg(local-optimizer="adam")', 'fedavg(local-optimizer="genie")',
                     'pflalign(pflalign-state="server")'])
-#: the methods whose rules yield their local runs (the others train in loops of their own)
-VECTORISED = [name for name, spec in METHODS.items() if is_generator_rule(spec.method.train)
-              and not spec.needs_batch_norm]
+#: the methods whose local runs the vmap backend executes together (a model with batch norm
+#: runs one client at a time)
+VECTORISED = [name for name, spec in METHODS.items() if not spec.needs_batch_norm]
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {"num-clients": 5, "num-unseen-clients": 1, "max-samples": 1000, "rounds": 2,
         "eval-every": 1, "fraction-train": 0.6, "local-steps": 2, "cohort-size": 2}
@@ -123,7 +129,8 @@ def _close(a: object, b: object, where: str = "", rtol: float = LOSS_RTOL) -> No
 def test_the_vmap_backend_agrees_within_float32_rounding(sequential, tmp_path):
     vmapped, lines = _run(tmp_path, "vmap", simulate, engine="batched",
                           **{"batched-backend": "vmap"})
-    assert "pflalign" in VECTORISED and "fedrep" in VECTORISED and "apfl" not in VECTORISED
+    # the methods whose local training was a loop of its own before their runs got objectives
+    assert {"apfl", "perfedavg", "fedcp", "gpfl", "feddbe", "fedala"} <= set(VECTORISED)
     for label in [*VECTORISED, 'fedavg(local-optimizer="adam")']:
         ours = comparable(vmapped["methods"][label])
         theirs = comparable(sequential["methods"][label])
@@ -136,18 +143,9 @@ def test_the_vmap_backend_agrees_within_float32_rounding(sequential, tmp_path):
     _close(comparable(sequential["methods"]['fedavg(local-optimizer="genie")'])["rounds"],
            comparable(vmapped["methods"]['fedavg(local-optimizer="genie")'])["rounds"])
     said = {line.split("]")[0][1:]: line for line in lines if "one at a time" in line}
-    own_loops = {name for name in METHODS if name not in VECTORISED
-                 and not METHODS[name].needs_batch_norm}
-    assert own_loops == {"apfl", "perfedavg", "fedcp", "gpfl", "feddbe"}
-    for name in own_loops:
-        assert "a loop of its own" in said[name]
-        ours, theirs = (comparable(run["methods"][name]) for run in (vmapped, sequential))
-        if is_generator_rule(METHODS[name].method.evaluate):  # Per-FedAvg's personalization
-            assert ours != theirs, name
-            _close(theirs["rounds"], ours["rounds"], name)
-            _close(theirs["clients"], ours["clients"], name)
-        else:
-            assert ours == theirs, name
+    # every method's rule yields its local runs: only a model with batch norm runs one at a time
+    assert all(is_generator_rule(spec.method.train) for spec in METHODS.values())
+    assert set(said) == {name for name, spec in METHODS.items() if spec.needs_batch_norm}, said
     assert "batch norm" in said["fedbn"]
     assert comparable(vmapped["methods"]["fedbn"]) == comparable(sequential["methods"]["fedbn"])
 
@@ -239,6 +237,79 @@ def test_a_stacked_run_trains_only_its_entries_and_keeps_pflalign_state_per_clie
         assert b.optimizer.mean_p == pytest.approx(a.optimizer.mean_p, rel=1e-5)
         for k, v in a.optimizer.state.items():
             torch.testing.assert_close(b.optimizer.state[k], v, rtol=1e-4, atol=1e-7)
+
+
+def _assert_extras_agree(alone, together, rtol=1e-4, atol=1e-5) -> None:
+    for a, b in zip(alone, together, strict=True):
+        for part in ("extras", "state"):
+            mine, theirs = getattr(a, part), getattr(b, part)
+            assert list(mine) == list(theirs), part
+            for k in mine:
+                torch.testing.assert_close(theirs[k], mine[k], rtol=rtol, atol=atol)
+        assert list(a.stats.metrics) == list(b.stats.metrics)
+        for k, v in a.stats.metrics.items():
+            assert b.stats.metrics[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+
+
+def test_stacked_runs_with_objectives_train_their_extras_and_carry_their_state():
+    """FedDBE's objective (an extra bias, a running mean carried from batch to batch, a
+    diagnostic) and FedCP's (extra modules, a fixed reference extractor, a masked MMD) on
+    clients of different sizes: each client's extras, state and diagnostics as it gets them
+    alone."""
+    clients, model = _clients(**{"local-steps": 0, "batch-size": 16})
+    features = model["fc.weight"].shape[1]
+    dbe = [LocalRun(model, objective=BiasedObjective({"mean": torch.full((features,), 0.1 * i)},
+                                                     features, 5.0, 0.5),
+                    extras={"bias": torch.full((features,), 0.01 * i)})
+           for i in range(len(clients))]
+    alone = [c.execute(r, 1) for c, r in zip(clients, dbe, strict=True)]
+    together = execute_together(clients, dbe, 1)
+    _assert_runs_agree(alone, together)
+    _assert_extras_agree(alone, together)
+    assert all("mr" in r.stats.metrics and torch.any(r.extras["bias"] != 0.0)
+               for r in together)
+    body = tuple(k for k in model if not k.startswith("fc."))
+    policy = new_policy(features, 0)
+    cp = [LocalRun(model, trainable=body, objective=PolicyObjective(
+        {k: model[k] for k in body}, {"v": client_vector(model["fc.weight"] + 0.01 * i)},
+        policy, 0.5), extras={**with_prefix({"weight": model["fc.weight"],
+                                             "bias": model["fc.bias"]}, "head"),
+                              **with_prefix(policy.state_dict(), "cpn")})
+          for i in range(len(clients))]
+    alone = [c.execute(r, 1) for c, r in zip(clients, cp, strict=True)]
+    together = execute_together(clients, cp, 1)
+    _assert_runs_agree(alone, together)
+    _assert_extras_agree(alone, together)
+
+
+def test_stacked_runs_take_pairs_of_batches_subsets_and_stop_per_client():
+    """Per-FedAvg's pairs of batches (a client with fewer batches has fewer pairs) and FedALA's
+    adaptation (a random subset of each client's own size, trained until each client's own
+    losses settle): the same steps, samples and results as one client at a time."""
+    clients, model = _clients(**{"local-steps": 0, "batch-size": 16})
+    trainable = tuple(model)
+    pairs = [LocalRun(model, batches_per_step=2, optimizer=PlainSGD(0.05),
+                      objective=MetaObjective(trainable, 0.01)) for _ in clients]
+    alone = [c.execute(r, 1) for c, r in zip(clients, pairs, strict=True)]
+    together = execute_together(clients, pairs, 1)
+    _assert_runs_agree(alone, together)
+    for client, result in zip(clients, together, strict=True):
+        assert result.stats.steps == num_local_steps(client.data.num_train, 16, 1) // 2
+    head = ("fc.weight", "fc.bias")
+    own = {k: model[k] + 0.05 for k in head}
+    adapt = [LocalRun(model, trainable=(), epochs=6, sample=c.data.num_train * 3 // 4,
+                      until=Converged(4, 0.05), optimizer=ala_weight_rule(1.0),
+                      objective=MergeObjective(own, {k: model[k] for k in head}),
+                      extras=with_prefix({k: torch.ones_like(model[k]) for k in head},
+                                         WEIGHTS)) for c in clients]
+    alone = [c.execute(r, 1) for c, r in zip(clients, adapt, strict=True)]
+    together = execute_together(clients, adapt, 1)
+    _assert_runs_agree(alone, together)
+    _assert_extras_agree(alone, together)
+    passes = [r.stats.steps / math.ceil(c.data.num_train * 3 // 4 / 16)
+              for c, r in zip(clients, alone, strict=True)]
+    assert all(p == int(p) for p in passes) and len(set(passes)) > 1  # each stopped on its own
+    assert any(p < 6 for p in passes)
 
 
 def test_what_cannot_be_stacked_says_why():

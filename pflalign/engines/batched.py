@@ -16,12 +16,12 @@ client rule; ``batched-backend`` chooses how the rule's local runs are executed:
 
 On either backend a record sent to many clients (the global model) is converted to torch once
 per exchange and shared by them. The device is the GPU when ``client-resources-num-gpus`` > 0
-and one is visible. A method whose
-local training is a loop of its own (a rule that yields no local runs), and a run that cannot be
+and one is visible. Every registered method's training yields its local runs; a plug-in method
+whose training is a loop of its own (a rule that yields no runs), and a run that cannot be
 stacked (a model with batch norm), runs client by client under vmap too, and the run says so
-once. A rule or a stacked run that raises fails its clients, each with an error reply naming
-the exception, which the round loop skips with a warning (as under Flower). Needs neither Ray
-nor flwr.
+once. A rule or a stacked run that raises fails its clients, each with an error reply naming the
+exception, which the round loop skips with a warning (as under Flower). Needs neither Ray nor
+flwr.
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ class BatchedEngine(SequentialEngine):
         name = str(messages[0].config[METHOD])
         method = method_of(self.settings, name)
         rule = type(method).train if action == TRAIN else type(method).evaluate
-        if not is_generator_rule(rule):
-            self.say_once(name, "its local training is a loop of its own")
+        if not is_generator_rule(rule):  # no local runs (an evaluation that trains nothing)
+            if action == TRAIN:
+                self.say_once(name, "its local training is a loop of its own")
             return super().exchange(action, messages)
         replies: list[Reply] = []
         down = up = 0

@@ -8,8 +8,9 @@ A method is one class in one file (``pflalign/methods/<name>.py``) with
 - client rules, written once: :meth:`Method.train` (given what the server sent and my state,
   train; return the upload and my new state) and :meth:`Method.evaluate` (which model scores this
   client). Each is a generator that yields its runs of local training
-  (:class:`~pflalign.training.runs.LocalRun`) and receives their results, or, for a method with an
-  inner loop of its own, a plain function (:mod:`pflalign.training.runs`);
+  (:class:`~pflalign.training.runs.LocalRun`, with its own objective when the method trains on
+  more than the model's cross-entropy: :mod:`pflalign.training.objectives`) and receives their
+  results; a rule that trains nothing (most evaluations) may be a plain function;
 - server rules: :meth:`Method.train_payload` / :meth:`Method.eval_payload` (what client i
   receives) and :meth:`Method.aggregate` (how the uploads update the server state), each FedAvg's
   by default;

@@ -19,60 +19,100 @@ the merge of the current ``Theta`` into its ``theta_i`` (as in the reference imp
 every client adapts the new global model before evaluation; here the evaluation's adaptation is
 not stored); for clients that never trained that is ``Theta``. ``global-acc`` scores ``Theta``.
 
-The adaptation is a loop of the client's own (its subset, number of passes and stopping rule);
-the merged model's training is a local run (:class:`~pflalign.training.runs.LocalRun`), which the
-batched engine can run with other clients'.
+The adaptation and the merged model's training are each a local run
+(:class:`~pflalign.training.runs.LocalRun`): the adaptation's trains only ``W`` (the run's extra
+tensors, :class:`MergeObjective`) on its random subset (``sample``), with the stopping rule as
+its ``until``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from pflalign.methods.base import Method
 from pflalign.methods.fedavg import trained_upload
 from pflalign.models.registry import head_keys
 from pflalign.settings.params import Params, param
 from pflalign.training.client import ClientRuntime
-from pflalign.training.loops import STREAM_ADAPT, batch_indices
-from pflalign.training.optim.common import Tensors, grads_of
-from pflalign.training.runs import LocalRun, Rule
+from pflalign.training.corrections import Entries
+from pflalign.training.loops import STREAM_ADAPT
+from pflalign.training.objectives import (
+    ModelCall,
+    Objective,
+    Step,
+    cross_entropy,
+    prefixed,
+    with_prefix,
+)
+from pflalign.training.optim.common import Tensors
+from pflalign.training.optimizers import EntryGroup, SGDGroups
+from pflalign.training.runs import LocalRun, Rule, RunResult
 from pflalign.wire.messages import Received
 from pflalign.wire.protocol import Metric
 from pflalign.wire.state import ArrayState, TorchState
 
 MAX_FIRST_EPOCHS = 50
+#: the aggregation weights W, the adaptation run's extra tensors (``weights.<entry>``)
+WEIGHTS = "weights"
 
 
-@torch.no_grad()
 def ala_merge(local: Tensors, global_: Tensors, weights: Tensors) -> list[torch.Tensor]:
     """FedALA's adaptive local aggregation (Zhang et al., AAAI 2023, eq. 4) for the higher
-    layers: ``theta_hat = theta_i + (Theta - theta_i) * W``, element-wise."""
-    diff = torch._foreach_sub(list(global_), list(local))
-    return torch._foreach_add(list(local), torch._foreach_mul(diff, list(weights)))
+    layers: ``theta_hat = theta_i + (Theta - theta_i) * W``, element-wise (differentiable in
+    ``W``: its gradient is ``grad_theta_hat * (Theta - theta_i)``, eq. 5's)."""
+    return [theta + (big - theta) * w for theta, big, w in zip(local, global_, weights,
+                                                                 strict=True)]
 
 
-@torch.no_grad()
-def ala_weight_step_(weights: Tensors, grads: Tensors, local: Tensors, global_: Tensors,
-                     eta: float) -> None:
-    """FedALA's weight update (eq. 5): ``W <- clip(W - eta grad_theta_hat * (Theta - theta_i),
-    0, 1)``; by the chain rule ``grad_theta_hat * (Theta - theta_i)`` is ``dL/dW``."""
-    diff = torch._foreach_sub(list(global_), list(local))
-    torch._foreach_add_(list(weights), torch._foreach_mul(list(grads), diff), alpha=-eta)
-    torch._foreach_clamp_min_(list(weights), 0.0)
-    torch._foreach_clamp_max_(list(weights), 1.0)
+def ala_weight_rule(eta: float) -> SGDGroups:
+    """FedALA's weight update (eq. 5): ``W <- clip(W - eta dL/dW, 0, 1)``, projected SGD."""
+    return SGDGroups(eta, groups=(EntryGroup(f"{WEIGHTS}.", bounds=(0.0, 1.0)),))
 
 
 def ala_converged(losses: Sequence[float], window: int, threshold: float) -> bool:
     """FedALA's stopping rule for the first adaptation: the standard deviation of the last
     ``window`` losses is below ``threshold``."""
     return len(losses) >= window and float(np.std(losses[-window:])) < threshold
+
+
+@dataclass(frozen=True)
+class Converged:
+    """:func:`ala_converged` as a run's stopping rule (asked after each pass)."""
+
+    window: int
+    threshold: float
+
+    def __call__(self, losses: list[float]) -> bool:
+        return ala_converged(losses, self.window, self.threshold)
+
+
+@dataclass(frozen=True)
+class MergeObjective(Objective):
+    """The adaptation's loss: the cross-entropy of the model whose higher layers are the merge
+    :func:`ala_merge` of ``local`` (``theta_i``) and ``received`` (``Theta``) with the run's
+    extra tensors ``W`` (``weights.<entry>``); the rest of the model is the received one."""
+
+    local: Entries
+    received: Entries
+
+    def changes(self) -> tuple[str, ...]:
+        return tuple(self.local)
+
+    def loss(self, model: ModelCall, params: Mapping[str, torch.Tensor], extras: Entries,
+             state: Entries, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None,
+             ) -> Step:
+        keys = list(self.local)
+        weights = prefixed(extras, WEIGHTS)
+        merged = ala_merge([self.local[k] for k in keys], [self.received[k] for k in keys],
+                           [weights[k] for k in keys])
+        value = cross_entropy(model({**params, **dict(zip(keys, merged, strict=True))}, x), y,
+                              mask)
+        return Step(value, value)
 
 
 @dataclass(frozen=True)
@@ -111,63 +151,38 @@ class FedALA(Method):
     ClientState = FedALAClientState
 
     def adapt(self, client: ClientRuntime, own: TorchState, received: TorchState,
-              saved: TorchState | None, server_round: int,
-              ) -> tuple[nn.Module, dict[str, torch.Tensor], int]:
-        """The merged model, the learned weights ``W`` and the number of passes spent learning
-        them. Buffers (batch-norm statistics) are the received model's."""
+              saved: TorchState | None) -> Generator[LocalRun, RunResult, tuple]:
+        """The merged model's state, the learned weights ``W`` and the number of passes spent
+        learning them: a local run on a random ``fedala-rand-percent`` % of the train split
+        (stream ``STREAM_ADAPT``) that trains only ``W``, one pass, or at the first adaptation
+        (no ``saved`` weights) until :class:`Converged`. Buffers (batch-norm statistics) are the
+        received model's."""
         p = self.params
-        model = client.new_model(received)
-        data, device = client.data, client.device
-        generator = client.generator(server_round, STREAM_ADAPT)
-        higher = [k for k in head_keys(model, p.layers) if k in dict(model.named_parameters())]
-        params = dict(model.named_parameters())
-        top = [params[k] for k in higher]
-        local = [own[k].to(device) for k in higher]
-        global_ = [received[k].to(device) for k in higher]
-        weights = ([saved[k].to(device) for k in higher] if saved
-                   else [torch.ones_like(q) for q in top])
-        trained_before = {name: q.requires_grad for name, q in params.items()}
-        for name, q in params.items():
-            q.requires_grad_(name in set(higher))
-        count = max(1, math.floor(data.num_train * p.rand_percent / 100))
-        subset = torch.randperm(data.num_train, generator=generator)[:count].to(device)
-        # lower layers are fixed while W learns
-        head = ClientRuntime.last_layer_owning(model, higher)
-        features = None if head is None else client.head_inputs(model, head, subset)
-        losses: list[float] = []
-        passes = 0
-        model.train()
-        while True:
-            passes += 1
-            for idx in batch_indices(count, client.training.batch_size, 1, 0, generator, device):
-                with torch.no_grad():
-                    torch._foreach_copy_(top, ala_merge(local, global_, weights))
-                model.zero_grad(set_to_none=True)
-                rows = subset[idx]
-                x, y = data.normalize(data.train_x[rows]), data.train_y[rows]
-                outputs = model(x) if features is None else head(features[idx])
-                loss = F.cross_entropy(outputs, y)
-                loss.backward()
-                ala_weight_step_(weights, grads_of(top), local, global_, p.eta)
-                losses.append(float(loss.detach()))
-            if (saved or passes >= MAX_FIRST_EPOCHS
-                    or ala_converged(losses, p.num_pre_loss, p.threshold)):
-                break
+        params = dict(client.layout.named_parameters())
+        higher = [k for k in head_keys(client.layout, p.layers) if k in params]
+        count = max(1, math.floor(client.data.num_train * p.rand_percent / 100))
+        result = yield LocalRun(
+            received, trainable=(), stream=STREAM_ADAPT,
+            epochs=1 if saved else MAX_FIRST_EPOCHS, sample=count,
+            until=None if saved else Converged(p.num_pre_loss, p.threshold),
+            optimizer=ala_weight_rule(p.eta),
+            objective=MergeObjective({k: own[k] for k in higher},
+                                     {k: received[k] for k in higher}),
+            extras=with_prefix({k: saved[k] if saved else torch.ones_like(received[k])
+                                for k in higher}, WEIGHTS))
+        weights = prefixed(result.extras, WEIGHTS)
         with torch.no_grad():
-            torch._foreach_copy_(top, ala_merge(local, global_, weights))
-        for name, q in params.items():  # as it was: a frozen tensor (shared) stays frozen
-            q.requires_grad_(trained_before[name])
-        model.load_state_dict({k: v for k, v in received.items() if k not in params},
-                              strict=False)  # undo what the adaptation passes did to buffers
-        return model, dict(zip(higher, weights, strict=True)), passes
+            merged = ala_merge([own[k] for k in higher], [received[k] for k in higher],
+                               [weights[k].to(own[k].device) for k in higher])
+        passes = result.stats.steps // math.ceil(count / client.training.batch_size)
+        return {**received, **dict(zip(higher, merged, strict=True))}, weights, passes
 
     def train(self, client: ClientRuntime, received: Received, state: FedALAClientState,
               ) -> Rule:
         passes, weights, start = 0, state.weights, received.model
-        if state.model is not None:  # the client's own loop: adapt, then train as FedAvg
-            model, weights, passes = self.adapt(client, state.model, received.model,
-                                                state.weights, received.server_round)
-            start = model.state_dict()
+        if state.model is not None:  # adapt, then train as FedAvg
+            start, weights, passes = yield from self.adapt(client, state.model, received.model,
+                                                           state.weights)
         result = yield LocalRun(start)
         return (trained_upload(result, **{"ala-passes": passes}),
                 FedALAClientState(result.model, weights))
@@ -177,6 +192,6 @@ class FedALA(Method):
         global_result = client.test(received.model)
         if state.model is None:
             return client.eval_metrics(global_result, global_result)
-        merged, _, _ = self.adapt(client, state.model, received.model, state.weights,
-                                  received.server_round)
+        merged, _, _ = yield from self.adapt(client, state.model, received.model,
+                                             state.weights)
         return client.eval_metrics(client.test(merged), global_result)

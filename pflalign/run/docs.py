@@ -71,9 +71,7 @@ def _method_section(spec: MethodSpec, variants: list[MethodSpec]) -> list[str]:
              + (". Needs batch norm (runs on `cnn-bn` when `model = cnn`)."
                 if spec.needs_batch_norm else ".")]
     if not is_generator_rule(cls.train):
-        batched = "one client at a time (its local training is a loop of its own)" + (
-            "; its evaluation's local runs go through the vectorised path."
-            if is_generator_rule(cls.evaluate) else ".")
+        batched = "one client at a time (its local training is a loop of its own)."
     elif spec.needs_batch_norm:
         batched = "one client at a time (its model's batch norm keeps statistics per client)."
     else:

@@ -132,41 +132,42 @@ class ClientRuntime:
                 def after_batch() -> None:
                     correction.end_batch_(params, names)
 
-        state: dict[str, torch.Tensor] = {}
-        if run.objective is not None:
-            objective, call = run.objective.to(self.device), ModelCall(model)
-            state = {k: v.to(self.device) for k, v in objective.initial_state().items()}
-
-            def step_loss(inputs: torch.Tensor, targets: torch.Tensor) -> tuple:
-                nonlocal state
-                step = objective.loss(call, named, extras, state, inputs, targets, None)
-                state = dict(step.state) or state
-                return step.objective, step.loss, step.metrics
-
         trained = [*params, *extras.values()]
         trained_names = [*names, *extras]
+        generator = self.generator(server_round, run.stream)
+        rows = (None if run.sample is None else torch.randperm(
+            self.data.num_train, generator=generator)[:run.sample].to(self.device))
         with self._only_training(model, run.trainable):
-            head = (None if run.trainable is None or step_loss is not None
-                    else self.last_layer_owning(model, run.trainable))
+            changing = None if run.trainable is None else set(run.trainable)
+            if run.objective is not None and changing is not None:
+                changes = run.objective.changes()
+                changing = None if changes is None else changing | set(changes)
+            head = None if changing is None else self.last_layer_owning(model, changing)
+            state: dict[str, torch.Tensor] = {}
+            if run.objective is not None:
+                objective = run.objective.to(self.device)
+                call = ModelCall(model, on_features=head is not None)
+                state = {k: v.to(self.device) for k, v in objective.initial_state().items()}
+
+                def step_loss(inputs: torch.Tensor, targets: torch.Tensor) -> tuple:
+                    nonlocal state
+                    step = objective.loss(call, named, extras, state, inputs, targets, None)
+                    state = dict(step.state) or state
+                    return step.objective, step.loss, step.metrics
+
+            optimizer = rule.build(trained, trained_names, self.generator(
+                server_round, STREAM_OPTIMIZER, run.stream))
+            features = None
             if head is not None:
-                params = list(head.parameters())
-                optimizer = rule.build(params, names, self.generator(
-                    server_round, STREAM_OPTIMIZER, run.stream))
-                features = self.head_inputs(model, head)
+                features = self.head_inputs(model, head, rows)
                 model.train()
-                stats = self.train_split(head, server_round, run.stream, run.epochs, optimizer,
-                                         before_step, features=features,
-                                         max_steps=run.max_steps,
-                                         steps_per_batch=run.steps_per_batch,
-                                         after_batch=after_batch)
-            else:
-                optimizer = rule.build(trained, trained_names, self.generator(
-                    server_round, STREAM_OPTIMIZER, run.stream))
-                stats = self.train_split(model, server_round, run.stream, run.epochs, optimizer,
-                                         before_step, max_steps=run.max_steps,
-                                         steps_per_batch=run.steps_per_batch,
-                                         after_batch=after_batch, step_loss=step_loss,
-                                         batches_per_step=run.batches_per_step)
+            stats = self.train_split(head if head is not None and step_loss is None else model,
+                                     server_round, run.stream, run.epochs, optimizer,
+                                     before_step, features=features, max_steps=run.max_steps,
+                                     steps_per_batch=run.steps_per_batch,
+                                     after_batch=after_batch, step_loss=step_loss,
+                                     batches_per_step=run.batches_per_step, rows=rows,
+                                     generator=generator, until=run.until)
         model_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return RunResult(model_state, stats, rule.outcome(optimizer, trained_names),
                          correction if correction is not None and correction.moves else None,
@@ -207,26 +208,33 @@ class ClientRuntime:
                     max_steps: int | None = None, steps_per_batch: int = 1,
                     after_batch: Callable[[], None] | None = None,
                     step_loss: StepLoss | None = None, batches_per_step: int = 1,
-                    ) -> TrainStats:
+                    rows: torch.Tensor | None = None,
+                    generator: torch.Generator | None = None,
+                    until: Callable[[list[float]], bool] | None = None) -> TrainStats:
         """Train on the client's train split, shuffled by (seed, round, client, stream).
 
         ``epochs=None`` is the round's local training: ``local-epochs``, capped at ``local-steps``.
         An explicit ``epochs`` (a method's other phases: fine-tuning, personal models, heads) is
         run in full; ``max_steps`` caps either. ``features``, one row per train sample, replaces
         the normalised images as ``model``'s input (a head trained on a frozen body's
-        outputs). ``steps_per_batch``, ``after_batch``, ``step_loss`` and ``batches_per_step``: as
-        :func:`~pflalign.training.loops.train_batches` takes them."""
+        outputs). ``rows``: train on these train samples only (``features`` then has one row per
+        sample of ``rows``), with ``generator`` (the stream's, as it was left after drawing them).
+        ``steps_per_batch``, ``after_batch``, ``step_loss``, ``batches_per_step`` and ``until``:
+        as :func:`~pflalign.training.loops.train_batches` takes them."""
         t = self.training
-        inputs, normalize = ((self.data.train_x, self.data.normalize) if features is None
+        inputs, targets = self.data.train_x, self.data.train_y
+        if rows is not None:
+            inputs, targets = inputs[rows], targets[rows]
+        inputs, normalize = ((inputs, self.data.normalize) if features is None
                              else (features, _identity))
         return train_batches(
-            model, inputs, self.data.train_y, normalize,
+            model, inputs, targets, normalize,
             optimizer=optimizer or self.make_optimizer(model.parameters(), server_round, stream),
             batch_size=t.batch_size, epochs=t.local_epochs if epochs is None else epochs,
             max_steps=self._step_cap(epochs, max_steps),
-            generator=self.generator(server_round, stream), before_step=before_step,
+            generator=generator or self.generator(server_round, stream), before_step=before_step,
             steps_per_batch=steps_per_batch, after_batch=after_batch, step_loss=step_loss,
-            batches_per_step=batches_per_step)
+            batches_per_step=batches_per_step, until=until)
 
     def make_optimizer(self, params: Iterable[torch.Tensor], server_round: int,
                        stream: int = STREAM_TRAIN) -> torch.optim.Optimizer:
@@ -245,13 +253,20 @@ class ClientRuntime:
 
     def batch_order(self, server_round: int, stream: int = STREAM_TRAIN,
                     epochs: int | None = None, max_steps: int | None = None,
-                    ) -> Iterator[torch.Tensor]:
-        """The index batches behind :meth:`batches` (the step cap as in :meth:`train_split`)."""
+                    sample: int | None = None) -> Iterator[torch.Tensor]:
+        """The index batches behind :meth:`batches` (the step cap as in :meth:`train_split`);
+        with ``sample``, of a random subset of that many train samples, drawn first from the
+        stream (a :attr:`~pflalign.training.runs.LocalRun.sample`)."""
         t = self.training
-        return batch_indices(self.data.num_train, t.batch_size,
-                             t.local_epochs if epochs is None else epochs,
-                             self._step_cap(epochs, max_steps),
-                             self.generator(server_round, stream), self.data.train_x.device)
+        generator = self.generator(server_round, stream)
+        device = self.data.train_x.device
+        count, rows = self.data.num_train, None
+        if sample is not None:
+            rows = torch.randperm(count, generator=generator)[:sample].to(device)
+            count = sample
+        order = batch_indices(count, t.batch_size, t.local_epochs if epochs is None else epochs,
+                              self._step_cap(epochs, max_steps), generator, device)
+        return order if rows is None else (rows[idx] for idx in order)
 
     def _step_cap(self, epochs: int | None, max_steps: int | None) -> int:
         """A run's cap on its steps (0: none): ``max_steps`` when given, else ``local-steps`` for

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -12,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pflalign.data.datasets import Normalizer
+
+T = TypeVar("T")
 
 # Independent random streams derived from (seed, round, client, stream).
 STREAM_TRAIN = 1
@@ -103,13 +106,25 @@ def grouped(order: Iterable[torch.Tensor], size: int) -> Iterator[tuple[torch.Te
     return iter(groups)
 
 
+def stopping(order: Iterable[T], per_epoch: int, until: Callable[[list[float]], bool],
+             losses: list[torch.Tensor]) -> Iterator[T]:
+    """``order``, cut at the end of the first epoch (``per_epoch`` batches) after which
+    ``until`` says to stop, given the losses recorded so far in ``losses`` (one transfer from
+    the device per epoch)."""
+    for step, batch in enumerate(order):
+        if step and step % per_epoch == 0 and until(torch.stack(losses).tolist()):
+            return
+        yield batch
+
+
 def train_batches(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Normalizer, *,
                   optimizer: torch.optim.Optimizer, batch_size: int, epochs: int = 1,
                   max_steps: int = 0, generator: torch.Generator,
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
                   before_step: Callable[[], None] | None = None, steps_per_batch: int = 1,
                   after_batch: Callable[[], None] | None = None,
-                  step_loss: StepLoss | None = None, batches_per_step: int = 1) -> TrainStats:
+                  step_loss: StepLoss | None = None, batches_per_step: int = 1,
+                  until: Callable[[list[float]], bool] | None = None) -> TrainStats:
     """Mini-batch training over :func:`batch_indices`: each batch is stepped on
     ``steps_per_batch`` times (pFedMe's inner steps), then ``after_batch`` runs; the loss counted
     for a batch is its last step's, and a batch counts as one step.
@@ -122,7 +137,8 @@ def train_batches(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize:
 
     With ``batches_per_step`` > 1 a step takes that many consecutive batches (:func:`grouped`):
     ``step_loss`` receives tuples of inputs and targets, and the step counts its first batch's
-    samples.
+    samples. ``until``, given the losses of the steps so far, is asked at the end of each epoch
+    whether to stop there (the run's :attr:`~pflalign.training.runs.LocalRun.until`).
     """
     model.train()
     loss_sum = torch.zeros((), device=x.device)
@@ -131,6 +147,9 @@ def train_batches(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize:
     seen = 0
     steps = 0
     order = batch_indices(len(y), batch_size, epochs, max_steps, generator, x.device)
+    losses: list[torch.Tensor] = []
+    if until is not None:
+        order = stopping(order, math.ceil(len(y) / batch_size), until, losses)
     for idx in (order if batches_per_step == 1 else grouped(order, batches_per_step)):
         if batches_per_step == 1:
             inputs, targets = normalize(x[idx]), y[idx]
@@ -150,6 +169,8 @@ def train_batches(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize:
         if after_batch is not None:
             after_batch()
         loss_sum += loss.detach() * len(idx)
+        if until is not None:
+            losses.append(loss.detach())
         for name, value in metrics.items():
             sums[name] = sums.get(name, 0) + value.detach() * len(idx)
         seen += len(idx)

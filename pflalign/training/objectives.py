@@ -84,17 +84,23 @@ def with_prefix(entries: Mapping[str, torch.Tensor], prefix: str) -> dict[str, t
 
 class ModelCall:
     """The run's model, called functionally on the entries it is given (the others are the
-    module's own: buffers the caller does not pass)."""
+    module's own: buffers the caller does not pass). ``on_features``: the inputs are the head's
+    (the per-client executor computed the rest of the model once, for an objective whose
+    :meth:`~Objective.changes` are the head's entries only)."""
 
-    def __init__(self, module: nn.Module):
-        self.module = module
+    def __init__(self, module: nn.Module, on_features: bool = False):
+        self.module, self.on_features = module, on_features
         self.head_name, self.head_module = head_of(module)
 
     def __call__(self, entries: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if self.on_features:
+            return self.head(entries, x)
         return functional_call(self.module, dict(entries), (x,))
 
     def features(self, entries: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """What the head receives: the model with its head replaced by the identity."""
+        if self.on_features:
+            return x
         with without_head(self.module):
             return functional_call(self.module, dict(entries), (x,))
 
@@ -114,6 +120,12 @@ class Objective(PerClient):
     def initial_state(self) -> dict[str, torch.Tensor]:
         """The per-run tensors the first batch sees (none by default)."""
         return {}
+
+    def changes(self) -> tuple[str, ...] | None:
+        """The model entries the loss computes afresh from the extras at each step, beside the
+        run's trained ones (FedALA's merged layers): when those are the head's only, the model's
+        body is run once. None (the default): any may change."""
+        return None
 
     def loss(self, model: ModelCall, params: Mapping[str, torch.Tensor], extras: Entries,
              state: Entries, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None,

@@ -55,6 +55,11 @@ class LocalRun:
       counts as one step, with its last step's loss;
     - ``batches_per_step``: the consecutive batches one step takes (Per-FedAvg's ``D``, ``D'``:
       :func:`~pflalign.training.loops.grouped`); the objective receives them as tuples;
+    - ``sample``: train on a random subset of this many of the client's train samples, drawn
+      from the stream before its batches (FedALA's random share); None: on all of them;
+    - ``until``: asked at the end of each epoch, with the run's per-step losses so far, whether
+      to stop there (FedALA's first adaptation); a frozen dataclass, so that runs can be
+      compared;
     - ``optimizer``: None is the run's ``local-optimizer``;
     - ``correction``: a per-step change to the gradients (None: none), which may also move its
       own tensors after each batch (:meth:`~pflalign.training.corrections.Correction.end_batch_`);
@@ -72,6 +77,8 @@ class LocalRun:
     max_steps: int | None = None
     steps_per_batch: int = 1
     batches_per_step: int = 1
+    sample: int | None = None
+    until: Callable[[list[float]], bool] | None = None
     optimizer: OptimizerRule | None = None
     correction: Correction | None = None
     objective: Objective | None = None

@@ -26,6 +26,7 @@ or an optimizer rule without a stacked form) is executed one client at a time, a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TypeVar
 
@@ -35,7 +36,7 @@ from torch.func import grad_and_value, vmap
 from pflalign.models.registry import is_deterministic_in_training
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Correction, PerClient
-from pflalign.training.loops import STREAM_OPTIMIZER, TrainStats, grouped
+from pflalign.training.loops import STREAM_OPTIMIZER, TrainStats, grouped, stopping
 from pflalign.training.objectives import CrossEntropy, ModelCall
 from pflalign.training.optimizers import LocalOptimizer, put_rows, rows_of
 from pflalign.training.runs import LocalRun, RunResult
@@ -58,7 +59,8 @@ def cohort_key(client: ClientRuntime, run: LocalRun) -> tuple:
     rule = run.optimizer or LocalOptimizer(client.training)
     correction, objective = run.correction, run.objective
     return (run.trainable, run.stream, run.epochs, run.max_steps, run.steps_per_batch,
-            run.batches_per_step, rule.cohort_key(), type(correction),
+            run.batches_per_step, run.sample is None, run.until, rule.cohort_key(),
+            type(correction),
             None if correction is None else correction.scalars(), type(objective),
             None if objective is None else objective.scalars(), tuple(run.extras),
             client.device, client.training)
@@ -179,8 +181,13 @@ def execute_together(clients: Sequence[ClientRuntime], runs: Sequence[LocalRun],
     seen, steps = [0] * count, [0] * count
     module.train()
     per_step = run.batches_per_step
-    orders = [c.batch_order(server_round, r.stream, r.epochs, r.max_steps)
+    orders = [c.batch_order(server_round, r.stream, r.epochs, r.max_steps, r.sample)
               for c, r in zip(clients, runs, strict=True)]
+    records: list[list[torch.Tensor]] = [[] for _ in clients]
+    if run.until is not None:
+        orders = [stopping(order, math.ceil((r.sample or c.data.num_train)
+                                            / c.training.batch_size), run.until, record)
+                  for order, c, r, record in zip(orders, clients, runs, records, strict=True)]
     if per_step > 1:
         orders = [grouped(order, per_step) for order in orders]
     for batch, active in lockstep(orders):
@@ -216,9 +223,11 @@ def execute_together(clients: Sequence[ClientRuntime], runs: Sequence[LocalRun],
         for name, value in metrics.items():
             metric_sums.setdefault(name, torch.zeros(count, device=device)).index_add_(
                 0, at, value.detach() * sizes)
-        for i in active:
+        for k, i in enumerate(active):
             seen[i] += len(batch[i])
             steps[i] += 1
+            if run.until is not None:
+                records[i].append(losses[k].detach())
     outcomes = optimizer.outcomes(stacked)
     moved = correction is not None and correction.moves
     return [RunResult({k: trained[k][i].clone() if k in trained else r.start[k] for k in keys},
