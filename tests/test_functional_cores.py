@@ -136,3 +136,65 @@ def test_stacked_genie_update_equals_each_clients_optimizer(options):
         for a, b in zip(alone[i], params, strict=True):
             # tanh and the per-client reductions of the noise scale round per kernel
             torch.testing.assert_close(b[i], a, rtol=1e-6, atol=1e-7)
+
+
+def _steps(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads) -> None:
+    for step in grads:
+        for p, g in zip(params, step[0], strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+
+
+@pytest.mark.parametrize(("gamma", "with_offsets"),
+                         [("adaptive", True), ("hard", True), ("adaptive", False)])
+def test_a_clients_pflalign_rule_is_its_stacked_form_for_one_and_equals_the_class(gamma,
+                                                                                  with_offsets):
+    """The per-client executor steps a stateful rule as a cohort of one (one implementation per
+    optimizer, :class:`~pflalign.training.optimizers.CohortOfOne`): bit for bit the torch.optim
+    class on one client, and the outcome carries the class's v, P and mean P."""
+    from pflalign.methods.pflalign import PFLAlignRule
+
+    grads = [_tensors(70 + k) for k in range(4)]
+    offsets = _tensors(9, scale=0.1)[0]
+    names = [f"w{j}" for j in range(len(SHAPES))]
+    alone = [t.clone().requires_grad_(True) for t in _tensors(1)[0]]
+    reference = PFLAlign(alone, lr=2.0, beta=0.9, eps=1e-12, precondition=True, gamma=gamma)
+    reference.begin_round([o.clone() for o in offsets] if with_offsets else None, 4)
+    _steps(reference, alone, grads)
+    ours = [t.clone().requires_grad_(True) for t in _tensors(1)[0]]
+    rule = PFLAlignRule(lr=2.0, beta=0.9, eps=1e-12, precondition=True, gamma=gamma,
+                        num_steps=4, offsets=dict(zip(names, offsets, strict=True))
+                        if with_offsets else None)
+    optimizer = rule.build(ours, names, torch.Generator())
+    _steps(optimizer, ours, grads)
+    assert all(torch.equal(a, b) for a, b in zip(alone, ours, strict=True))
+    outcome = rule.outcome(optimizer, names)
+    for name, p in zip(names, alone, strict=True):
+        assert torch.equal(outcome.state[f"{name}.v"], reference.state[p]["v"])
+        assert torch.equal(outcome.state[f"{name}.P"], reference.state[p]["P"])
+    assert outcome.mean_p == reference.mean_preconditioner()
+    assert outcome.mean_gamma == reference.mean_gamma()
+
+
+def test_a_clients_genie_rules_are_their_stacked_form_for_one_and_equal_the_class():
+    from pflalign.run.config import build_settings
+    from pflalign.training.optimizers import LocalOptimizer, PersistentGenie
+
+    training = build_settings({"methods": "fedavg", "local-optimizer": "genie"}).training
+    grads = [[[g * (0.05 if k % 2 else 4.0) for g in client] for client in _tensors(40 + k)]
+             for k in range(5)]
+    names = [f"w{j}" for j in range(len(SHAPES))]
+    alone = [t.clone().requires_grad_(True) for t in _tensors(1)[0]]
+    reference = GENIE(alone, generator=torch.Generator().manual_seed(5),
+                      **training.genie_options())
+    _steps(reference, alone, grads)
+    for rule in (LocalOptimizer(training), PersistentGenie(training)):
+        ours = [t.clone().requires_grad_(True) for t in _tensors(1)[0]]
+        optimizer = rule.build(ours, names, torch.Generator().manual_seed(5))
+        _steps(optimizer, ours, grads)
+        assert all(torch.equal(a, b) for a, b in zip(alone, ours, strict=True)), rule
+    state = rule.outcome(optimizer, names)  # the persistent rule's: GENIE's m, s and steps
+    for name, p in zip(names, alone, strict=True):
+        assert torch.equal(state[f"{name}.m"], reference.state[p]["m"])
+        assert torch.equal(state[f"{name}.s"], reference.state[p]["s"])
+        assert int(state[f"{name}.step"]) == reference.state[p]["step"] == 5

@@ -7,8 +7,7 @@ from harness import build, train
 
 from pflalign.run.config import ConfigError, build_settings
 from pflalign.settings.schema import LocalTraining
-from pflalign.training.optim import GENIE
-from pflalign.training.optimizers import local_optimizer
+from pflalign.training.optimizers import CohortOfOne, StackedGenie, local_optimizer
 from pflalign.wire.protocol import MODEL
 
 SMALL = {"num-clients": 2, "max-samples": 400, "local-steps": 4, "batch-size": 16, "seed": 1,
@@ -29,9 +28,10 @@ def test_local_training_optimizer_reads_its_own_keys():
     genie = _optimizer(params, build_settings({**SMALL, "local-optimizer": "genie",
                                                "genie-lr": 0.02,
                                          "genie-p": 0.3, "genie-noise": False}))
-    group = genie.param_groups[0]
-    assert isinstance(genie, GENIE) and (group["lr"], group["p"], group["noise"]) == (
-        0.02, 0.3, False)
+    # GENIE is stateful: a client's is its stacked form for a cohort of one
+    assert isinstance(genie, CohortOfOne) and isinstance(genie.stacked, StackedGenie)
+    options = genie.stacked.options
+    assert (options["lr"], options["p"], options["noise"]) == (0.02, 0.3, False)
 
 
 def test_methods_with_their_own_rule_refuse_another_local_optimizer():

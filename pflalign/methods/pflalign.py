@@ -53,7 +53,7 @@ from pflalign.settings.schema import LocalTraining
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Entries
 from pflalign.training.loops import EvalStats, num_local_steps
-from pflalign.training.optim import GAMMA_MODES, PFLAlign, pflalign_update
+from pflalign.training.optim import GAMMA_MODES, pflalign_update
 from pflalign.training.optimizers import (
     OptimizerRule,
     PersistentGenie,
@@ -114,26 +114,6 @@ class PFLAlignRule(OptimizerRule):
     saved: Entries | None = None
     offsets: Entries | None = None
 
-    def build(self, params: list[torch.Tensor], names: Sequence[str],
-              generator: torch.Generator) -> torch.optim.Optimizer:
-        optimizer = PFLAlign(params, lr=self.lr, beta=self.beta, eps=self.eps,
-                             precondition=self.precondition, gamma=self.gamma)
-        if self.saved:  # freshly deserialized tensors: the optimizer may own them
-            for name, q in zip(names, params, strict=True):
-                optimizer.state[q]["v"] = self.saved[state_key(name, "v")].to(q.device)
-                optimizer.state[q]["P"] = self.saved[state_key(name, "P")].to(q.device)
-        optimizer.begin_round([self.offsets[n] for n in names] if self.offsets else None,
-                              self.num_steps)
-        return optimizer
-
-    def outcome(self, optimizer: torch.optim.Optimizer, names: Sequence[str]) -> PFLAlignOutcome:
-        params = [q for group in optimizer.param_groups for q in group["params"]]
-        state = {}
-        for name, q in zip(names, params, strict=True):
-            state.update({state_key(name, "v"): optimizer.state[q]["v"],
-                          state_key(name, "P"): optimizer.state[q]["P"]})
-        return PFLAlignOutcome(state, optimizer.mean_preconditioner(), optimizer.mean_gamma())
-
     def cohort_key(self) -> object:
         return (type(self), self.lr, self.beta, self.eps, self.precondition, self.gamma,
                 self.offsets is None)
@@ -158,7 +138,10 @@ class StackedPFLAlign(StackedOptimizer):
     """pFLAlign for a cohort: :func:`~pflalign.training.optim.pflalign_update` on stacked ``m``,
     ``v``,
     ``P`` and offsets, with each client's own T; a finished client's rows are left out of the
-    later steps. Its outcomes are :class:`PFLAlignOutcome` per client."""
+    later steps. Its outcomes are :class:`PFLAlignOutcome` per client; the gamma sums accumulate
+    per client in the dtype the core returns them in (float32), as the class's do, so that a
+    cohort of one reports the class's mean gamma bit for bit. This is also how a single client's
+    run steps it (:class:`~pflalign.training.optimizers.CohortOfOne`)."""
 
     def __init__(self, rules: Sequence[PFLAlignRule], params: list[torch.Tensor],
                  names: Sequence[str]):
@@ -182,7 +165,7 @@ class StackedPFLAlign(StackedOptimizer):
         steps = [r.num_steps for r in rules]
         self.num_steps = steps[0] if len(set(steps)) == 1 else torch.tensor(
             steps, dtype=torch.float64, device=params[0].device)
-        self.gamma_sum = torch.zeros(len(rules), dtype=torch.float64, device=params[0].device)
+        self.gamma_sum: torch.Tensor | None = None  # per client, in the core's sum's dtype
         self.gamma_count = 0
         self.counted = torch.zeros(len(rules), dtype=torch.float64, device=params[0].device)
 
@@ -201,7 +184,11 @@ class StackedPFLAlign(StackedOptimizer):
         for target, value in zip((params, self.m, self.v, self.P), state, strict=True):
             put_rows(target, value, active)
         rows = slice(None) if active is None else active
-        self.gamma_sum[rows] += torch.as_tensor(gamma_sum, dtype=torch.float64)
+        if self.gamma_sum is None:  # a float32 tensor of sums, or a Python float (no offsets)
+            self.gamma_sum = torch.zeros(
+                len(self.counted), device=self.counted.device,
+                dtype=gamma_sum.dtype if isinstance(gamma_sum, torch.Tensor) else torch.float64)
+        self.gamma_sum[rows] += gamma_sum
         self.counted[rows] += 1
 
     def outcomes(self, params: list[torch.Tensor]) -> list[object]:

@@ -17,7 +17,8 @@ import torch
 
 from pflalign.settings.schema import LocalTraining
 from pflalign.training.corrections import Entries
-from pflalign.training.optim import GENIE, GenieBuffers, genie_update
+from pflalign.training.optim import GenieBuffers, genie_update
+from pflalign.training.optim.common import closure_loss
 from pflalign.training.optim.genie import draw_device
 from pflalign.training.optim.genie import hyperparameters as genie_hyperparameters
 from pflalign.wire.state import state_key
@@ -38,11 +39,37 @@ class StackedOptimizer:
         return [None] * params[0].shape[0]
 
 
+class CohortOfOne(torch.optim.Optimizer):
+    """A client's optimizer from a rule's stacked form: the client as a cohort of one, its
+    tensors viewed with a leading dimension of 1 (views: the stacked step updates them in place),
+    stepped on their ``.grad``. So a stateful optimizer (pFLAlign's PersonalizedLocalUpdate,
+    GENIE) is written once, as its :class:`StackedOptimizer` over its functional core, and both
+    executors call it."""
+
+    def __init__(self, stacked: StackedOptimizer, params: list[torch.Tensor]):
+        super().__init__(params, {})
+        self.stacked = stacked
+        self.views = [p.unsqueeze(0) for p in params]
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = closure_loss(closure)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p)
+                 for p in self.param_groups[0]["params"]]
+        self.stacked.step(self.views, [g.unsqueeze(0) for g in grads], None)
+        return loss
+
+    def outcome(self) -> object:
+        return self.stacked.outcomes(self.views)[0]
+
+
 class OptimizerRule:
     """How a run's trained tensors are stepped: :meth:`build` a client's ``torch.optim``
     optimizer over its tensors, or :meth:`stacked` one for a cohort's stacked tensors; after the
     run, :meth:`outcome` is what the rule returns about it (a persistent state, diagnostics).
-    Rules of one class describe the same optimizer; a cohort may differ only in their state."""
+    Rules of one class describe the same optimizer; a cohort may differ only in their state.
+    A stateful rule defines :meth:`stacked` only: a client's optimizer is then its cohort of
+    one (:class:`CohortOfOne`)."""
 
     #: the vectorised executor can step a cohort with this rule (:meth:`stacked`)
     stackable: ClassVar[bool] = False
@@ -50,11 +77,13 @@ class OptimizerRule:
     def build(self, params: list[torch.Tensor], names: Sequence[str],
               generator: torch.Generator) -> torch.optim.Optimizer:
         """A client's optimizer over its trained tensors ``params`` (entries ``names``); its
-        randomness (GENIE's) from ``generator``."""
-        raise NotImplementedError
+        randomness (GENIE's) from ``generator``. By default the rule's stacked form for a cohort
+        of one."""
+        return CohortOfOne(type(self).stacked([self], [p.unsqueeze(0) for p in params], names,
+                                              [generator]), params)
 
     def outcome(self, optimizer: torch.optim.Optimizer, names: Sequence[str]) -> object:
-        return None
+        return optimizer.outcome() if isinstance(optimizer, CohortOfOne) else None
 
     @classmethod
     def stacked(cls, rules: Sequence[Self], params: list[torch.Tensor], names: Sequence[str],
@@ -77,6 +106,8 @@ class LocalOptimizer(OptimizerRule):
 
     def build(self, params: list[torch.Tensor], names: Sequence[str],
               generator: torch.Generator) -> torch.optim.Optimizer:
+        if self.training.local_optimizer == "genie":  # stateful: its stacked form, for one
+            return super().build(params, names, generator)
         return local_optimizer(self.training, params, generator)
 
     def cohort_key(self) -> object:
@@ -188,8 +219,8 @@ def local_optimizer(training: LocalTraining, params: Iterable[torch.Tensor],
         return torch.optim.Adam(params, lr=training.adam_lr, weight_decay=training.weight_decay)
     if training.local_optimizer == "adamw":
         return torch.optim.AdamW(params, lr=training.adam_lr, weight_decay=training.weight_decay)
-    if training.local_optimizer == "genie":
-        return GENIE(params, **training.genie_options(), generator=generator)
+    if training.local_optimizer == "genie":  # GENIE's stacked form for a cohort of one
+        return LocalOptimizer(training).build(list(params), (), generator)
     raise ValueError(f"Unknown local-optimizer {training.local_optimizer!r}; choose sgd, adam, "
                      "adamw or genie.")
 
@@ -204,26 +235,6 @@ class PersistentGenie(OptimizerRule):
 
     training: LocalTraining
     saved: Entries | None = None
-
-    def build(self, params: list[torch.Tensor], names: Sequence[str],
-              generator: torch.Generator) -> torch.optim.Optimizer:
-        optimizer = GENIE(params, **self.training.genie_options(), generator=generator)
-        if self.saved:
-            for name, q in zip(names, params, strict=True):
-                optimizer.state[q].update(step=int(self.saved[state_key(name, "step")]),
-                                          m=self.saved[state_key(name, "m")].to(q.device),
-                                          s=self.saved[state_key(name, "s")].to(q.device))
-        return optimizer
-
-    def outcome(self, optimizer: torch.optim.Optimizer, names: Sequence[str],
-                ) -> dict[str, torch.Tensor]:
-        params = [q for group in optimizer.param_groups for q in group["params"]]
-        state = {}
-        for name, q in zip(names, params, strict=True):
-            s = optimizer.state[q]
-            state.update({state_key(name, "m"): s["m"], state_key(name, "s"): s["s"],
-                          state_key(name, "step"): torch.tensor(s["step"])})
-        return state
 
     def steps_done(self) -> int:
         return int(next(v for k, v in self.saved.items() if k.endswith(state_key("", "step")))) \
