@@ -3,6 +3,7 @@
 
     python scripts/compare_results.py BEFORE/results.json AFTER/results.json
     python scripts/compare_results.py BEFORE_DIR AFTER_DIR        # every results.json below each
+    python scripts/compare_results.py --by-metric BEFORE_DIR AFTER_DIR   # a line per metric
 
 Every per-round row, final metric and per-client result of every method is compared for exact
 equality (floats included). Wall-clock entries (``*-seconds``, ``seconds-per-round``) differ from
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -85,6 +87,29 @@ def compare(before: dict, after: dict, allow_new: bool = False) -> tuple[list[st
     return out, checked
 
 
+_VALUE = re.compile(r"^\[(?P<method>.+?)\] (?P<where>.+?): '(?P<key>[^']+)' "
+                    r"(?P<a>[-+0-9.eE]+|nan|inf) != (?P<b>[-+0-9.eE]+|nan|inf)$")
+
+
+def by_metric(diffs: list[str]) -> list[str]:
+    """The numeric differences grouped by method and metric (a ``-median`` with its metric):
+    how many values differ and the largest relative difference; other lines as they are."""
+    groups: dict[tuple[str, str], tuple[int, float]] = {}
+    other = []
+    for line in diffs:
+        found = _VALUE.match(line)
+        if found is None:
+            other.append(line)
+            continue
+        a, b = float(found["a"]), float(found["b"])
+        key = (found["method"], found["key"].removesuffix("-median"))
+        count, largest = groups.get(key, (0, 0.0))
+        groups[key] = (count + 1, max(largest, abs(a - b) / max(abs(a), 1e-300)))
+    return other + [f"[{method}] '{metric}': {count} values differ, largest relative "
+                    f"difference {largest:.1e}"
+                    for (method, metric), (count, largest) in groups.items()]
+
+
 def _pairs(before: Path, after: Path) -> list[tuple[Path, Path]]:
     if before.is_file():
         return [(before, after)]
@@ -101,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-new", action="store_true",
                         help="Methods, config keys and metrics only in AFTER (added since "
                              "BEFORE) are not counted as differences; new methods are listed.")
+    parser.add_argument("--by-metric", action="store_true",
+                        help="One line per method and metric that differs (how many values, "
+                             "the largest relative difference) instead of one per value.")
     args = parser.parse_args(argv)
     total_diffs = 0
     for path_a, path_b in _pairs(args.before, args.after):
@@ -112,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         diffs, checked = compare(before, after, args.allow_new)
         methods = len(before.get("methods", {}))
         new = sorted(set(after.get("methods", {})) - set(before.get("methods", {})))
-        for line in diffs:
+        for line in by_metric(diffs) if args.by_metric else diffs:
             print(f"{path_b}: {line}")
         status = "identical" if not diffs else f"{len(diffs)} differences"
         print(f"{path_a} vs {path_b}: {methods} methods, {checked} values compared, {status}"
