@@ -135,8 +135,7 @@ class ClientRuntime:
         trained = [*params, *extras.values()]
         trained_names = [*names, *extras]
         generator = self.generator(server_round, run.stream)
-        rows = (None if run.sample is None else torch.randperm(
-            self.data.num_train, generator=generator)[:run.sample].to(self.device))
+        rows = self._sample(generator, run.sample)
         with self._only_training(model, run.trainable):
             changing = None if run.trainable is None else set(run.trainable)
             if run.objective is not None and changing is not None:
@@ -259,14 +258,20 @@ class ClientRuntime:
         stream (a :attr:`~pflalign.training.runs.LocalRun.sample`)."""
         t = self.training
         generator = self.generator(server_round, stream)
-        device = self.data.train_x.device
-        count, rows = self.data.num_train, None
-        if sample is not None:
-            rows = torch.randperm(count, generator=generator)[:sample].to(device)
-            count = sample
-        order = batch_indices(count, t.batch_size, t.local_epochs if epochs is None else epochs,
-                              self._step_cap(epochs, max_steps), generator, device)
+        rows = self._sample(generator, sample)
+        order = batch_indices(self.data.num_train if rows is None else len(rows), t.batch_size,
+                              t.local_epochs if epochs is None else epochs,
+                              self._step_cap(epochs, max_steps), generator,
+                              self.data.train_x.device)
         return order if rows is None else (rows[idx] for idx in order)
+
+    def _sample(self, generator: torch.Generator, sample: int | None) -> torch.Tensor | None:
+        """A run's random subset of ``sample`` train samples, drawn first from its stream's
+        ``generator`` (which its batches then continue); None without one."""
+        if sample is None:
+            return None
+        return torch.randperm(self.data.num_train, generator=generator)[:sample].to(
+            self.data.train_x.device)
 
     def _step_cap(self, epochs: int | None, max_steps: int | None) -> int:
         """A run's cap on its steps (0: none): ``max_steps`` when given, else ``local-steps`` for

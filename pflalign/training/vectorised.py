@@ -66,17 +66,16 @@ def cohort_key(client: ClientRuntime, run: LocalRun) -> tuple:
             client.device, client.training)
 
 
-def _stack(parts: Sequence[P], device: torch.device) -> P:
-    """One correction or objective whose tensor fields stack the clients' ``parts``."""
-    fields = parts[0].tensors()
-    return parts[0].replaced({
-        field: {n: torch.stack([c.tensors()[field][n] for c in parts]).to(device)
-                for n in entries} for field, entries in fields.items()})
-
-
 def _stacked(entries: Sequence[Mapping[str, torch.Tensor]], device: torch.device,
              ) -> dict[str, torch.Tensor]:
+    """The clients' ``entries``, each name's tensors stacked along a leading client dimension."""
     return {n: torch.stack([e[n] for e in entries]).to(device) for n in entries[0]}
+
+
+def _stack(parts: Sequence[P], device: torch.device) -> P:
+    """One correction or objective whose tensor fields stack the clients' ``parts``."""
+    return parts[0].replaced({field: _stacked([p.tensors()[field] for p in parts], device)
+                              for field in parts[0].tensors()})
 
 
 def _rows(entries: Mapping[str, torch.Tensor], rows: torch.Tensor | None,
@@ -218,7 +217,7 @@ def execute_together(clients: Sequence[ClientRuntime], runs: Sequence[LocalRun],
                 _put_back(correction, part, rows)
         sizes = torch.tensor([len(batch[i]) for i in active], device=device,
                              dtype=loss_sums.dtype)
-        at = torch.tensor(active, device=device)
+        at = rows if rows is not None else torch.arange(count, device=device)
         loss_sums.index_add_(0, at, losses.detach() * sizes)
         for name, value in metrics.items():
             metric_sums.setdefault(name, torch.zeros(count, device=device)).index_add_(
