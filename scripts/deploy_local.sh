@@ -49,6 +49,8 @@ options of `run`:
   --rounds R, --methods LIST   shorthands for --set rounds=R / --set methods=LIST
   --out DIR            the run's out-dir (default WORKDIR/runs/<time>/out)
   --timeout S          give up on `flwr run` after S seconds (default 3600)
+  --retries N          submit the run again, up to N times, when its ServerApp fails on a TLS
+                       or connection error before it logs a line (default 1)
 EOF
 }
 
@@ -60,7 +62,8 @@ declare -A CLI=()
 while (($#)); do
     case "$1" in
         -h|--help) usage; exit 0 ;;
-        --workdir|--nodes|--port|--node-port|--name|--config|--rounds|--methods|--out|--timeout)
+        --workdir|--nodes|--port|--node-port|--name|--config|--rounds|--methods|--out|\
+        --timeout|--retries)
             (($# >= 2)) || { echo "error: $1 needs a value" >&2; exit 2; }
             CLI[${1#--}]=$2; shift 2 ;;
         --auth) CLI[auth]=1; shift ;;
@@ -374,10 +377,32 @@ cmd_run() {
     config_args "${extra[@]}"
     python -m pflalign.run.export_partitions "${CONFIG_ARGS[@]}" \
         --write-config "$rundir/run-config.toml" >/dev/null
-    log "flwr run $ROOT $NAME --stream --run-config $rundir/run-config.toml"
-    local status=0 tail_pid
     RUN_LOG=$rundir/flwr-run.log
     : > "$RUN_LOG"
+    local attempt tries=$((${CLI[retries]:-1} + 1)) mark outcome
+    for ((attempt = 1; ; attempt++)); do
+        mark=$(stat -c %s "$RUN_LOG")
+        submit_run "$rundir"
+        if outcome=$(run_outcome "$rundir/run-config.toml" "$out/results.json"); then break; fi
+        outcome+=$(run_status "$mark")
+        # Flower treats any TLS error of a ServerApp's first request as fatal (it does not
+        # retry what mentions "ssl"); a ServerApp that failed that way before it logged a line
+        # sent nothing to any node, so the run can be submitted again as it was
+        if ((attempt < tries)) && died_at_start "$mark" "$outcome"; then
+            log "the ServerApp failed before it started ($outcome); submitting the run again" \
+                "(attempt $((attempt + 1)) of $tries)"
+            continue
+        fi
+        die "the run failed ($outcome); see $RUN_LOG and $LOGS/"
+    done
+    echo "$rundir" > "$WORK/last-run"
+    log "results: $out/results.json"
+}
+
+submit_run() {  # RUNDIR: `flwr run` of RUNDIR/run-config.toml, its output appended to RUN_LOG
+    local rundir=$1 status=0 tail_pid start
+    log "flwr run $ROOT $NAME --stream --run-config $rundir/run-config.toml"
+    start=$(($(stat -c %s "$RUN_LOG") + 1))
     # `flwr run` in its own session, so that a stop reaches it and what it started; a killed
     # `run` (Ctrl-C, SIGTERM) stops it and the run's ServerApp on the SuperLink (stop_run)
     trap 'stop_run; exit 130' INT
@@ -386,31 +411,60 @@ cmd_run() {
         --run-config "$rundir/run-config.toml") >> "$RUN_LOG" 2>&1 < /dev/null &
     RUN_PID=$!
     echo "$RUN_PID" > "$PIDS/flwr-run.pid"
-    tail -n +1 --pid="$RUN_PID" -f "$RUN_LOG" &
+    tail -c "+$start" --pid="$RUN_PID" -f "$RUN_LOG" &
     tail_pid=$!
     wait "$RUN_PID" || status=$?
     wait "$tail_pid" 2>/dev/null || true
     trap - INT TERM
     rm -f "$PIDS/flwr-run.pid"
-    # `flwr run` exits 0 even when the ServerApp fails: results.json decides
-    if ! python - "$rundir/run-config.toml" "$out/results.json" <<'EOF'
+    RUN_STATUS=$status
+}
+
+run_outcome() {  # RUN_CONFIG RESULTS: succeeds when RESULTS has every method's last round;
+    # otherwise prints why not (`flwr run` exits 0 even when the ServerApp fails)
+    python - "$1" "$2" <<'EOF'
 import json, sys, tomllib
 from pflalign.run.config import build_settings, method_labels
 settings = build_settings(tomllib.load(open(sys.argv[1], "rb")))
 try:
     results = json.load(open(sys.argv[2]))
 except (OSError, ValueError) as err:
-    sys.exit(f"no complete results.json ({err})")
+    print(f"no complete results.json: {err}", end="")
+    sys.exit(1)
 for label in method_labels(settings):
     rounds = results.get("methods", {}).get(label, {}).get("rounds", [])
     if not rounds or rounds[-1].get("round") != settings.run.rounds:
-        sys.exit(f"method {label!r} did not finish its {settings.run.rounds} rounds")
+        print(f"method {label!r} did not finish its {settings.run.rounds} rounds", end="")
+        sys.exit(1)
 EOF
-    then
-        die "the run failed (flwr run exit status $status); see $rundir/flwr-run.log and $LOGS/"
-    fi
-    echo "$rundir" > "$WORK/last-run"
-    log "results: $out/results.json"
+}
+
+started_run() {  # MARK: the ID of the last run `flwr run` started after byte MARK of RUN_LOG
+    tail -c "+$(($1 + 1))" "$RUN_LOG" 2>/dev/null | grep -o 'Successfully started run [0-9]*' \
+        | awk '{print $4}' | tail -n 1 || true
+}
+
+run_status() {  # MARK: "; flwr run exit status S, run ID STATUS: DETAILS" (from `flwr ls`)
+    local id text
+    printf '; flwr run exit status %s' "$RUN_STATUS"
+    id=$(started_run "$1")
+    [[ -n $id ]] || return 0
+    text=$(cd "$ROOT" && flwr ls "$NAME" --run-id "$id" --format json 2>/dev/null \
+           | python -c 'import json, sys
+try:
+    run = json.load(sys.stdin)["runs"][0]
+    print(run["status"] + (": " + run["status-details"] if run["status-details"] else ""), end="")
+except (ValueError, LookupError, TypeError):
+    pass') || true
+    if [[ -n $text ]]; then printf ', run %s %s' "$id" "$text"; fi
+}
+
+died_at_start() {  # MARK OUTCOME: the run's ServerApp failed on a TLS or connection error
+    # before it logged a line (nothing follows `flwr run`'s "Starting logstream" after MARK)
+    grep -qiE 'finished:failed: ServerApp failed with exception: .*(ssl|tls|eof|connect)' \
+        <<<"$2" || return 1
+    [[ -z $(tail -c "+$(($1 + 1))" "$RUN_LOG" | sed -n '/Starting logstream/,$p' | sed 1d \
+            | grep -v '^[[:space:]]*$') ]]
 }
 
 serverapps() {  # the PIDs of the ServerApp processes that talk to this deployment's SuperLink
@@ -424,8 +478,7 @@ stop_run() {  # a killed `run`: stop `flwr run`, then the run on the SuperLink, 
         log "stopped flwr run (PID $RUN_PID)"
     fi
     rm -f "$PIDS/flwr-run.pid"
-    id=$(grep -o 'Successfully started run [0-9]*' "$RUN_LOG" 2>/dev/null | awk '{print $4}' \
-         | head -n 1 || true)
+    id=$(started_run 0)
     if [[ -n $id ]]; then
         if (cd "$ROOT" && flwr stop "$id" "$NAME") >> "$RUN_LOG" 2>&1; then
             log "stopped run $id on the SuperLink"

@@ -62,13 +62,16 @@ def _free_ports(count: int) -> int:
     raise RuntimeError("no free ports")
 
 
-def _wait_until(condition, timeout: float, what: str, run: subprocess.Popen | None = None):
+def _wait_until(condition, timeout: float, what: str, run: subprocess.Popen | None = None,
+                log: Path | None = None):
+    """Wait for ``condition``; fail when ``run`` ends first or time is up, with ``log``'s tail."""
     deadline = time.monotonic() + timeout
     while not condition():
+        tail = "" if log is None else "\n" + log.read_text(errors="ignore")[-4000:]
         if run is not None and run.poll() is not None:
-            raise AssertionError(f"the run ended (exit {run.returncode}) before {what}")
+            raise AssertionError(f"the run ended (exit {run.returncode}) before {what}{tail}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{tail}")
         time.sleep(0.5)
 
 
@@ -182,7 +185,8 @@ def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
             return ("Sending: train message" in text and sent >= 0 and any(
                 state_dir.glob("state-*.npz")) and f"round   1/{ROUNDS}" in server)
 
-        _wait_until(trained_and_replied, 300, "node 1's first training", run)
+        _wait_until(trained_and_replied, 300, "node 1's first training", run,
+                    tmp_path / "run.log")
         script("kill-node", "1")
         with pytest.raises(ProcessLookupError):
             os.kill(pids["node-1"], 0)
@@ -284,7 +288,7 @@ def _a_killed_run_stops_what_it_started(work: Path, env: dict[str, str], superli
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
         try:
             _wait_until(lambda: "round   1/50" in log_path.read_text(errors="ignore")
-                        and _serverapps(port), 180, "the killed run's first round", run)
+                        and _serverapps(port), 180, "the killed run's first round", run, log_path)
             os.kill(run.pid, signal.SIGTERM)
             assert run.wait(timeout=60) == 143
         finally:
