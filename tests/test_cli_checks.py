@@ -4,6 +4,7 @@ earlier results or to write where it cannot; a damaged dataset file is one line 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -106,3 +107,25 @@ def test_bad_command_line_inputs_are_one_sentence_each(tmp_path):
     line = _one_line_error(_simulate(*TINY, "--out", ""))
     assert "--out is empty" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latin.toml"]
+
+
+@needs_fashion_mnist
+def test_the_installed_pflalign_command_is_simulate_py(tmp_path):
+    """``pip install -e .`` puts a ``pflalign`` command beside the interpreter: the same command
+    line as ``python simulate.py``, usable from any folder, its default config the checkout's."""
+    command = os.path.join(os.path.dirname(sys.executable), "pflalign")
+    help_text = subprocess.run([command, "--help"], capture_output=True, text=True, timeout=120,
+                               cwd=tmp_path)
+    assert help_text.returncode == 0, help_text.stderr
+    assert help_text.stdout.startswith("usage: pflalign ")
+    assert "npz:PATH" in help_text.stdout  # the config keys' help, as simulate.py --help
+    printed = subprocess.run([command, "--print-config"], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+    assert 'out-dir = "results/default"' in printed.stdout  # configs/default.toml's
+    out = tmp_path / "out"
+    run = subprocess.run([command, *TINY, "--out", str(out)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["num-clients"] == 3 and set(results["methods"]) == {"fedavg"}
+    assert "pflalign --set num-clients=3" in (out / "plan.json").read_text()

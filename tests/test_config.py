@@ -40,7 +40,7 @@ def test_unknown_key_suggests_the_closest():
     ("lr", "fast", "expects a number"),
     ("download", 1, "expects true or false"),
     ("dataset", 3, "expects a string"),
-    ("dataset", "imagenet", "is not one of"),
+    ("dataset", "imagenet", "Unknown dataset .imagenet.; choose one of: fashion-mnist"),
     ("partition", "shards", "is not one of"),
     ("model", "vgg", "is not a model: choose one of cnn"),
     ("dirichlet-alpha", 0.0, "out of range.*> 0"),

@@ -27,6 +27,20 @@ def test_pfllib_config_matches_pfllibs_benchmark():
         20, 0.1, 0.25, "cnn", 10, 1, 0.005, 2000, 1.0)
 
 
+def test_pfllib_cifar100_config_is_the_same_setting_on_cifar100():
+    """Only the data differs from the Fashion-MNIST setting; the CNN then has PFLlib's
+    FedAvgCNN(in_features=3, dim=1600) shape, with 100 classes."""
+    from pflalign.models.registry import build_model
+
+    fmnist = resolve(ROOT / "configs" / "pfllib-fmnist.toml")
+    cifar = resolve(ROOT / "configs" / "pfllib-cifar100.toml")
+    differing = {k for k in fmnist if fmnist[k] != cifar[k]}
+    assert differing == {"dataset", "data-root", "out-dir"}
+    assert cifar["dataset"] == "cifar100"
+    model = build_model("cnn", (3, 32, 32), 100)
+    assert model.fc1[1].in_features == 1600 and model.fc.out_features == 100
+
+
 def test_generated_docs_are_current():
     from pflalign.run.docs import stale
 

@@ -25,7 +25,7 @@ def _tiny_dataset(n=64, channels=1, side=28, classes=10, seed=0) -> Dataset:
                    (0.5,) * channels, (0.25,) * channels)
 
 
-@pytest.mark.parametrize("name", [m for m, spec in MODELS.items() if spec.takes == "image"])
+@pytest.mark.parametrize("name", [m for m, spec in MODELS.items() if "image" in spec.takes])
 @pytest.mark.parametrize("shape,classes", [((1, 28, 28), 10), ((3, 32, 32), 100)])
 def test_models_give_logits_of_the_right_shape(name, shape, classes):
     model = build_model(name, shape, classes, seed=0)
@@ -33,11 +33,18 @@ def test_models_give_logits_of_the_right_shape(name, shape, classes):
 
 
 def test_every_model_declares_its_input_and_batch_norm_truly():
+    shapes = {"image": (1, 28, 28), "tokens": (80,), "features": (12,)}
     for name, spec in MODELS.items():
-        other = (80,) if spec.takes == "image" else (1, 28, 28)
-        with pytest.raises(ConfigError, match=f"Model '{name}' takes"):
-            build_model(name, other, 10)
-        shape = (1, 28, 28) if spec.takes == "image" else (80,)
+        # a sample shape of a kind it does not take (feature vectors and token sequences are
+        # both one-dimensional: a model taking one of them takes that shape)
+        for kind, other in shapes.items():
+            if kind in spec.takes or len(other) == 1 and {"tokens", "features"} & set(spec.takes):
+                continue
+            with pytest.raises(ConfigError, match=f"Model '{name}' takes"):
+                build_model(name, other, 10)
+        if "features" in spec.takes:
+            assert build_model(name, (12,), 3)(torch.zeros(4, 12)).shape == (4, 3)
+        shape = (1, 28, 28) if "image" in spec.takes else (80,)
         model = build_model(name, shape, 10)
         norms = torch.nn.modules.batchnorm._BatchNorm
         has_norm = any(isinstance(m, norms) for m in model.modules())

@@ -20,7 +20,7 @@ import torch
 
 from pflalign.process.caches import cached
 from pflalign.settings.options import ConfigError
-from pflalign.settings.schema import DATASETS, IMAGE, TOKENS
+from pflalign.settings.schema import FEATURES, IMAGE, TOKENS
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
@@ -65,6 +65,9 @@ class Dataset:
     group_names: tuple[str, ...] = ()
     #: the token stream the windows are views of (text datasets)
     tokens: np.ndarray | None = None
+    #: each natural client's samples are in time order (text): its test split is its last
+    #: samples; otherwise a stratified random split, as for the other partitions
+    time_ordered: bool = False
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -77,7 +80,7 @@ class Dataset:
         """The rows of :attr:`images` that are samples: all of them, or :attr:`samples`."""
         return np.arange(len(self)) if self.samples is None else self.samples
 
-    def normalizer(self) -> Normalizer | TokenIds:
+    def normalizer(self) -> Normalizer | TokenIds | AsFloat:
         return input_transform(self.kind, self.mean, self.std)
 
 
@@ -94,6 +97,13 @@ class Normalizer:
         return batch.float().mul_(self.scale).sub_(self.shift)
 
 
+class AsFloat:
+    """Gives float32 feature vectors to the model as they are."""
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch.float()
+
+
 class TokenIds:
     """Turns a uint8 batch of token indices into the int64 indices an embedding takes."""
 
@@ -102,9 +112,11 @@ class TokenIds:
 
 
 def input_transform(kind: str, mean: tuple[float, ...], std: tuple[float, ...],
-                    ) -> Normalizer | TokenIds:
+                    ) -> Normalizer | TokenIds | AsFloat:
     """What turns a stored batch of ``kind`` into the model's input."""
-    return TokenIds() if kind == TOKENS else Normalizer(mean, std)
+    if kind == TOKENS:
+        return TokenIds()
+    return AsFloat() if kind == FEATURES else Normalizer(mean, std)
 
 
 #: how to get a damaged dataset file back, for error messages
@@ -189,21 +201,62 @@ def _load_mnist_like(name: str, root: Path | None, download: bool) -> tuple[np.n
     return images, np.concatenate([train_y, test_y]).astype(np.int64)
 
 
-def _load_cifar(name: str, root: Path | None, download: bool) -> tuple[np.ndarray, np.ndarray]:
-    import torchvision
+#: torchvision's extracted CIFAR folders: the folder, the batch files (train, then test) and the
+#: labels' key in each
+_CIFAR_FILES = {
+    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"],
+                b"labels"),
+    "cifar100": ("cifar-100-python", ["train", "test"], b"fine_labels"),
+}
+_CLASSES = {"fashion-mnist": 10, "mnist": 10, "cifar10": 10, "cifar100": 100}
 
-    cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
+
+def _read_cifar_batch(path: Path, labels_key: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR batch file (a pickled dict: ``data`` N x 3072 uint8 in channel-major order,
+    and the labels), as N x 3 x 32 x 32 images and int64 labels."""
+    import pickle
+
+    if not path.is_file():
+        raise ConfigError(f"CIFAR file '{path}' is missing; the folder must hold all of "
+                          "torchvision's extracted batch files.")
+    try:
+        with open(path, "rb") as handle:
+            batch = pickle.load(handle, encoding="bytes")
+        data = np.asarray(batch[b"data"], dtype=np.uint8)
+        labels = np.asarray(batch[labels_key], dtype=np.int64)
+    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as err:
+        raise ConfigError(f"CIFAR file '{path}' is truncated or not a CIFAR batch "
+                          f"({type(err).__name__}: {err}); delete it and {_REFETCH}.") from err
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
+        raise ConfigError(f"CIFAR file '{path}' holds data of shape {data.shape} and "
+                          f"{len(labels)} labels; a batch is N x 3072 values with N labels.")
+    return data.reshape(-1, 3, 32, 32), labels
+
+
+def _load_cifar(name: str, root: Path | None, download: bool) -> tuple[np.ndarray, np.ndarray]:
+    """CIFAR-10 or CIFAR-100 from torchvision's extracted files under ``root`` (default
+    ``./data``), read directly (train batches, then test), or downloaded by torchvision first
+    with ``download`` (which verifies the archive)."""
+    folder, files, labels_key = _CIFAR_FILES[name]
     target = root or Path("data")
-    parts = []
-    for train in (True, False):
-        try:
-            parts.append(cls(str(target), train=train, download=download))
-        except RuntimeError as err:
-            raise ConfigError(f"{name} was not found under '{target}' ({err}): set data-root to "
-                              "a directory holding torchvision's extracted files, or set "
-                              "download = true on a machine with internet access.") from err
-    images = np.concatenate([p.data for p in parts]).transpose(0, 3, 1, 2)
-    labels = np.concatenate([np.asarray(p.targets) for p in parts]).astype(np.int64)
+    directory = target / folder
+    if not directory.is_dir() and download:
+        import torchvision
+
+        cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
+        for train in (True, False):
+            cls(str(target), train=train, download=True)
+    if not directory.is_dir():
+        raise ConfigError(f"{name} was not found: '{directory}' does not exist; set data-root to "
+                          f"the directory holding torchvision's extracted {folder}/, or set "
+                          "download = true on a machine with internet access.")
+    parts = [_read_cifar_batch(directory / file, labels_key) for file in files]
+    images = np.concatenate([p[0] for p in parts])
+    labels = np.concatenate([p[1] for p in parts])
+    classes = _CLASSES[name]
+    if labels.min() < 0 or labels.max() >= classes:
+        raise ConfigError(f"{name} under '{directory}' has labels outside 0..{classes - 1}; its "
+                          "files are not this dataset's.")
     return np.ascontiguousarray(images), labels
 
 
@@ -213,9 +266,11 @@ def load_dataset(name: str, data_root: str = "", download: bool = False, tokeniz
     """Load a dataset once per process (cached): pooled train+test images as uint8, or a text
     dataset's token windows (``tokenizer``: ``characters`` or a language model's name;
     ``sequence_length`` tokens of context a sample)."""
-    if name not in DATASETS:
-        raise ConfigError(f"Unknown dataset '{name}'; choose one of: "
-                          f"{', '.join(DATASETS)}.")
+    from pflalign.data import sources
+
+    if sources.npz_path(name) is not None:
+        return Dataset(**sources.load_npz(name))
+    sources.check_dataset_name(name)
     root = Path(data_root).expanduser() if data_root else None
     if name == "shakespeare":
         return _load_shakespeare(root, tokenizer, sequence_length)
@@ -230,7 +285,7 @@ def load_dataset(name: str, data_root: str = "", download: bool = False, tokeniz
     labels.setflags(write=False)
     mean, std = _NORMALISATION[name]
     return Dataset(name=name, images=images, labels=labels,
-                   num_classes=int(labels.max()) + 1 if name != "cifar100" else 100,
+                   num_classes=_CLASSES[name],
                    mean=mean, std=std)
 
 
@@ -276,7 +331,7 @@ def _load_shakespeare(root: Path | None, tokenizer: str, length: int) -> Dataset
     labels.setflags(write=False)
     return Dataset(name="shakespeare", images=windows, labels=labels, num_classes=vocabulary,
                    mean=(), std=(), kind=TOKENS, samples=samples, groups=groups,
-                   group_names=names, tokens=stream)
+                   group_names=names, tokens=stream, time_ordered=True)
 
 
 @dataclass
@@ -287,7 +342,7 @@ class ClientData:
     train_y: torch.Tensor
     test_x: torch.Tensor
     test_y: torch.Tensor
-    normalize: Normalizer | TokenIds
+    normalize: Normalizer | TokenIds | AsFloat
 
     @classmethod
     def from_indices(cls, dataset: Dataset, train_idx: np.ndarray, test_idx: np.ndarray,

@@ -110,7 +110,7 @@ def _build(key: tuple) -> FederatedDataset:
         quantity_power=cfg["quantity-power"], min_samples=cfg["min-samples-per-client"],
         test_fraction=cfg["test-fraction"], angles=parse_angles(cfg["rotation-angles"]),
         unseen_groups=cfg["rotation-unseen-groups"], groups=groups,
-        group_names=dataset.group_names)
+        group_names=dataset.group_names, time_ordered=dataset.time_ordered)
     if cfg["evaluate-on"] == "validation":
         partition = validation_partition(partition, dataset.labels[pool],
                                          cfg["validation-fraction"], cfg["seed"])

@@ -312,9 +312,11 @@ def make_partition(labels: np.ndarray, num_classes: int, *, scheme: str, num_cli
                    min_samples: int = 10, test_fraction: float = 0.25,
                    angles: Sequence[float] = (0.0,), unseen_groups: int = 0,
                    groups: np.ndarray | None = None, group_names: Sequence[str] = (),
-                   ) -> Partition:
+                   time_ordered: bool = True) -> Partition:
     """Partition over ``num_clients + num_unseen`` clients; split each into train/test.
-    ``groups`` (one natural client per sample) is what ``scheme = natural`` partitions by."""
+    ``groups`` (one natural client per sample) is what ``scheme = natural`` partitions by; with
+    ``time_ordered`` each natural client's last samples are its test split (text), otherwise a
+    stratified random one."""
     total = num_clients + num_unseen
     rng = np.random.default_rng([seed, 0])
     topped_up = 0
@@ -322,12 +324,17 @@ def make_partition(labels: np.ndarray, num_classes: int, *, scheme: str, num_cli
     if scheme == "natural":
         if groups is None:
             raise ConfigError("partition = natural needs a dataset with natural clients "
-                              "(dataset = shakespeare); choose iid, dirichlet, pathological, "
-                              "quantity or rotated.")
+                              "(dataset = shakespeare, or npz:PATH with a client array); choose "
+                              "iid, dirichlet, pathological, quantity or rotated.")
         parts, names = natural_partition(groups, total, rng, min_samples, group_names)
-        splits = [split_in_order(part, test_fraction) for part in parts]
+        if time_ordered:
+            splits = [split_in_order(part, test_fraction) for part in parts]
+        else:
+            split_rng = np.random.default_rng([seed, 1])
+            splits = [split_train_test(p, labels, test_fraction, split_rng) for p in parts]
         return Partition(train=tuple(s[0] for s in splits), test=tuple(s[1] for s in splits),
-                         num_train_clients=num_clients, names=tuple(names), in_order=True)
+                         num_train_clients=num_clients, names=tuple(names),
+                         in_order=time_ordered)
     if scheme == "rotated":
         parts, rotations, topped_up = rotated_partition(
             labels, num_clients, num_unseen, angles, unseen_groups, alpha, rng, min_samples,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -12,9 +13,10 @@ import torch
 from torch import nn
 
 from pflalign.models.language import LoraSpec, build_adapter_model, is_language_model
+from pflalign.models.user import HEAD_ATTRIBUTE, build_user_model, is_user_model
 from pflalign.process.caches import cached
 from pflalign.settings.options import ConfigError
-from pflalign.settings.schema import IMAGE, TOKENS
+from pflalign.settings.schema import FEATURES, IMAGE, TOKENS
 
 
 class CNN(nn.Module):
@@ -100,6 +102,15 @@ def _image_model(factory: Callable[[int, int, int], nn.Module],
     return build
 
 
+def _mlp(name: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """McMahan et al.'s 2NN on flattened images or on feature vectors."""
+    if len(shape) not in (1, 3):
+        raise ConfigError(f"Model '{name}' takes images (channels x height x width) or feature "
+                          f"vectors, but the dataset's samples have shape {tuple(shape)}: "
+                          f"{_INPUT_HINT}")
+    return MLP(math.prod(shape), num_classes)
+
+
 def _sequence_model(name: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
     if len(shape) != 1:
         raise ConfigError(f"Model '{name}' takes sequences of token indices, but the dataset's "
@@ -115,8 +126,8 @@ class ModelSpec:
     """A registered model: how to build it, what it takes, and its batch norm."""
 
     build: ModelFactory
-    #: the kind of samples it takes (:data:`~pflalign.settings.schema.DATASETS`' kinds)
-    takes: str
+    #: the kinds of samples it takes (:data:`~pflalign.settings.schema.DATASETS`' kinds)
+    takes: tuple[str, ...]
     #: it has batch-norm layers (a method that needs batch norm can run on it)
     batch_norm: bool = False
     #: the registered model with batch norm that a method needing it runs on instead
@@ -125,30 +136,32 @@ class ModelSpec:
 
 #: every registered model: the one table of them (``hf:<model>`` language models aside)
 MODELS: dict[str, ModelSpec] = {
-    "cnn": ModelSpec(_image_model(lambda c, s, k: CNN(c, s, k)), IMAGE,
+    "cnn": ModelSpec(_image_model(lambda c, s, k: CNN(c, s, k)), (IMAGE,),
                      batch_norm_version="cnn-bn"),
-    "cnn-bn": ModelSpec(_image_model(lambda c, s, k: CNN(c, s, k, batch_norm=True)), IMAGE,
+    "cnn-bn": ModelSpec(_image_model(lambda c, s, k: CNN(c, s, k, batch_norm=True)), (IMAGE,),
                         batch_norm=True),
-    "mlp": ModelSpec(_image_model(lambda c, s, k: MLP(c * s * s, k)), IMAGE),
-    "resnet18": ModelSpec(_image_model(_resnet18), IMAGE, batch_norm=True),
-    "char-lstm": ModelSpec(_sequence_model, TOKENS),
+    "mlp": ModelSpec(_mlp, (IMAGE, FEATURES)),
+    "resnet18": ModelSpec(_image_model(_resnet18), (IMAGE,), batch_norm=True),
+    "char-lstm": ModelSpec(_sequence_model, (TOKENS,)),
 }
-_INPUT_HINT = (f"choose {', '.join(m for m, spec in MODELS.items() if spec.takes == IMAGE)} for "
-               f"images, {', '.join(m for m, spec in MODELS.items() if spec.takes == TOKENS)} for "
-               "text.")
+_INPUT_HINT = "; ".join(
+    f"choose {', '.join(m for m, spec in MODELS.items() if kind in spec.takes)} for {noun}"
+    for kind, noun in ((IMAGE, "images"), (TOKENS, "text"), (FEATURES, "feature vectors"))) + "."
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int,
                 seed: int | None = None, lora: LoraSpec | None = None) -> nn.Module:
     """Build a registered model, or ``hf:<model>`` with the adapters ``lora``
     (:mod:`pflalign.models.language`); with ``seed`` its initial weights are reproducible."""
-    if not is_language_model(name) and name not in MODELS:
-        raise ConfigError(f"Unknown model '{name}'; choose one of: {', '.join(MODELS)}, or "
-                          "hf:<model>.")
+    if not is_language_model(name) and not is_user_model(name) and name not in MODELS:
+        raise ConfigError(f"Unknown model '{name}'; choose one of: {', '.join(MODELS)}, "
+                          "hf:<model>, or py:module:factory (your own).")
 
     def build() -> nn.Module:
         if is_language_model(name):
             return build_adapter_model(name, lora or LoraSpec())
+        if is_user_model(name):
+            return build_user_model(name, tuple(int(d) for d in input_shape), num_classes)
         return MODELS[name].build(name, tuple(int(d) for d in input_shape), num_classes)
 
     if seed is None:
@@ -165,8 +178,28 @@ def parameter_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def head_of(model: nn.Module) -> tuple[str, nn.Module]:
-    """The model's last parameterised layer (its classifier) and its name."""
-    return parameter_modules(model)[-1]
+    """The model's classifier head and its name: the linear submodule its ``pflalign_head``
+    attribute names, or else its last parameterised layer, which must be linear (every
+    registered model's ``fc``). A method that splits a body from a head refuses a model
+    without one, in one sentence."""
+    declared = getattr(model, HEAD_ATTRIBUTE, None)
+    if declared is not None:
+        try:
+            head = model.get_submodule(str(declared))
+        except AttributeError:
+            raise ConfigError(f"The model's {HEAD_ATTRIBUTE} = {declared!r} names no submodule "
+                              "of it.") from None
+        if not isinstance(head, nn.Linear):
+            raise ConfigError(f"The model's {HEAD_ATTRIBUTE} = {declared!r} is a "
+                              f"{type(head).__name__}; the head must be a torch.nn.Linear.")
+        return str(declared), head
+    name, head = parameter_modules(model)[-1]
+    if not isinstance(head, nn.Linear):
+        raise ConfigError(f"This method splits the model into a body and a linear head, and the "
+                          f"model's last layer with parameters, {name!r}, is a "
+                          f"{type(head).__name__}: set {HEAD_ATTRIBUTE} = '<name of its "
+                          "nn.Linear classifier>' on the model, or choose another method.")
+    return name, head
 
 
 @contextlib.contextmanager
@@ -201,7 +234,10 @@ def head_keys(model: nn.Module, layers: int = 1) -> tuple[str, ...]:
                               f"must leave a body: choose 1..{len(owners) - 1}.")
         chosen = set(owners[-layers:])
         return tuple(key for key in adapters if key.split(".lora_")[0] in chosen)
-    modules = parameter_modules(model)
+    head_name, _ = head_of(model)
+    # the head, and before it the other parameterised layers in registration order
+    modules = [m for m in parameter_modules(model) if m[0] != head_name] + [
+        (head_name, model.get_submodule(head_name))]
     if not 1 <= layers < len(modules):
         raise ConfigError(f"The model has {len(modules)} parameterised layers; a head of {layers} "
                           f"must leave a body: choose 1..{len(modules) - 1}.")

@@ -21,12 +21,21 @@ from pathlib import Path
 
 from pflalign.data.datasets import CHARACTERS
 from pflalign.data.partition import parse_angles
+from pflalign.data.sources import (
+    NPZ,
+    check_dataset_name,
+    dataset_kind,
+    has_natural_clients,
+    npz_path,
+)
 from pflalign.methods.registry import METHODS, method_overrides
+from pflalign.models import user
 from pflalign.models.language import SMOLLM2, is_language_model, source_of
 from pflalign.models.registry import MODELS
+from pflalign.models.user import is_user_model
 from pflalign.settings.options import ConfigError, Option, Value
 from pflalign.settings.schema import (
-    DATASETS,
+    FEATURES,
     IMAGE,
     RUN_WIDE_KEYS,
     TOKENS,
@@ -189,6 +198,9 @@ def build_settings(values: Mapping[str, object] | None = None,
     merged: dict[str, Value] = defaults()
     for key, value in (values or {}).items():
         merged[key] = coerce(key, value, source)
+    _resolve_dataset(merged)
+    if is_user_model(str(merged["model"])):
+        merged["model"] = user.resolved(str(merged["model"]))
     _check_model_name(str(merged["model"]), "model")
     _resolve_tokenizer(merged)
     _check_cross_keys(merged)
@@ -240,14 +252,29 @@ def method_labels(settings: Mapping[str, Value]) -> list[str]:
 TEXT_PARTITIONS = ("natural", "iid", "quantity")
 
 
-_NOUNS = {IMAGE: "images", TOKENS: "token sequences"}
+_NOUNS = {IMAGE: "images", TOKENS: "token sequences", FEATURES: "feature vectors"}
+
+
+def _resolve_dataset(values: dict[str, Value]) -> None:
+    """The dataset names a built-in dataset or a readable file, which the config then names by
+    its absolute path (the same file for every process and Ray worker, whatever its working
+    directory)."""
+    name = str(values["dataset"])
+    path = npz_path(name)
+    if path is not None:
+        values["dataset"] = NPZ + str(path.resolve())
+    check_dataset_name(str(values["dataset"]))
 
 
 def _check_model_name(model: str, key: str) -> None:
+    if is_user_model(model):
+        user.factory(model)  # importable, and names a callable: one sentence if not
+        return
     if model not in MODELS and not is_language_model(model):
         raise ConfigError(f"Config key '{key}' = {model!r} is not a model: choose one of "
-                          f"{', '.join(MODELS)}, or hf:<model> for a pretrained language "
-                          f"model with LoRA adapters (hf:{SMOLLM2} offline).")
+                          f"{', '.join(MODELS)}, hf:<model> for a pretrained language "
+                          f"model with LoRA adapters (hf:{SMOLLM2} offline), or "
+                          "py:module:factory for your own (docs/usage.md).")
     if is_language_model(model):
         source_of(model)  # a missing folder, file or package is one sentence, before any data
 
@@ -258,7 +285,7 @@ def _model_tokenizer(model: str) -> str:
 
 def _resolve_tokenizer(values: dict[str, Value]) -> None:
     """A text dataset's tokenizer: the model's, unless given (and then it must be the model's)."""
-    if DATASETS[str(values["dataset"])] != TOKENS:
+    if dataset_kind(str(values["dataset"])) != TOKENS:
         return
     if not values["tokenizer"]:
         values["tokenizer"] = _model_tokenizer(str(values["model"]))
@@ -269,14 +296,17 @@ def _check_model_fits_data(values: Mapping[str, Value], label: str) -> None:
     run's data is."""
     model = str(values["model"])
     _check_model_name(model, "model")
-    kind = DATASETS[str(values["dataset"])]
-    takes = TOKENS if is_language_model(model) else MODELS[model].takes
-    if kind != takes:
-        fits = ", ".join(m for m, spec in MODELS.items() if spec.takes == kind)
+    kind = dataset_kind(str(values["dataset"]))
+    if is_user_model(model):
+        return  # a factory gets the data's shape; its model is checked when it is built
+    takes = (TOKENS,) if is_language_model(model) else MODELS[model].takes
+    if kind not in takes:
+        fits = ", ".join(m for m, spec in MODELS.items() if kind in spec.takes)
         fits += ", or hf:<model>" if kind == TOKENS else ""
         raise ConfigError(f"Method '{label}' would run model = {model!r}, which takes "
-                          f"{_NOUNS[takes]}, on dataset = {values['dataset']!r}, which holds "
-                          f"{_NOUNS[kind]}: set model to {fits}.")
+                          f"{' or '.join(_NOUNS[t] for t in takes)}, on dataset = "
+                          f"{values['dataset']!r}, which holds {_NOUNS[kind]}: set model to "
+                          f"{fits}.")
     if kind == TOKENS and values["tokenizer"] != _model_tokenizer(model):
         raise ConfigError(f"Method '{label}' would run model = {model!r} on text tokenized by "
                           f"tokenizer = {values['tokenizer']!r}; a model reads only its own "
@@ -289,16 +319,20 @@ def _check_cross_keys(values: Mapping[str, Value]) -> None:
     if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
         raise ConfigError(f"batched-workers = {values['batched-workers']!r}: give a whole number "
                           "of worker processes (>= 1), or auto.")
-    kind = DATASETS[str(values["dataset"])]
+    kind = dataset_kind(str(values["dataset"]))
     if kind == TOKENS and values["partition"] not in TEXT_PARTITIONS:
         raise ConfigError(f"partition = {values['partition']!r} splits by class label or "
                           f"rotates images, which mean nothing for dataset = "
                           f"{values['dataset']!r} (text; its label is the next character): "
                           f"choose {', '.join(TEXT_PARTITIONS)}.")
-    if kind != TOKENS and values["partition"] == "natural":
+    if values["partition"] == "natural" and not has_natural_clients(str(values["dataset"])):
         raise ConfigError(f"partition = 'natural' needs a dataset with its own clients, and "
-                          f"{values['dataset']!r} has none: choose dataset = 'shakespeare', or "
-                          "another partition.")
+                          f"{values['dataset']!r} has none: choose dataset = 'shakespeare', "
+                          "npz:PATH with a client array, or another partition.")
+    if kind == FEATURES and values["partition"] == "rotated":
+        raise ConfigError(f"partition = 'rotated' rotates images, and dataset = "
+                          f"{values['dataset']!r} holds feature vectors: choose another "
+                          "partition.")
     if values["gga"] and values["gga-end"] < values["gga-start"]:
         raise ConfigError(f"gga-end = {values['gga-end']} is before gga-start = "
                           f"{values['gga-start']}; the annealing window is gga-start..gga-end.")

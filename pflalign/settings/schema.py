@@ -46,12 +46,13 @@ ENGINES = {
                           "cohort-size, on the GPU when client-resources-num-gpus > 0, or on "
                           "batched-workers Ray actors", session="pflalign.engines.workers:session"),
 }
-#: what a dataset's samples are: ``image`` (uint8 N x C x H x W, normalised per channel) or
+#: what a dataset's samples are: ``image`` (uint8 N x C x H x W, normalised per channel),
 #: ``tokens`` (uint8 N x L indices into a vocabulary of ``num_classes`` symbols, given to the
-#: model as int64)
-IMAGE, TOKENS = "image", "tokens"
-#: every dataset the ``dataset`` key names, and the kind of its samples (known before anything is
-#: read): the one table of datasets (:func:`pflalign.data.datasets.load_dataset` loads each)
+#: model as int64) or ``features`` (float32 N x D vectors, given to the model as they are)
+IMAGE, TOKENS, FEATURES = "image", "tokens", "features"
+#: every built-in dataset the ``dataset`` key names, and the kind of its samples (known before
+#: anything is read): the one table of them (:func:`pflalign.data.datasets.load_dataset` loads
+#: each; a user's own, ``npz:PATH``, is :mod:`pflalign.data.sources`')
 DATASETS = {"fashion-mnist": IMAGE, "mnist": IMAGE, "cifar10": IMAGE, "cifar100": IMAGE,
             "shakespeare": TOKENS}
 PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated", "natural")
@@ -103,8 +104,10 @@ class RunConfig(Params):
         '/usr/share/datasets/fashion-mnist or data-root), mnist, cifar10, cifar100 '
         '(torchvision files under data-root), or shakespeare (next-character prediction, one '
         'client per role of a play, as LEAF; needs model = char-lstm and the texts fetched '
-        'by scripts/fetch-shakespeare.sh).',
-        choices=tuple(DATASETS), group='data', scope='data')
+        "by scripts/fetch-shakespeare.sh); or npz:PATH, your own arrays (x: uint8 images or "
+        "float feature vectors, y: integer labels, optionally client: each sample's client "
+        "for partition = natural; see docs/data.md).",
+        group='data', scope='data')
     data_root: str = param(
         '',
         "Directory holding the dataset files; empty means the Debian package's directory for "

@@ -26,6 +26,7 @@ cohort together under ``torch.func.vmap``), and the losses stay on the device th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -90,7 +91,18 @@ class ModelCall:
 
     def __init__(self, module: nn.Module, on_features: bool = False):
         self.module, self.on_features = module, on_features
-        self.head_name, self.head_module = head_of(module)
+
+    @functools.cached_property
+    def _head(self) -> tuple[str, nn.Module]:
+        return head_of(self.module)  # only a method that calls the head needs one
+
+    @property
+    def head_name(self) -> str:
+        return self._head[0]
+
+    @property
+    def head_module(self) -> nn.Module:
+        return self._head[1]
 
     def __call__(self, entries: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         if self.on_features:

@@ -1,0 +1,162 @@
+"""A researcher's own data (``dataset = npz:PATH``): written here, then run as a user runs it.
+
+Each source runs a short simulation on the sequential and batched engines and through a real
+Flower simulation (``simulate.py``), which must agree bit for bit (:func:`harness.three_engines`);
+what the run read is checked against the file (per-channel moments, the natural clients and
+their sizes). Bad files are one sentence each, raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+from conftest import ROOT
+from harness import three_engines
+
+from pflalign.data.datasets import load_dataset
+from pflalign.data.sources import dataset_kind
+from pflalign.run.config import build_settings
+from pflalign.settings.options import ConfigError
+
+RUN = {"num-clients": 4, "rounds": 2, "eval-every": 1, "fraction-train": 1.0, "seed": 2,
+       "local-epochs": 1, "batch-size": 16, "min-samples-per-client": 5}
+
+
+def write_images(path, n: int = 480, classes: int = 3, side: int = 16, seed: int = 0) -> None:
+    """Colour images whose class is a bright square in one of ``classes`` places, on noise."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, classes, n)
+    x = rng.integers(0, 80, (n, 3, side, side), dtype=np.uint8)
+    for k in range(classes):
+        x[y == k, k % 3, 4 * k:4 * k + 4, 4:8] = 250
+    np.savez(path, x=x, y=y)
+
+
+def write_features(path, n: int = 600, dim: int = 12, classes: int = 4, seed: int = 0) -> None:
+    """Gaussian classes in ``dim`` dimensions, and six natural clients with their own skew."""
+    rng = np.random.default_rng(seed)
+    client = rng.choice(np.array(["ana", "bo", "cy", "dee", "ed", "flo"]), n)
+    y = (rng.integers(0, classes, n) + (client == "ana")) % classes
+    centres = rng.normal(0, 2, (classes, dim))
+    x = (centres[y] + rng.normal(0, 1, (n, dim))).astype(np.float32)
+    np.savez(path, x=x, y=y, client=client)
+
+
+def test_images_from_an_npz_file_run_on_every_engine(tmp_path):
+    path = tmp_path / "images.npz"
+    write_images(path)
+    results = three_engines({**RUN, "dataset": f"npz:{path}", "model": "cnn",
+                             "methods": "fedavg,pflalign", "partition": "dirichlet",
+                             "dirichlet-alpha": 0.5}, tmp_path, compared_at_least=40)
+    # the run partitioned every sample of the file, by its labels
+    with np.load(path) as data:
+        x, y = data["x"], data["y"]
+    clients = results["partition"]["clients"]
+    counts = np.sum([np.add(c["train-labels"], c["test-labels"]) for c in clients], axis=0)
+    assert counts.tolist() == np.bincount(y).tolist()
+    # normalised by the file's own per-channel moments
+    dataset = load_dataset(f"npz:{path}")
+    scaled = x.astype(np.float64) / 255
+    assert np.allclose(dataset.mean, scaled.mean(axis=(0, 2, 3)), rtol=1e-9)
+    assert np.allclose(dataset.std, scaled.std(axis=(0, 2, 3)), rtol=1e-9)
+    assert dataset.input_shape == (3, 16, 16) and dataset.num_classes == 3
+    # a bright square is easy: the global model learns it in two rounds
+    assert results["methods"]["fedavg"]["final"]["global-acc"] > 0.6
+
+
+def test_feature_vectors_with_natural_clients(tmp_path):
+    path = tmp_path / "features.npz"
+    write_features(path)
+    assert dataset_kind(f"npz:{path}") == "features"
+    results = three_engines({**RUN, "dataset": f"npz:{path}", "model": "mlp",
+                             "methods": "fedavg,local", "partition": "natural"}, tmp_path,
+                            compared_at_least=40)
+    with np.load(path) as data:
+        sizes = Counter(data["client"].tolist())
+    clients = results["partition"]["clients"]
+    assert len(clients) == 4 and len({c["name"] for c in clients}) == 4
+    for c in clients:  # each client is one of the file's, with all of its samples
+        assert c["num-train"] + c["num-test"] == sizes[c["name"]]
+    assert results["methods"]["local"]["final"]["personal-acc"] > 0.5
+
+
+def test_a_relative_path_is_the_same_file_for_every_process(tmp_path, monkeypatch):
+    write_images(tmp_path / "images.npz")
+    monkeypatch.chdir(tmp_path)
+    settings = build_settings({"dataset": "npz:images.npz"})
+    assert settings["dataset"] == f"npz:{tmp_path / 'images.npz'}"
+
+
+def _bad(tmp_path, name: str, **arrays) -> str:
+    path = tmp_path / f"{name}.npz"
+    np.savez(path, **arrays)
+    return f"npz:{path}"
+
+
+@pytest.mark.parametrize("arrays, words", [
+    ({"x": np.zeros((5, 8, 8), np.uint8), "y": np.zeros(4, int)},
+     "y has shape (4,) but x has 5 samples"),
+    ({"x": np.zeros((5, 8, 8), np.uint8), "y": np.zeros(5, np.float32)},
+     "y is float32; labels must be integers 0..K-1"),
+    ({"x": np.zeros((5, 8, 8, 3), np.uint8), "y": np.zeros(5, int)},
+     "channels last; images must be channels first: x.transpose(0, 3, 1, 2)"),
+    ({"x": np.zeros((5, 8, 8), np.int32), "y": np.zeros(5, int)},
+     "x is int32; give images as uint8 (0..255) or feature vectors as floats"),
+    ({"x": np.zeros((5, 2, 2, 2, 2), np.float32), "y": np.zeros(5, int)},
+     "feature vectors must be N x D"),
+    ({"images": np.zeros((5, 8, 8), np.uint8), "y": np.zeros(5, int)},
+     "has no x array (it has images, y)"),
+    ({"x": np.zeros((5, 8, 8), np.uint8), "y": np.zeros(5, int), "client": np.zeros(4, int)},
+     "client has shape (4,); it must name one client per sample"),
+])
+def test_a_bad_file_is_one_sentence_before_anything_runs(tmp_path, arrays, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        build_settings({"dataset": _bad(tmp_path, "bad", **arrays)})
+
+
+def test_bad_values_and_paths(tmp_path):
+    with pytest.raises(ConfigError, match="the file does not exist"):
+        build_settings({"dataset": f"npz:{tmp_path / 'missing.npz'}"})
+    (tmp_path / "text.npz").write_text("not a zip")
+    with pytest.raises(ConfigError, match="is not a readable .npz file"):
+        build_settings({"dataset": f"npz:{tmp_path / 'text.npz'}"})
+    with pytest.raises(ConfigError, match="Unknown dataset 'cifar'; choose one of: "
+                       "fashion-mnist, mnist, cifar10, cifar100, shakespeare, or npz:PATH"):
+        build_settings({"dataset": "cifar"})
+    no_clients = _bad(tmp_path, "plain", x=np.zeros((5, 4), np.float32), y=np.arange(5) % 2)
+    with pytest.raises(ConfigError, match="partition = 'natural' needs a dataset with its own "
+                       "clients"):
+        build_settings({"dataset": no_clients, "partition": "natural", "model": "mlp"})
+    with pytest.raises(ConfigError, match="which takes images, on dataset = .* which holds "
+                       "feature vectors: set model to mlp"):
+        build_settings({"dataset": no_clients, "model": "cnn"})
+    with pytest.raises(ConfigError, match="'rotated' rotates images"):
+        build_settings({"dataset": no_clients, "partition": "rotated", "model": "mlp"})
+    negative = _bad(tmp_path, "negative", x=np.zeros((6, 4), np.float32),
+                    y=np.array([0, 1, -1, 0, 1, 0]))
+    with pytest.raises(ConfigError, match="y holds the label -1; labels must be 0..K-1"):
+        load_dataset(negative)
+    nan = _bad(tmp_path, "nan", x=np.full((6, 4), np.nan, np.float32), y=np.arange(6) % 2)
+    with pytest.raises(ConfigError, match="x holds NaN or infinite values"):
+        load_dataset(nan)
+
+
+def test_a_bad_file_found_at_load_writes_nothing(tmp_path):
+    """A value checked only when the data is read (a negative label) stops ``simulate.py`` with
+    the sentence, exit status 2 and no results file."""
+    bad = _bad(tmp_path, "negative", x=np.zeros((40, 4), np.float32),
+               y=np.where(np.arange(40) == 7, -1, np.arange(40) % 2))
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, str(ROOT / "simulate.py"), "--set",
+                             f"dataset={json.dumps(bad)}", "--set", "model=mlp", "--set",
+                             "engine=sequential", "--out", str(out)],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "y holds the label -1; labels must be 0..K-1" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (out / "results.json").exists()
