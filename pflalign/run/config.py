@@ -33,6 +33,7 @@ from pflalign.models import user
 from pflalign.models.language import SMOLLM2, is_language_model, source_of
 from pflalign.models.registry import MODELS
 from pflalign.models.user import is_user_model
+from pflalign.outputs.tracking import parse_tracking
 from pflalign.settings.options import ConfigError, Option, Value
 from pflalign.settings.schema import (
     FEATURES,
@@ -315,6 +316,7 @@ def _check_model_fits_data(values: Mapping[str, Value], label: str) -> None:
 
 
 def _check_cross_keys(values: Mapping[str, Value]) -> None:
+    parse_tracking(str(values["tracking"]))
     workers = str(values["batched-workers"]).strip()
     if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
         raise ConfigError(f"batched-workers = {values['batched-workers']!r}: give a whole number "

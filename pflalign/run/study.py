@@ -42,6 +42,7 @@ import numpy as np
 from pflalign.methods.registry import METHODS
 from pflalign.outputs.report import setting_label
 from pflalign.outputs.results import Reporter, slug, write_results
+from pflalign.outputs.tracking import Trackers, TrackingReporter, parse_tracking
 from pflalign.run.config import (
     MethodChoice,
     build_settings,
@@ -325,6 +326,9 @@ class Study:
                 tuning += sum(len(trials(c, settings, plan.tune, plan.tune_seeds[0])[1])
                               for c in method_choices(settings)) * len(plan.tune_seeds)
         self.progress = Progress(total=groups * per_group + tuning)
+        #: the trackers' run of the output directory itself (a plain run), open until its
+        #: report is written
+        self.tracked: Trackers | None = None
 
     # one group of cells ---------------------------------------------------------------------
     def group(self, settings: Settings, directory: Path, what: str) -> dict:
@@ -338,10 +342,45 @@ class Study:
             return finished
         self.reporter.stage(self.progress.line(f"{what}: {len(labels)} method entries"),
                             self.progress.done, self.progress.total)
-        results = self.run_group(settings.replace({"out-dir": str(directory)}), self.reporter,
-                                 self.resume)
+        trackers = self.open_trackers(settings, directory)
+        reporter = self.reporter if trackers is None else TrackingReporter(self.reporter,
+                                                                            trackers)
+        try:
+            results = self.run_group(settings.replace({"out-dir": str(directory)}), reporter,
+                                     self.resume)
+            if trackers is not None and directory != self.out:
+                trackers.log_outputs(directory)  # the group's results.json
+        finally:
+            if trackers is not None and directory != self.out:
+                trackers.close()
         self.progress.done += len(labels)
         return results
+
+    def open_trackers(self, settings: Settings, directory: Path, run: str | None = None,
+                      ) -> Trackers | None:
+        """One run in each of ``tracking``'s trackers for the group in ``directory`` (the
+        output directory's itself, for a plain run, stays open in :attr:`tracked` until the
+        report is written)."""
+        names = parse_tracking(str(settings["tracking"]))
+        if not names:
+            return None
+        root = Path(str(settings["tracking-dir"]) or self.out / "tracking")
+        if run is None:
+            relative = directory.relative_to(self.out).as_posix()
+            run = slug(self.out.resolve().name if relative == "." else relative)
+        trackers = Trackers(names, root, run, settings.to_dict())
+        if directory == self.out:
+            self.tracked = trackers
+        return trackers
+
+    def close_trackers(self) -> None:
+        """After the output directory's report is written: it goes to the trackers too."""
+        if self.tracked is not None:
+            try:
+                self.tracked.log_outputs(self.out)
+            finally:
+                self.tracked.close()
+                self.tracked = None
 
     def run(self) -> dict:
         """Run everything; return the study's results document (also written to disk)."""
@@ -351,8 +390,11 @@ class Study:
         if plan.single:
             name = next(iter(plan.scenarios))
             settings = plan.settings(name).replace({"seed": plan.seeds[0]})
-            results = self.group(settings, self.out, f"seed {plan.seeds[0]}")
-            return finish_single(self.out, results, name)
+            try:
+                results = self.group(settings, self.out, f"seed {plan.seeds[0]}")
+                return finish_single(self.out, results, name)
+            finally:
+                self.close_trackers()
         tuned = self.tune() if plan.tune else {}
         runs = []
         for name in plan.scenarios:
@@ -374,7 +416,11 @@ class Study:
                     runs.append(study_run(results, name, seed, setting, methods, chosen))
         doc = {"schema-version": SCHEMA_VERSION, "kind": "study", "command": plan.command,
                "protocol": self.protocol(tuned), "runs": runs}
-        return finish_study(self.out, doc, plan.reference)
+        doc = finish_study(self.out, doc, plan.reference)
+        if self.open_trackers(plan.settings(next(iter(plan.scenarios))), self.out,
+                              run=slug(self.out.resolve().name) + "-study") is not None:
+            self.close_trackers()  # the study's summary, report and plots, as a run of its own
+        return doc
 
     # tuning -----------------------------------------------------------------------------------
     def tune(self) -> dict[str, dict[str, dict]]:

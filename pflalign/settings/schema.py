@@ -363,6 +363,17 @@ class RunConfig(Params):
         'Write a checkpoint (server state, every client\'s state, the finished rounds) every N '
         'rounds, so that `simulate.py --resume DIR` continues a killed run exactly; 0 = never.',
         minimum=0, group='run', scope='output')
+    tracking: str = param(
+        '',
+        'Experiment trackers that also get every round\'s metrics, the config and the outputs: '
+        'tensorboard, mlflow, wandb (comma-separated; pip install "pflalign[tracking]"), each '
+        'writing a local store under tracking-dir; empty = none.',
+        group='run', scope='output')
+    tracking_dir: str = param(
+        '',
+        'Where the trackers write (TensorBoard event files, the MLflow file store, W&B\'s '
+        'offline runs); empty = <out-dir>/tracking.',
+        group='run', scope='output')
 
 
 @dataclass(frozen=True)
