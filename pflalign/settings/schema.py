@@ -103,7 +103,8 @@ class RunConfig(Params):
         'Dataset: fashion-mnist (embedded default, read from '
         '/usr/share/datasets/fashion-mnist or data-root), mnist, cifar10, cifar100 '
         '(torchvision files under data-root), or shakespeare (next-character prediction, one '
-        'client per role of a play, as LEAF; needs model = char-lstm and the texts fetched '
+        'client per role of a play, as LEAF; with model = char-lstm, or hf:<model> for its '
+        'tokens; the texts are fetched '
         "by scripts/fetch-shakespeare.sh); or npz:PATH, your own arrays (x: uint8 images or "
         "float feature vectors, y: integer labels, optionally client: each sample's client "
         "for partition = natural; see docs/data.md).",
