@@ -160,3 +160,86 @@ def test_a_bad_file_found_at_load_writes_nothing(tmp_path):
     assert "y holds the label -1; labels must be 0..K-1" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (out / "results.json").exists()
+
+
+def write_image_folder(root, clients: tuple[str, ...] = (), per_class: int = 12,
+                       sizes: tuple[int, ...] = (20, 24), seed: int = 0) -> None:
+    """PNG images, three classes (a bright square in a place of its own), of mixed sizes:
+    ``root/<class>/`` or, with ``clients``, ``root/<client>/<class>/``."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for client in clients or ("",):
+        for k, cls in enumerate(("cat", "dog", "eel")):
+            folder = root / client / cls
+            folder.mkdir(parents=True)
+            for i in range(per_class + (k if client else 0)):
+                side = sizes[i % len(sizes)]
+                pixels = rng.integers(0, 90, (side, side, 3), dtype=np.uint8)
+                pixels[5 * k:5 * k + 6, 4:10] = 255
+                Image.fromarray(pixels).save(folder / f"{i:03d}.png")
+
+
+def test_an_image_folder_with_client_folders_runs_on_every_engine(tmp_path):
+    root = tmp_path / "pets"
+    write_image_folder(root, clients=("north", "south", "east", "west", "up"))
+    results = three_engines({**RUN, "dataset": f"imagefolder:{root}", "image-size": 16,
+                             "model": "cnn", "methods": "fedavg,local", "partition": "natural"},
+                            tmp_path, compared_at_least=40)
+    clients = results["partition"]["clients"]
+    assert {c["name"] for c in clients} <= {"north", "south", "east", "west", "up"}
+    for c in clients:  # 12 + 13 + 14 images in every client folder
+        assert c["num-train"] + c["num-test"] == 39
+    # decoded once: the array is kept beside the data, and what a later load reads
+    (cached,) = (root / ".pflalign-cache").glob("images-*.npy")
+    dataset = load_dataset(f"imagefolder:{root}", image_size=16)
+    assert np.array_equal(np.load(cached), dataset.images)
+    assert dataset.input_shape == (3, 16, 16) and dataset.num_classes == 3
+
+
+def test_an_image_folder_of_classes(tmp_path):
+    root = tmp_path / "flat"
+    write_image_folder(root, sizes=(16,))
+    dataset = load_dataset(f"imagefolder:{root}")
+    assert dataset.input_shape == (3, 16, 16) and len(dataset) == 36
+    assert dataset.labels.tolist() == [0] * 12 + [1] * 12 + [2] * 12  # classes sorted by name
+    from PIL import Image
+
+    first = np.asarray(Image.open(root / "cat" / "000.png")).transpose(2, 0, 1)
+    assert np.array_equal(dataset.images[0], first)
+    with pytest.raises(ConfigError, match="partition = 'natural' needs a dataset with its own"):
+        build_settings({"dataset": f"imagefolder:{root}", "partition": "natural"})
+
+
+def test_bad_image_folders_are_one_sentence(tmp_path):
+    mixed = tmp_path / "mixed"
+    write_image_folder(mixed)
+    with pytest.raises(ConfigError, match="the images have 2 sizes .* set image-size = N"):
+        load_dataset(f"imagefolder:{mixed}")
+    with pytest.raises(ConfigError, match="the folder does not exist"):
+        build_settings({"dataset": f"imagefolder:{tmp_path / 'none'}"})
+    empty = tmp_path / "empty"
+    write_image_folder(empty, clients=("a", "b"), sizes=(16,))
+    (empty / "c").mkdir()
+    (empty / "c" / "cat").mkdir()
+    with pytest.raises(ConfigError, match="client folder 'c' has no images"):
+        build_settings({"dataset": f"imagefolder:{empty}"})
+
+
+def test_text_files_one_client_each_run_on_every_engine(tmp_path):
+    from test_shakespeare import PLAYS
+
+    folder = tmp_path / "letters"
+    folder.mkdir()
+    for i, text in enumerate(PLAYS.values()):
+        for j, half in enumerate((text[:len(text) // 2], text[len(text) // 2:])):
+            (folder / f"writer-{i}{j}.txt").write_text(half, encoding="utf-8")
+    results = three_engines({**RUN, "dataset": f"text:{folder}", "model": "char-lstm",
+                             "sequence-length": 20, "partition": "natural", "batch-size": 32,
+                             "local-steps": 3, "methods": "fedavg,local"}, tmp_path,
+                            compared_at_least=40)
+    names = {c["name"] for c in results["partition"]["clients"]}
+    assert len(names) == 4 and names <= {p.stem for p in folder.glob("*.txt")}
+    (folder / "bad.txt").write_bytes(b"caf\xe9 au lait")
+    with pytest.raises(ConfigError, match="bad.txt is not UTF-8 text"):
+        load_dataset(f"text:{folder}", tokenizer="characters", sequence_length=20)

@@ -262,7 +262,7 @@ def _load_cifar(name: str, root: Path | None, download: bool) -> tuple[np.ndarra
 
 @cached(maxsize=2)
 def load_dataset(name: str, data_root: str = "", download: bool = False, tokenizer: str = "",
-                 sequence_length: int = 80) -> Dataset:
+                 sequence_length: int = 80, image_size: int = 0) -> Dataset:
     """Load a dataset once per process (cached): pooled train+test images as uint8, or a text
     dataset's token windows (``tokenizer``: ``characters`` or a language model's name;
     ``sequence_length`` tokens of context a sample)."""
@@ -270,6 +270,10 @@ def load_dataset(name: str, data_root: str = "", download: bool = False, tokeniz
 
     if sources.npz_path(name) is not None:
         return Dataset(**sources.load_npz(name))
+    if name.startswith(sources.IMAGEFOLDER):
+        return Dataset(**sources.load_imagefolder(name, image_size))
+    if name.startswith(sources.TEXT):
+        return _text_dataset(name, sources.read_texts(name), tokenizer, sequence_length)
     sources.check_dataset_name(name)
     root = Path(data_root).expanduser() if data_root else None
     if name == "shakespeare":
@@ -303,17 +307,29 @@ def _load_shakespeare(root: Path | None, tokenizer: str, length: int) -> Dataset
         raise ConfigError(f"data-root: the Shakespeare texts were not found in "
                           f"{', '.join(str(r) for r in roots)}; {shakespeare.FETCH}.")
     roles = shakespeare.read_roles(found)
-    names = tuple(f"{r.play}/{r.name}" for r in roles)
+    return _text_dataset("shakespeare", [(f"{r.play}/{r.name}", r.text) for r in roles],
+                         tokenizer, length)
+
+
+def _text_dataset(name: str, texts: list[tuple[str, str]], tokenizer: str,
+                  length: int) -> Dataset:
+    """A text dataset of one natural client per (name, text): with characters, a sample is
+    ``length`` characters of the 80-symbol vocabulary and the next one, at every position; with
+    a language model's tokenizer, a window of ``length`` tokens and the same window one token on,
+    the windows ``length`` apart. A window and its target lie inside one client's text."""
+    from pflalign.data import shakespeare
+
+    names = tuple(group for group, _ in texts)
     characters = tokenizer in ("", CHARACTERS)
     if characters:
-        encoded = [shakespeare.encode(role.text) for role in roles]
+        encoded = [shakespeare.encode(text) for _, text in texts]
         stride, vocabulary = 1, len(shakespeare.VOCABULARY)
     else:
         from pflalign.models.language import tokenizer_of
 
         tok = tokenizer_of(tokenizer)
         encoded = [np.asarray(ids, dtype=np.int32) for ids in
-                   tok([role.text for role in roles], add_special_tokens=False)["input_ids"]]
+                   tok([text for _, text in texts], add_special_tokens=False)["input_ids"]]
         stride, vocabulary = length, len(tok)
     stream = np.concatenate(encoded)
     stream.setflags(write=False)
@@ -322,14 +338,17 @@ def _load_shakespeare(root: Path | None, tokenizer: str, length: int) -> Dataset
     counts = np.array([max(-(-(len(e) - length) // stride), 0) for e in encoded])
     samples = np.concatenate([s + stride * np.arange(c)
                               for s, c in zip(starts, counts, strict=True)]).astype(np.int64)
-    groups = np.repeat(np.arange(len(roles), dtype=np.int32), counts)
+    if not counts.any():
+        raise ConfigError(f"dataset = {name!r}: no client's text is longer than "
+                          f"sequence-length = {length} tokens; lower sequence-length.")
+    groups = np.repeat(np.arange(len(texts), dtype=np.int32), counts)
     windows = np.lib.stride_tricks.sliding_window_view(stream, length)[:-1]
     if characters:  # the next character
         labels = stream[length:].astype(np.int64)
     else:  # the same window one token on
         labels = np.lib.stride_tricks.sliding_window_view(stream[1:].astype(np.int64), length)
     labels.setflags(write=False)
-    return Dataset(name="shakespeare", images=windows, labels=labels, num_classes=vocabulary,
+    return Dataset(name=name, images=windows, labels=labels, num_classes=vocabulary,
                    mean=(), std=(), kind=TOKENS, samples=samples, groups=groups,
                    group_names=names, tokens=stream, time_ordered=True)
 

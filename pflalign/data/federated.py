@@ -97,7 +97,7 @@ class FederatedDataset:
 def _build(key: tuple) -> FederatedDataset:
     cfg = dict(zip(DATA_KEYS, key, strict=True))
     dataset = load_dataset(cfg["dataset"], cfg["data-root"], cfg["download"], cfg["tokenizer"],
-                           cfg["sequence-length"])
+                           cfg["sequence-length"], cfg["image-size"])
     pool, groups = dataset.sample_ids(), dataset.groups
     if 0 < cfg["max-samples"] < len(pool):
         chosen = np.sort(np.random.default_rng([cfg["seed"], 2]).choice(

@@ -16,17 +16,18 @@ before any data, so a config is checked without loading the file.
 
 from __future__ import annotations
 
+import os
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from pflalign.settings.options import ConfigError
-from pflalign.settings.schema import DATASETS, FEATURES, IMAGE
+from pflalign.settings.schema import DATASETS, FEATURES, IMAGE, TOKENS
 
 NPZ = "npz:"
 #: what a dataset value may be besides a built-in name, for messages
-USER_FORMS = "npz:PATH (your own arrays: docs/data.md)"
+USER_FORMS = ("npz:PATH, imagefolder:DIR or text:DIR (your own data: docs/data.md)")
 
 
 def npz_path(name: str) -> Path | None:
@@ -45,6 +46,12 @@ def check_dataset_name(name: str) -> None:
         return
     if name.startswith(NPZ):
         _headers(npz_path(name))
+        return
+    if name.startswith(IMAGEFOLDER):
+        scan_imagefolder(folder_of(name, IMAGEFOLDER))
+        return
+    if name.startswith(TEXT):
+        text_files(folder_of(name, TEXT))
         return
     raise ConfigError(f"Unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}, or "
                       f"{USER_FORMS}.")
@@ -110,6 +117,10 @@ def _headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
 def dataset_kind(name: str) -> str:
     """What the samples of dataset ``name`` are (``image``, ``tokens`` or ``features``), known
     before any data is read."""
+    if name.startswith(IMAGEFOLDER):
+        return IMAGE
+    if name.startswith(TEXT):
+        return TOKENS
     path = npz_path(name)
     if path is None:
         if name not in DATASETS:
@@ -121,6 +132,10 @@ def dataset_kind(name: str) -> str:
 
 def has_natural_clients(name: str) -> bool:
     """Whether dataset ``name`` says which client each sample belongs to."""
+    if name.startswith(IMAGEFOLDER):
+        return scan_imagefolder(folder_of(name, IMAGEFOLDER))[0] is not None
+    if name.startswith(TEXT):
+        return True
     path = npz_path(name)
     if path is None:
         return name == "shakespeare"
@@ -180,3 +195,170 @@ def load_npz(name: str) -> dict:
     return {"name": name, "images": samples, "labels": labels, "num_classes": num_classes,
             "mean": mean, "std": std, "kind": kind, "groups": groups,
             "group_names": group_names}
+
+
+# --- image folders: dataset = imagefolder:DIR ---------------------------------------------------
+IMAGEFOLDER = "imagefolder:"
+TEXT = "text:"
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
+                   ".pgm"}
+
+
+def folder_of(name: str, prefix: str) -> Path | None:
+    """The folder of ``dataset = <prefix>DIR``, or None for another dataset."""
+    if not name.startswith(prefix):
+        return None
+    text = name[len(prefix):].strip()
+    if not text:
+        raise ConfigError(f"dataset = {prefix!r} needs a folder: dataset = '{prefix}/path/to/dir'.")
+    return Path(text).expanduser()
+
+
+def _images_in(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir()
+                  if p.is_file() and p.suffix.lower() in _IMAGE_SUFFIXES)
+
+
+def scan_imagefolder(root: Path) -> tuple[list[str] | None, list[str], list[tuple[Path, str, str]]]:
+    """The layout of an image folder: ``ROOT/<class>/<image>`` (torchvision's ImageFolder), or
+    ``ROOT/<client>/<class>/<image>`` (each client's own folder: a natural partition). Returns
+    the clients (None for the first layout), the classes (sorted, as ImageFolder sorts them) and
+    every image as (path, class, client)."""
+    where = f"dataset = 'imagefolder:{root}'"
+    if not root.is_dir():
+        raise ConfigError(f"{where}: the folder does not exist.")
+    subfolders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not subfolders:
+        raise ConfigError(f"{where}: the folder has no class folders; lay it out as "
+                          "DIR/<class>/<image> or DIR/<client>/<class>/<image>.")
+    nested = [p for p in subfolders if any(q.is_dir() for q in p.iterdir())]
+    files: list[tuple[Path, str, str]] = []
+    if nested:
+        if len(nested) != len(subfolders):
+            flat = [p.name for p in subfolders if p not in nested][:3]
+            raise ConfigError(f"{where}: some folders hold class folders and some ({flat}) do "
+                              "not; use one layout: DIR/<class>/<image> or "
+                              "DIR/<client>/<class>/<image>.")
+        clients = [p.name for p in subfolders]
+        for client in subfolders:
+            for cls in sorted(p for p in client.iterdir() if p.is_dir()):
+                files += [(f, cls.name, client.name) for f in _images_in(cls)]
+    else:
+        clients = None
+        for cls in subfolders:
+            files += [(f, cls.name, "") for f in _images_in(cls)]
+    if not files:
+        raise ConfigError(f"{where}: no image files ({', '.join(sorted(_IMAGE_SUFFIXES))}) in "
+                          "its class folders.")
+    classes = sorted({cls for _, cls, _ in files})
+    if len(classes) < 2:
+        raise ConfigError(f"{where}: one class ({classes[0]!r}); a classifier needs at least two.")
+    if clients is not None:
+        counts = {c: 0 for c in clients}
+        for _, _, client in files:
+            counts[client] += 1
+        empty = [c for c, n in counts.items() if n == 0]
+        if empty:
+            raise ConfigError(f"{where}: client folder {empty[0]!r} has no images.")
+    return clients, classes, files
+
+
+def _decoded(files: list[tuple[Path, str, str]], size: int, where: str) -> np.ndarray:
+    """Every image decoded once, as uint8 N x C x H x W: greyscale when every image is, else RGB;
+    resized to size x size (bilinear), or all of one size when ``size`` is 0."""
+    from PIL import Image, UnidentifiedImageError
+
+    images = []
+    try:
+        opened = [Image.open(path) for path, _, _ in files]
+    except (UnidentifiedImageError, OSError) as err:
+        raise ConfigError(f"{where}: an image cannot be read ({err}).") from None
+    grey = all(img.mode in ("L", "1", "I;16", "I") for img in opened)
+    mode = "L" if grey else "RGB"
+    sizes = {img.size for img in opened}
+    if size == 0 and len(sizes) > 1:
+        shown = ", ".join(f"{w}x{h}" for w, h in sorted(sizes)[:4])
+        raise ConfigError(f"{where}: the images have {len(sizes)} sizes ({shown}, ...); set "
+                          "image-size = N to resize every image to N x N.")
+    for img, (path, _, _) in zip(opened, files, strict=True):
+        try:
+            img = img.convert(mode)
+            if size:
+                img = img.resize((size, size), Image.Resampling.BILINEAR)
+            array = np.asarray(img, dtype=np.uint8)
+        except OSError as err:
+            raise ConfigError(f"{where}: {path} cannot be decoded ({err}).") from None
+        images.append(array[None] if array.ndim == 2 else array.transpose(2, 0, 1))
+    return np.stack(images)
+
+
+def load_imagefolder(name: str, image_size: int) -> dict:
+    """The fields of the pooled dataset of ``dataset = imagefolder:DIR``: decoded once, and kept
+    decoded in ``DIR/.pflalign-cache/`` (keyed by every file's path, size and time and by
+    ``image_size``), so that every later process, each Ray worker too, reads one array file."""
+    import hashlib
+
+    root = folder_of(name, IMAGEFOLDER)
+    where = f"dataset = 'imagefolder:{root}'"
+    clients, classes, files = scan_imagefolder(root)
+    digest = hashlib.sha256(repr((image_size, [
+        (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p, _, _ in files
+    ])).encode()).hexdigest()[:20]
+    cache = root / ".pflalign-cache" / f"images-{digest}.npy"
+    if cache.is_file():
+        images = np.load(cache, allow_pickle=False)
+    else:
+        images = _decoded(files, image_size, where)
+        try:
+            cache.parent.mkdir(exist_ok=True)
+            partial = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+            with open(partial, "wb") as handle:
+                np.save(handle, images, allow_pickle=False)
+            partial.replace(cache)
+        except OSError:
+            pass  # a read-only folder: this process decodes, as will the next
+    index = {cls: k for k, cls in enumerate(classes)}
+    labels = np.array([index[cls] for _, cls, _ in files], dtype=np.int64)
+    groups, group_names = None, ()
+    if clients is not None:
+        position = {c: i for i, c in enumerate(clients)}
+        groups = np.array([position[client] for _, _, client in files], dtype=np.int64)
+        group_names = tuple(clients)
+    images = np.ascontiguousarray(images)
+    mean, std = _channel_moments(images)
+    images.setflags(write=False)
+    labels.setflags(write=False)
+    return {"name": name, "images": images, "labels": labels, "num_classes": len(classes),
+            "mean": mean, "std": std, "kind": IMAGE, "groups": groups,
+            "group_names": group_names}
+
+
+# --- text files: dataset = text:DIR -------------------------------------------------------------
+def text_files(root: Path) -> list[Path]:
+    """The clients of ``dataset = text:DIR``: its ``*.txt`` files, one client each, by name."""
+    where = f"dataset = 'text:{root}'"
+    if not root.is_dir():
+        raise ConfigError(f"{where}: the folder does not exist.")
+    files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix == ".txt")
+    if len(files) < 2:
+        raise ConfigError(f"{where}: {len(files)} .txt file(s); give one UTF-8 file per client "
+                          "(at least two).")
+    return files
+
+
+def read_texts(name: str) -> list[tuple[str, str]]:
+    """Every client's (name, text) of ``dataset = text:DIR``, each file UTF-8 and not empty."""
+    root = folder_of(name, TEXT)
+    texts = []
+    for path in text_files(root):
+        try:
+            text = path.read_bytes().decode("utf-8").replace("\r\n", "\n")
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"dataset = 'text:{root}': {path.name} is not UTF-8 text "
+                              f"({err.reason} at byte {err.start}); convert it with "
+                              "`iconv -t utf-8`.") from None
+        if not text.strip():
+            raise ConfigError(f"dataset = 'text:{root}': {path.name} is empty; every client "
+                              "needs text.")
+        texts.append((path.stem, text))
+    return texts

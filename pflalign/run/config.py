@@ -22,9 +22,12 @@ from pathlib import Path
 from pflalign.data.datasets import CHARACTERS
 from pflalign.data.partition import parse_angles
 from pflalign.data.sources import (
+    IMAGEFOLDER,
     NPZ,
+    TEXT,
     check_dataset_name,
     dataset_kind,
+    folder_of,
     has_natural_clients,
     npz_path,
 )
@@ -264,6 +267,10 @@ def _resolve_dataset(values: dict[str, Value]) -> None:
     path = npz_path(name)
     if path is not None:
         values["dataset"] = NPZ + str(path.resolve())
+    for prefix in (IMAGEFOLDER, TEXT):
+        folder = folder_of(name, prefix)
+        if folder is not None:
+            values["dataset"] = prefix + str(folder.resolve())
     check_dataset_name(str(values["dataset"]))
 
 

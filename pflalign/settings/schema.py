@@ -105,10 +105,17 @@ class RunConfig(Params):
         '(torchvision files under data-root), or shakespeare (next-character prediction, one '
         'client per role of a play, as LEAF; with model = char-lstm, or hf:<model> for its '
         'tokens; the texts are fetched '
-        "by scripts/fetch-shakespeare.sh); or npz:PATH, your own arrays (x: uint8 images or "
-        "float feature vectors, y: integer labels, optionally client: each sample's client "
-        "for partition = natural; see docs/data.md).",
+        "by scripts/fetch-shakespeare.sh); or your own (docs/data.md): npz:PATH (x: uint8 "
+        "images or float feature vectors, y: integer labels, optionally client: each sample's "
+        "client for partition = natural), imagefolder:DIR (DIR/<class>/<image>, or "
+        "DIR/<client>/<class>/<image> for natural clients), or text:DIR (one UTF-8 .txt file "
+        "per client, tokenized as for shakespeare).",
         group='data', scope='data')
+    image_size: int = param(
+        0,
+        'dataset = imagefolder:DIR: resize every image to N x N pixels (bilinear); 0 keeps '
+        'their size, which must then be one.',
+        minimum=0, group='data', scope='data')
     data_root: str = param(
         '',
         "Directory holding the dataset files; empty means the Debian package's directory for "
