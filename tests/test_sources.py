@@ -243,3 +243,42 @@ def test_text_files_one_client_each_run_on_every_engine(tmp_path):
     (folder / "bad.txt").write_bytes(b"caf\xe9 au lait")
     with pytest.raises(ConfigError, match="bad.txt is not UTF-8 text"):
         load_dataset(f"text:{folder}", tokenizer="characters", sequence_length=20)
+
+
+def test_image_folders_skip_hidden_entries_refuse_deep_images_and_reuse_the_cache(tmp_path,
+                                                                                  monkeypatch):
+    from PIL import Image
+
+    from pflalign.data import sources
+
+    root = tmp_path / "flat"
+    write_image_folder(root, sizes=(16,))
+    (root / "cat" / ".ipynb_checkpoints").mkdir()  # a notebook's, inside a class folder
+    (root / "dog" / "._000.png").write_bytes(b"resource fork")  # macOS's
+    first = load_dataset(f"imagefolder:{root}", image_size=8)
+    assert len(first) == 36 and first.num_classes == 3
+    # a later process reads the cache: decoding again would fail here
+    load_dataset.cache_clear()
+    monkeypatch.setattr(sources, "_decoded", lambda *a: (_ for _ in ()).throw(AssertionError()))
+    assert np.array_equal(load_dataset(f"imagefolder:{root}", image_size=8).images, first.images)
+    monkeypatch.undo()
+    deep = tmp_path / "deep"
+    write_image_folder(deep, sizes=(16,))
+    Image.fromarray(np.full((16, 16), 40000, np.uint16)).save(deep / "eel" / "wide.png")
+    with pytest.raises(ConfigError, match="some images are I;16 .* convert them to 8-bit"):
+        load_dataset(f"imagefolder:{deep}")
+
+
+def test_text_for_a_character_model_must_be_in_its_vocabulary(tmp_path):
+    folder = tmp_path / "greek"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"w{i}.txt").write_text("Καλημέρα κόσμε, τι κάνεις; " * 40, encoding="utf-8")
+    with pytest.raises(ConfigError, match="of the text's characters are outside char-lstm's "
+                       "80-symbol vocabulary .* use model = hf:<model>"):
+        load_dataset(f"text:{folder}", tokenizer="characters", sequence_length=20)
+
+
+def test_a_single_value_is_not_an_array_of_samples(tmp_path):
+    with pytest.raises(ConfigError, match="x and y must be arrays of samples"):
+        build_settings({"dataset": _bad(tmp_path, "scalar", x=np.float32(1), y=np.arange(2))})

@@ -130,3 +130,26 @@ def test_bad_tracking_values_are_one_sentence(monkeypatch):
     with pytest.raises(ConfigError, match="wandb is not installed; install the trackers with "
                        "pip install 'pflalign\\[tracking\\]'"):
         build_settings({"tracking": "wandb"})
+
+
+def test_a_run_that_fails_ends_its_tracker_runs_as_failed(tmp_path):
+    """A label found bad when the data is read stops the run (exit 2); the MLflow run it had
+    opened is FAILED, not FINISHED, and W&B's run exited non-zero."""
+    import numpy as np
+
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x=np.zeros((40, 4), np.float32), y=np.where(np.arange(40) == 3, -1, 1))
+    out = tmp_path / "out"
+    status = main(["--set", f"dataset=npz:{bad}", "--set", "model=mlp", "--set",
+                   "engine=sequential", "--set", "tracking=mlflow,wandb", "--out", str(out),
+                   "--quiet"])
+    assert status == 2 and not (out / "results.json").exists()
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'tracking' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("pflalign").experiment_id])
+    assert run.info.status == "FAILED"
+    (path,) = (out / "tracking" / "wandb").glob("offline-run-*/run-*.wandb")
+    exits = [r.exit.exit_code for r in _wandb_records(path) if r.WhichOneof("record_type")
+             == "exit"]
+    assert exits == [1]

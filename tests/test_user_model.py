@@ -48,6 +48,17 @@ MODEL_FILE = textwrap.dedent('''
                              nn.Unflatten(1, (8, 1, 1)),
                              nn.Conv2d(8, num_classes, 1), nn.Flatten())
 
+    class Undeclared(Net):
+        pflalign_head = None  # the classifier is registered first: not the last layer
+
+    def undeclared(input_shape, num_classes):
+        return Undeclared(input_shape[0], num_classes)
+
+    def with_norm(input_shape, num_classes):
+        side = input_shape[1] - 2
+        return nn.Sequential(nn.Conv2d(input_shape[0], 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                             nn.Flatten(), nn.Linear(4 * side * side, num_classes))
+
     def wrong_output(input_shape, num_classes):
         return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0] * 256, num_classes + 1))
 
@@ -140,3 +151,30 @@ def test_a_method_that_needs_a_linear_head_says_so(tmp_path, model_file):
         assert (out / "results.json").exists() == (status == 0)
         assert ("set pflalign_head = '<name of its nn.Linear classifier>'" in result.stderr) \
             == (methods == "fedper")
+
+
+def test_a_head_found_by_position_must_give_the_output(model_file):
+    """Without a declaration, the last layer registered is the head only if the model's output
+    is its output: a classifier registered before its body is refused, not mistaken."""
+    model = build_model(f"py:{model_file}:undeclared", (3, 16, 16), 3)
+    with pytest.raises(ConfigError, match="is not the one that gives its output: set "
+                       "pflalign_head"):
+        head_keys(model)
+    assert head_keys(build_model(f"py:{model_file}:build", (3, 16, 16), 3)) == (
+        "classifier.weight", "classifier.bias")
+
+
+def test_fedbn_runs_on_a_users_model_with_batch_norm(tmp_path, model_file):
+    """FedBN needs batch norm, which a user's model may have: it runs on one (its batch-norm
+    entries stay on the clients) and refuses one without, in one sentence, when built."""
+    data = tmp_path / "images.npz"
+    write_images(data)
+    flags = ["--set", f"dataset={json.dumps(f'npz:{data}')}", "--set", "engine=sequential",
+             "--set", "rounds=1", "--set", "num-clients=3", "--methods", "fedbn", "--quiet"]
+    for factory, status in (("with_norm", 0), ("build", 2)):
+        out = tmp_path / factory
+        result = subprocess.run([sys.executable, str(ROOT / "simulate.py"), *flags, "--set",
+                                 f"model={json.dumps(f'py:{model_file}:{factory}')}", "--out",
+                                 str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert result.returncode == status, result.stdout[-2000:] + result.stderr[-2000:]
+        assert ("fedbn needs a model with batch norm" in result.stderr) == (status == 2)

@@ -244,8 +244,12 @@ def _load_cifar(name: str, root: Path | None, download: bool) -> tuple[np.ndarra
         import torchvision
 
         cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
-        for train in (True, False):
-            cls(str(target), train=train, download=True)
+        try:
+            for train in (True, False):
+                cls(str(target), train=train, download=True)
+        except (RuntimeError, OSError) as err:
+            raise ConfigError(f"{name} could not be downloaded into '{target}' ({err}); copy "
+                              f"torchvision's extracted {folder}/ there instead.") from None
     if not directory.is_dir():
         raise ConfigError(f"{name} was not found: '{directory}' does not exist; set data-root to "
                           f"the directory holding torchvision's extracted {folder}/, or set "
@@ -273,7 +277,10 @@ def load_dataset(name: str, data_root: str = "", download: bool = False, tokeniz
     if name.startswith(sources.IMAGEFOLDER):
         return Dataset(**sources.load_imagefolder(name, image_size))
     if name.startswith(sources.TEXT):
-        return _text_dataset(name, sources.read_texts(name), tokenizer, sequence_length)
+        texts = sources.read_texts(name)
+        if tokenizer in ("", CHARACTERS):
+            sources.check_characters(name, texts)
+        return _text_dataset(name, texts, tokenizer, sequence_length)
     sources.check_dataset_name(name)
     root = Path(data_root).expanduser() if data_root else None
     if name == "shakespeare":

@@ -83,6 +83,8 @@ def _headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
                           "numpy.savez(path, x=samples, y=labels[, client=ids]).")
     (x_shape, x_dtype), (y_shape, y_dtype) = headers["x"], headers["y"]
     where = f"dataset = 'npz:{path}'"
+    if not x_shape or not y_shape:
+        raise ConfigError(f"{where}: x and y must be arrays of samples, not single values.")
     if len(y_shape) != 1 or y_shape[0] != x_shape[0]:
         raise ConfigError(f"{where}: y has shape {y_shape} but x has {x_shape[0] if x_shape else 0}"
                           f" samples; y must hold one label per sample (shape ({x_shape[0]},)).")
@@ -156,7 +158,7 @@ def _channel_moments(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float
     mean = total / count
     std = np.sqrt(np.maximum(squares / count - mean ** 2, 0.0))
     if not (std > 0).all():
-        raise ConfigError("dataset = npz: every image has the same value in a channel; "
+        raise ConfigError("The dataset's images have one value in a channel, everywhere; "
                           "nothing can be learned from it.")
     return tuple(float(m) for m in mean), tuple(float(s) for s in std)
 
@@ -214,9 +216,13 @@ def folder_of(name: str, prefix: str) -> Path | None:
     return Path(text).expanduser()
 
 
+def _visible(folder: Path) -> list[Path]:
+    """A folder's entries but hidden ones (``.ipynb_checkpoints``, ``._name``, the cache)."""
+    return sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+
+
 def _images_in(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir()
-                  if p.is_file() and p.suffix.lower() in _IMAGE_SUFFIXES)
+    return [p for p in _visible(folder) if p.is_file() and p.suffix.lower() in _IMAGE_SUFFIXES]
 
 
 def scan_imagefolder(root: Path) -> tuple[list[str] | None, list[str], list[tuple[Path, str, str]]]:
@@ -227,11 +233,11 @@ def scan_imagefolder(root: Path) -> tuple[list[str] | None, list[str], list[tupl
     where = f"dataset = 'imagefolder:{root}'"
     if not root.is_dir():
         raise ConfigError(f"{where}: the folder does not exist.")
-    subfolders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    subfolders = [p for p in _visible(root) if p.is_dir()]
     if not subfolders:
         raise ConfigError(f"{where}: the folder has no class folders; lay it out as "
                           "DIR/<class>/<image> or DIR/<client>/<class>/<image>.")
-    nested = [p for p in subfolders if any(q.is_dir() for q in p.iterdir())]
+    nested = [p for p in subfolders if any(q.is_dir() for q in _visible(p))]
     files: list[tuple[Path, str, str]] = []
     if nested:
         if len(nested) != len(subfolders):
@@ -241,7 +247,7 @@ def scan_imagefolder(root: Path) -> tuple[list[str] | None, list[str], list[tupl
                               "DIR/<client>/<class>/<image>.")
         clients = [p.name for p in subfolders]
         for client in subfolders:
-            for cls in sorted(p for p in client.iterdir() if p.is_dir()):
+            for cls in [p for p in _visible(client) if p.is_dir()]:
                 files += [(f, cls.name, client.name) for f in _images_in(cls)]
     else:
         clients = None
@@ -268,28 +274,53 @@ def _decoded(files: list[tuple[Path, str, str]], size: int, where: str) -> np.nd
     resized to size x size (bilinear), or all of one size when ``size`` is 0."""
     from PIL import Image, UnidentifiedImageError
 
-    images = []
-    try:
-        opened = [Image.open(path) for path, _, _ in files]
-    except (UnidentifiedImageError, OSError) as err:
-        raise ConfigError(f"{where}: an image cannot be read ({err}).") from None
-    grey = all(img.mode in ("L", "1", "I;16", "I") for img in opened)
-    mode = "L" if grey else "RGB"
-    sizes = {img.size for img in opened}
+    modes, sizes = set(), set()
+    for path, _, _ in files:  # the headers first (one file open at a time)
+        try:
+            with Image.open(path) as img:
+                modes.add(img.mode)
+                sizes.add(img.size)
+        except (UnidentifiedImageError, OSError) as err:
+            raise ConfigError(f"{where}: {path} cannot be read as an image ({err}).") from None
+    deep = sorted(m for m in modes if m.startswith("I") or m == "F")
+    if deep:
+        raise ConfigError(f"{where}: some images are {deep[0]} (16- or 32-bit); convert them to "
+                          "8-bit greyscale or RGB (converting here would clip them).")
     if size == 0 and len(sizes) > 1:
         shown = ", ".join(f"{w}x{h}" for w, h in sorted(sizes)[:4])
         raise ConfigError(f"{where}: the images have {len(sizes)} sizes ({shown}, ...); set "
                           "image-size = N to resize every image to N x N.")
-    for img, (path, _, _) in zip(opened, files, strict=True):
+    mode = "L" if modes <= {"L", "1"} else "RGB"
+    images = []
+    for path, _, _ in files:
         try:
-            img = img.convert(mode)
-            if size:
-                img = img.resize((size, size), Image.Resampling.BILINEAR)
-            array = np.asarray(img, dtype=np.uint8)
+            with Image.open(path) as img:
+                img = img.convert(mode)
+                if size:
+                    img = img.resize((size, size), Image.Resampling.BILINEAR)
+                array = np.asarray(img, dtype=np.uint8)
         except OSError as err:
             raise ConfigError(f"{where}: {path} cannot be decoded ({err}).") from None
         images.append(array[None] if array.ndim == 2 else array.transpose(2, 0, 1))
     return np.stack(images)
+
+
+def _write_cache(cache: Path, images: np.ndarray) -> None:
+    """``images`` to ``cache`` through a temporary file of its own (renamed into place, so a
+    reader sees a whole file or none); a folder that cannot be written is left as it is."""
+    import tempfile
+
+    try:
+        cache.parent.mkdir(exist_ok=True)
+        handle, partial = tempfile.mkstemp(dir=cache.parent, prefix=".images-", suffix=".tmp")
+    except OSError:
+        return  # a read-only folder: every process decodes
+    try:
+        with os.fdopen(handle, "wb") as out:
+            np.save(out, images, allow_pickle=False)
+        os.replace(partial, cache)
+    except OSError:
+        Path(partial).unlink(missing_ok=True)
 
 
 def load_imagefolder(name: str, image_size: int) -> dict:
@@ -305,18 +336,17 @@ def load_imagefolder(name: str, image_size: int) -> dict:
         (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p, _, _ in files
     ])).encode()).hexdigest()[:20]
     cache = root / ".pflalign-cache" / f"images-{digest}.npy"
+    images = None
     if cache.is_file():
-        images = np.load(cache, allow_pickle=False)
-    else:
-        images = _decoded(files, image_size, where)
         try:
-            cache.parent.mkdir(exist_ok=True)
-            partial = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-            with open(partial, "wb") as handle:
-                np.save(handle, images, allow_pickle=False)
-            partial.replace(cache)
-        except OSError:
-            pass  # a read-only folder: this process decodes, as will the next
+            images = np.load(cache, allow_pickle=False)
+        except (OSError, ValueError):
+            images = None  # damaged: decoded again, and written again
+        if images is not None and (images.ndim != 4 or len(images) != len(files)):
+            images = None
+    if images is None:
+        images = _decoded(files, image_size, where)
+        _write_cache(cache, images)
     index = {cls: k for k, cls in enumerate(classes)}
     labels = np.array([index[cls] for _, cls, _ in files], dtype=np.int64)
     groups, group_names = None, ()
@@ -362,3 +392,17 @@ def read_texts(name: str) -> list[tuple[str, str]]:
                               "needs text.")
         texts.append((path.stem, text))
     return texts
+
+
+def check_characters(name: str, texts: list[tuple[str, str]]) -> None:
+    """Text for a character model: at most 5% of it outside the 80-symbol vocabulary (which
+    would become spaces), or one sentence saying to use a language model's tokenizer."""
+    from pflalign.data.shakespeare import VOCABULARY
+
+    known = set(VOCABULARY)
+    total = sum(len(text) for _, text in texts)
+    outside = sum(sum(ch not in known for ch in text) for _, text in texts)
+    if outside > 0.05 * total:
+        raise ConfigError(f"dataset = {name!r}: {outside / total:.0%} of the text's characters "
+                          "are outside char-lstm's 80-symbol vocabulary (they would all become "
+                          "spaces); use model = hf:<model>, whose own tokenizer reads them.")

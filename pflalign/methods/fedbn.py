@@ -14,6 +14,7 @@ from torch import nn
 
 from pflalign.methods.partial import PartialModel
 from pflalign.models.registry import batch_norm_keys
+from pflalign.settings.options import ConfigError
 
 
 class FedBN(PartialModel):
@@ -27,6 +28,6 @@ class FedBN(PartialModel):
     def personal_entries(self, model: nn.Module) -> tuple[str, ...]:
         keys = batch_norm_keys(model)
         if not keys:
-            raise ValueError("fedbn needs a model with batch norm; this run's model has none "
-                             "(use cnn-bn or resnet18).")
+            raise ConfigError("fedbn needs a model with batch norm; this run's model has none "
+                              "(use cnn-bn, resnet18, or a model of your own with batch norm).")
         return keys

@@ -51,6 +51,7 @@ from pflalign.methods.pfedme import PFedMe
 from pflalign.methods.pflalign import PFLAlignMethod
 from pflalign.methods.scaffold import Scaffold
 from pflalign.models.registry import MODELS
+from pflalign.models.user import is_user_model
 from pflalign.settings.options import ConfigError, Value
 
 
@@ -157,6 +158,8 @@ def method_overrides(spec: MethodSpec, settings: Mapping[str, Any],
             and registered.batch_norm_version):
         overrides["model"] = model = registered.batch_norm_version
         registered = MODELS[model]
+    if spec.needs_batch_norm and is_user_model(str(model)):
+        return overrides  # the method refuses, when it is built, a user's model without any
     if spec.needs_batch_norm and not (registered is not None and registered.batch_norm):
         with_norm = ", ".join(name for name, m in MODELS.items() if m.batch_norm)
         raise ConfigError(f"Method '{spec.name}' needs a model with batch norm; model '{model}' "

@@ -13,7 +13,12 @@ import torch
 from torch import nn
 
 from pflalign.models.language import LoraSpec, build_adapter_model, is_language_model
-from pflalign.models.user import HEAD_ATTRIBUTE, build_user_model, is_user_model
+from pflalign.models.user import (
+    HEAD_ATTRIBUTE,
+    LAST_LAYER_IS_NOT_OUTPUT,
+    build_user_model,
+    is_user_model,
+)
 from pflalign.process.caches import cached
 from pflalign.settings.options import ConfigError
 from pflalign.settings.schema import FEATURES, IMAGE, TOKENS
@@ -199,6 +204,11 @@ def head_of(model: nn.Module) -> tuple[str, nn.Module]:
                           f"model's last layer with parameters, {name!r}, is a "
                           f"{type(head).__name__}: set {HEAD_ATTRIBUTE} = '<name of its "
                           "nn.Linear classifier>' on the model, or choose another method.")
+    if getattr(model, LAST_LAYER_IS_NOT_OUTPUT, False):
+        raise ConfigError(f"This method splits the model into a body and a linear head, and the "
+                          f"model's last layer with parameters, {name!r}, is not the one that "
+                          f"gives its output: set {HEAD_ATTRIBUTE} = '<name of its nn.Linear "
+                          "classifier>' on the model, or choose another method.")
     return name, head
 
 
@@ -236,8 +246,8 @@ def head_keys(model: nn.Module, layers: int = 1) -> tuple[str, ...]:
         return tuple(key for key in adapters if key.split(".lora_")[0] in chosen)
     head_name, _ = head_of(model)
     # the head, and before it the other parameterised layers in registration order
-    modules = [m for m in parameter_modules(model) if m[0] != head_name] + [
-        (head_name, model.get_submodule(head_name))]
+    head = model.get_submodule(head_name)
+    modules = [m for m in parameter_modules(model) if m[1] is not head] + [(head_name, head)]
     if not 1 <= layers < len(modules):
         raise ConfigError(f"The model has {len(modules)} parameterised layers; a head of {layers} "
                           f"must leave a body: choose 1..{len(modules) - 1}.")

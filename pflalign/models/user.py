@@ -32,6 +32,9 @@ from pflalign.settings.options import ConfigError
 PY = "py:"
 #: the attribute a model may name its head submodule by
 HEAD_ATTRIBUTE = "pflalign_head"
+#: set on a user's model without a declared head whose last parameterised layer (in
+#: registration order) is not the one that gives its output, so no method takes it for the head
+LAST_LAYER_IS_NOT_OUTPUT = "_pflalign_last_layer_is_not_output"
 
 
 def is_user_model(name: str) -> bool:
@@ -112,6 +115,11 @@ def build_user_model(name: str, input_shape: tuple[int, ...], num_classes: int) 
         raise ConfigError(f"model = {name!r}: the model has no trainable parameters.")
     was_training = model.training
     model.eval()
+    # without a declared head, the head is the last parameterised layer: see that it is the
+    # layer whose output is the model's (a classifier registered before its body is not)
+    last = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))][-1]
+    seen: list = []
+    hook = last.register_forward_hook(lambda module, args, output: seen.append(output))
     # a batch of zeros as the model will get it: floats (images, feature vectors) or, for
     # one-dimensional samples that floats fail on, token indices
     dtypes = (torch.float32, torch.int64) if len(input_shape) == 1 else (torch.float32,)
@@ -129,6 +137,12 @@ def build_user_model(name: str, input_shape: tuple[int, ...], num_classes: int) 
                           f"{(2, *input_shape)}: {type(err).__name__}: {err}") from err
     finally:
         model.train(was_training)
+        hook.remove()
+    if getattr(model, HEAD_ATTRIBUTE, None) is None:
+        gives_output = bool(seen) and isinstance(seen[-1], torch.Tensor) and isinstance(
+            out, torch.Tensor) and seen[-1].shape == out.shape and torch.equal(seen[-1], out)
+        if not gives_output:
+            setattr(model, LAST_LAYER_IS_NOT_OUTPUT, True)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigError(f"model = {name!r}: on a batch of 2 samples the model returns {shape}; "

@@ -77,7 +77,7 @@ class _TensorBoard:
                 self.writer.add_image(f"plots/{path.stem}", image, dataformats="HWC")
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -112,8 +112,8 @@ class _MLflow:
             self.client.log_artifact(self.run_id, str(path),
                                      "plots" if path.suffix == ".png" else None)
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 class _WandB:
@@ -145,8 +145,8 @@ class _WandB:
                               + path.name)
         self.run.log_artifact(artifact)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 _OPEN = {"tensorboard": _TensorBoard, "mlflow": _MLflow, "wandb": _WandB}
@@ -158,7 +158,13 @@ class Trackers:
     def __init__(self, names: Sequence[str], root: str | Path, run: str,
                  config: Mapping[str, object]):
         self.root = Path(root)
-        self.tools = [_OPEN[name](self.root, run, config) for name in names]
+        self.tools = []
+        try:
+            for name in names:
+                self.tools.append(_OPEN[name](self.root, run, config))
+        except BaseException:
+            self.close(failed=True)  # the ones already open are not left running
+            raise
 
     def log_round(self, label: str, row: Mapping[str, object]) -> None:
         values = _scalars(row)
@@ -174,9 +180,18 @@ class Trackers:
         for tool in self.tools:
             tool.log_files(files)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """End every tool's run (as failed, after an error or a stop); a tool that cannot close
+        does not keep the others open (the first such error is raised after)."""
+        error = None
         for tool in self.tools:
-            tool.close()
+            try:
+                tool.close(failed)
+            except Exception as err:  # noqa: BLE001 (each tool is closed; the first error kept)
+                error = error or err
+        self.tools = []
+        if error is not None:
+            raise error
 
 
 class TrackingReporter(Reporter):

@@ -422,9 +422,6 @@ def resolve(config_file: str | Path | None = None, overrides: Iterable[str] = ()
     settings = build_settings(values, source=source)
     changes = dict(parse_override(text) for text in overrides)
     changes.update(extra or {})
-    if "model" in changes and "tokenizer" not in changes and "tokenizer" not in values:
-        # the file's text tokenizer was the file's model's, derived: derive it from the new one
-        changes["tokenizer"] = ""
     return settings.replace(changes, source="the command line") if changes else settings
 
 

@@ -348,10 +348,15 @@ class Study:
         try:
             results = self.run_group(settings.replace({"out-dir": str(directory)}), reporter,
                                      self.resume)
-            if trackers is not None and directory != self.out:
+        except BaseException:
+            if trackers is not None:  # an error or a stop: the trackers' runs end as failed
+                trackers.close(failed=True)
+                self.tracked = None
+            raise
+        if trackers is not None and directory != self.out:
+            try:
                 trackers.log_outputs(directory)  # the group's results.json
-        finally:
-            if trackers is not None and directory != self.out:
+            finally:
                 trackers.close()
         self.progress.done += len(labels)
         return results
@@ -373,14 +378,19 @@ class Study:
             self.tracked = trackers
         return trackers
 
-    def close_trackers(self) -> None:
-        """After the output directory's report is written: it goes to the trackers too."""
-        if self.tracked is not None:
-            try:
-                self.tracked.log_outputs(self.out)
-            finally:
-                self.tracked.close()
-                self.tracked = None
+    def close_trackers(self, failed: bool = False) -> None:
+        """After the output directory's report is written: it goes to the trackers too (not
+        after a failure, whose error is the one raised)."""
+        tracked, self.tracked = self.tracked, None
+        if tracked is None:
+            return
+        if failed:
+            tracked.close(failed=True)
+            return
+        try:
+            tracked.log_outputs(self.out)
+        finally:
+            tracked.close()
 
     def run(self) -> dict:
         """Run everything; return the study's results document (also written to disk)."""
@@ -392,9 +402,12 @@ class Study:
             settings = plan.settings(name).replace({"seed": plan.seeds[0]})
             try:
                 results = self.group(settings, self.out, f"seed {plan.seeds[0]}")
-                return finish_single(self.out, results, name)
-            finally:
-                self.close_trackers()
+                doc = finish_single(self.out, results, name)
+            except BaseException:
+                self.close_trackers(failed=True)
+                raise
+            self.close_trackers()
+            return doc
         tuned = self.tune() if plan.tune else {}
         runs = []
         for name in plan.scenarios:

@@ -536,7 +536,13 @@ class Settings(Mapping[str, Value]):
         return dict(self._values)
 
     def replace(self, changes: Mapping[str, object], source: str = "an override") -> Settings:
-        """A new Settings with some keys changed (and everything re-validated)."""
+        """A new Settings with some keys changed (and everything re-validated). A new ``model``
+        without a ``tokenizer`` brings its own: a text tokenizer that was the old model's
+        (characters, or the language model itself) is derived again from the new one."""
+        changes = dict(changes)
+        if ("model" in changes and "tokenizer" not in changes
+                and self._values.get("tokenizer") in (self._values.get("model"), "characters")):
+            changes["tokenizer"] = ""
         return self._validate({**self._values, **changes}, source)
 
     @property
