@@ -131,8 +131,9 @@ def test_bad_names_are_refused_with_the_config(tmp_path, model_file):
 
 
 def test_a_method_that_needs_a_linear_head_says_so(tmp_path, model_file):
-    """A model whose last layer is a convolution, without a declared head: FedPer refuses with
-    the sentence (exit status 2, nothing written); FedAvg runs on it."""
+    """A model whose last layer is a convolution, without a declared head: a run with FedPer
+    among its entries is refused with the sentence before any entry runs (exit status 2,
+    nothing written); FedAvg alone runs on it."""
     data = tmp_path / "images.npz"
     write_images(data)
     model = build_model(f"py:{model_file}:conv_last", (3, 16, 16), 3)
@@ -142,15 +143,16 @@ def test_a_method_that_needs_a_linear_head_says_so(tmp_path, model_file):
     flags = ["--set", f"dataset={json.dumps(f'npz:{data}')}", "--set",
              f"model={json.dumps(f'py:{model_file}:conv_last')}", "--set", "engine=sequential",
              "--set", "rounds=1", "--set", "num-clients=3"]
-    for methods, status in (("fedper", 2), ("fedavg", 0)):
+    for methods, status in (("fedavg,fedper", 2), ("fedavg", 0)):
         out = tmp_path / methods
         result = subprocess.run([sys.executable, str(ROOT / "simulate.py"), *flags, "--methods",
                                  methods, "--out", str(out), "--quiet"],
                                 capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert result.returncode == status, result.stdout + result.stderr
         assert (out / "results.json").exists() == (status == 0)
-        assert ("set pflalign_head = '<name of its nn.Linear classifier>'" in result.stderr) \
-            == (methods == "fedper")
+        # refused before fedavg, the entry before it, runs: nothing is written
+        assert ("Method entry 'fedper': This method splits the model" in result.stderr) \
+            == (status == 2)
 
 
 def test_a_head_found_by_position_must_give_the_output(model_file):

@@ -100,6 +100,9 @@ class Method(Generic[P, C, S]):
     #: the method works on the features a classifier head receives (its input vector per
     #: sample), which a language model's next-token head does not have one of
     feature_head: ClassVar[bool] = False
+    #: the method splits the model into a body and a linear head
+    #: (:func:`~pflalign.models.registry.head_of`); every feature-head method does
+    needs_head: ClassVar[bool] = False
 
     @classmethod
     def search_space(cls, fixed: Mapping[str, Value]) -> dict[str, tuple[Value, ...]]:

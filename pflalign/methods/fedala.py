@@ -140,6 +140,7 @@ class FedALAClientState(ArrayState):
 
 
 class FedALA(Method):
+    needs_head = True
     name = "fedala"
     summary = ("Adaptive local aggregation: element-wise learned weights merge the global model "
                "into each client's model (top layers) before local training.")

@@ -15,6 +15,7 @@ from pflalign.models.registry import head_keys
 
 
 class FedPer(PartialModel):
+    needs_head = True
     name = "fedper"
     summary = ("Shared body averaged by FedAvg; the head (last head-layers layers) stays on each "
                "client; body and head trained jointly.")

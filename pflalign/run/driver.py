@@ -33,7 +33,8 @@ from pflalign.data.federated import federated_dataset
 from pflalign.engines.base import EngineFactory, Session
 from pflalign.methods.registry import METHODS, method_overrides
 from pflalign.models.language import LoraSpec, is_language_model, run_summary
-from pflalign.models.registry import model_template
+from pflalign.models.registry import batch_norm_keys, head_of, model_template
+from pflalign.models.user import is_user_model
 from pflalign.outputs.results import Reporter, comparison_table, new_results, write_results
 from pflalign.process.interrupt import Interrupted, check_stop
 from pflalign.run.checkpoint import Checkpoint, comparable
@@ -142,6 +143,27 @@ def simulate(settings: Settings, reporter: Reporter | None = None, *, resume: bo
         return run_methods(settings, make_engine, reporter, resume=resume)
 
 
+def check_model_parts(settings: Settings) -> None:
+    """A user's model (``model = py:...``) has the parts every method entry needs, a linear head
+    or batch norm, or the run is refused in one sentence before any entry runs (the registered
+    models' parts are known with the config; a user's only once it is built)."""
+    if not is_user_model(settings.run.model):
+        return
+    for choice in method_choices(settings):
+        spec = METHODS[choice.name]
+        method_settings = settings.replace(method_overrides(spec, settings,
+                                                            dict(choice.overrides)))
+        model = template_model(method_settings)()
+        try:
+            if spec.method.needs_head or spec.method.feature_head:
+                head_of(model)
+            if spec.method.needs_batch_norm and not batch_norm_keys(model):
+                raise ConfigError(f"{spec.name} needs a model with batch norm; model = "
+                                  f"{method_settings.run.model!r} has none.")
+        except ConfigError as err:
+            raise ConfigError(f"Method entry '{choice.label}': {err}") from None
+
+
 def run_methods(settings: Settings, make_engine: EngineFactory,
                 reporter: Reporter | None = None, resume: bool = False) -> dict:
     """Run every method entry of ``settings`` on the same partition, seed and clients, each over
@@ -164,6 +186,7 @@ def run_methods(settings: Settings, make_engine: EngineFactory,
     started = time.perf_counter()
     check_stop()
     federation_data = federated_dataset(settings)
+    check_model_parts(settings)
     results = new_results(settings.to_dict(), federation_data.summary())
     choices = method_choices(settings)
     previous = previous_results(settings) if resume else None
