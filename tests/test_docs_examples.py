@@ -1,6 +1,7 @@
 """The "your own data" (docs/data.md) and "your own model" (docs/usage.md) examples, run as
 written: each section's bash block in a fresh folder, with ``python simulate.py`` pointed at the
-checkout's (the one substitution, checked to occur). The runs are real Flower simulations."""
+checkout's (the one substitution, checked to occur). They run on the sequential engine, as the
+pages say (each source and a user's model run on the Flower engine in their own tests)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """A researcher's own data (``dataset = npz:PATH``): written here, then run as a user runs it.
 
 Each source runs a short simulation on the sequential and batched engines and through a real
-Flower simulation (``simulate.py``), which must agree bit for bit (:func:`harness.three_engines`);
+Flower simulation (``simulate.py``), which must agree bit for bit (:func:`harness.three_engines`;
+an npz file of images does so in test_user_model.py, under a user's model);
 what the run read is checked against the file (per-channel moments, the natural clients and
 their sizes). Bad files are one sentence each, raised before anything is written.
 """
@@ -47,12 +48,17 @@ def write_features(path, n: int = 600, dim: int = 12, classes: int = 4, seed: in
     np.savez(path, x=x, y=y, client=client)
 
 
-def test_images_from_an_npz_file_run_on_every_engine(tmp_path):
+def test_images_from_an_npz_file(tmp_path):
+    """What a run reads of an image file (on the sequential engine; the same images run on every
+    engine, bit for bit, in test_user_model.py's run of a user's model on them)."""
+    from pflalign.run.driver import simulate
+
     path = tmp_path / "images.npz"
     write_images(path)
-    results = three_engines({**RUN, "dataset": f"npz:{path}", "model": "cnn",
-                             "methods": "fedavg,pflalign", "partition": "dirichlet",
-                             "dirichlet-alpha": 0.5}, tmp_path, compared_at_least=40)
+    results = simulate(build_settings({**RUN, "dataset": f"npz:{path}", "model": "cnn",
+                                       "methods": "fedavg", "partition": "dirichlet",
+                                       "dirichlet-alpha": 0.5, "engine": "sequential",
+                                       "out-dir": str(tmp_path / "out")}))
     # the run partitioned every sample of the file, by its labels
     with np.load(path) as data:
         x, y = data["x"], data["y"]
