@@ -25,38 +25,48 @@ ROUND_KEYS = {"round", "train-loss", "personal-acc", "personal-acc-unweighted",
               "bytes-down"}
 
 
-def _ray_processes() -> set[int]:
-    """Live Ray processes (zombies awaiting their parent's reaping do not count)."""
+def _ray_processes(marker: str = "") -> set[int]:
+    """Live Ray processes (zombies awaiting their parent's reaping do not count); with
+    ``marker``, only those whose command line or environment holds it (a Ray worker's command
+    line is its title, ``ray::...``; its environment is the run's)."""
     out = subprocess.run(["pgrep", "-f", "raylet|gcs_server|ray::"], capture_output=True,
                          text=True).stdout
     live = set()
     for pid in out.split():
         try:
             state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            seen = b"".join(open(f"/proc/{pid}/{part}", "rb").read()
+                            for part in ("cmdline", "environ")).decode(errors="ignore")
         except OSError:
             continue
-        if state != "Z":
+        if state != "Z" and marker in seen:
             live.add(int(pid))
     return live
 
 
-def _simulate(out_dir, *extra: str) -> subprocess.CompletedProcess:
+def _simulate(out_dir, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, str(ROOT / "simulate.py"), *SMALL, "--methods", METHODS,
          "--out", str(out_dir), *extra],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
-    before = _ray_processes()
+    """The run, with a temporary folder of its own (short: Ray's socket paths must fit), so
+    that its Ray processes are told from those of a test running beside it (pytest-xdist's
+    other worker): each of them names the folder in its command line."""
     out = tmp_path_factory.mktemp("run1")
-    result = _simulate(out)
-    deadline = time.monotonic() + 15
-    while (leftover := _ray_processes() - before) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    temp = tempfile.mkdtemp(prefix="pt-", dir="/tmp")
+    try:
+        result = _simulate(out, env={**os.environ, "TMPDIR": temp})
+        deadline = time.monotonic() + 15
+        while (leftover := _ray_processes(temp)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     return result, json.loads((out / "results.json").read_text()), leftover
 
 
