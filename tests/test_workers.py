@@ -214,12 +214,19 @@ def test_two_workers_give_the_sequential_engines_metrics_and_a_dead_worker_is_re
     (dead,) = report["dead"]
     assert dead["held"] and report["after"] != dead["pid"]
     died = [line for line in report["lines"] if "Ray worker 1 died" in line]
-    assert len(died) == 1 and f"{len(dead['held'])} client(s)' saved state went with it" in died[0]
+    assert len(died) == 1
+    went = int(re.search(r"(\d+) client\(s\)' saved state went with it", died[0]).group(1))
     failed = int(re.search(r"its (\d+) client\(s\) of this exchange count as failed",
                            died[0]).group(1))
     assert 0 < failed < 10  # some, not all: the round completes with the other worker
     assert [r["failures"] for r in rows] == [0, failed, 0]
     assert [r["clients-trained"] for r in rows] == [10, 10 - failed, 10]
     assert rows[1]["evaluated"] == 11 and rows[2]["evaluated"] == 11
-    came_back = [line for line in report["lines"] if "came back without it" in line]
-    assert len(came_back) == len(dead["held"])
+    # the clients whose state was lost are those worker 1 held when it died (what it held at
+    # the start of round 2, give or take what it served before the kill took effect: Ray's
+    # kill is asynchronous) and those whose state was moving out of it; each comes back without
+    # its state once (a state whose move to the dead worker failed goes back where it was)
+    came_back = [int(re.search(r"client (\d+) saved", line).group(1))
+                 for line in report["lines"] if "came back without it" in line]
+    assert sorted(set(came_back)) == sorted(came_back), came_back
+    assert len(came_back) == went > 0, (came_back, went, dead)

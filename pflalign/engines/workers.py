@@ -374,6 +374,8 @@ class ActorEngine(Engine):
         self.ray.get([a.start.remote(settings) for a in pool.actors])
         #: the worker holding each client's saved state
         self.home: dict[int, int] = {}
+        #: clients whose state was lost moving it from a worker that died (told with the death)
+        self.lost_in_moves: set[int] = set()
         self.clients: dict = {}  # discovered: their split sizes weigh the assignment
         self._local = BatchedEngine(settings, pool.reporter)  # discovery only: no client runs
         run = settings.run
@@ -496,9 +498,11 @@ class ActorEngine(Engine):
                 replies[i] = Reply(cid, f"client {cid}", error=(
                     f"failed: its worker (Ray actor {k}) died during the exchange "
                     f"({reasons[k]})"))
-            lost = sorted(cid for cid, w in self.home.items() if w == k)
-            for cid in lost:
+            held = {cid for cid, w in self.home.items() if w == k}
+            for cid in held:
                 del self.home[cid]
+            lost = held | self.lost_in_moves  # and those that were moving out of it
+            self.lost_in_moves.clear()
             self.pool.reporter.warn(
                 f"Ray worker {k} died; its {len(lost_messages)} client(s) of this exchange count "
                 f"as failed, {len(lost)} client(s)' saved state went with it, and a new worker "
@@ -522,10 +526,16 @@ class ActorEngine(Engine):
                 self.ray.get(actors[new].put.options(concurrency_group=STATE_GROUP)
                              .remote(states))
             except self.gone:
-                # a worker died: these states are lost with it (the clients start afresh, as
-                # the method's rule says), and the exchange finds the dead worker
-                for cid in moved:
-                    del self.home[cid]
+                # a worker died: the states go back where they were when that one lives (the
+                # exchange then finds the dead worker and fails the clients sent to it);
+                # otherwise they are lost (the clients start afresh, as the method's rule says)
+                try:
+                    self.ray.get(actors[old].put.options(concurrency_group=STATE_GROUP)
+                                 .remote(states))
+                except self.gone:
+                    for cid in moved:
+                        del self.home[cid]
+                    self.lost_in_moves.update(moved)
                 continue
             for cid in moved:
                 self.home[cid] = new
