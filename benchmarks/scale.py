@@ -44,6 +44,11 @@ per Flower client, 1 for the in-process engines, 1/N for each of N batched worke
     python benchmarks/scale.py --clients 1000 --methods pflalign --rounds 5 \
         --engines batched,batched:2,flower
     python benchmarks/scale.py --gpu --gpu-share 0.25        # on a GPU machine
+    python benchmarks/scale.py --dataset synthetic --clients 1000,10000,100000 \
+        --methods pflalign --rounds 5 --engines batched,batched:2
+
+``--dataset synthetic`` runs Synthetic(1, 1) (generated per client, so a round's cost should not
+grow with the federation) with ``model = mlp`` and 100 clients a round at any number of clients.
 
 The table is printed and written, with every cell's numbers, to ``--out``
 (``results/benchmark-scale/scale.json`` and ``scale.md``).
@@ -63,6 +68,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FRACTION = {20: 0.4, 100: 0.2, 1000: 0.05, 10000: 0.01}
+#: --dataset synthetic: clients trained a round, whatever the federation's size
+SYNTHETIC_PER_ROUND = 100
 #: spilled client state lives in folders named so (pflalign/engines/store.py)
 SPILL_PREFIX = ".client-state-"
 #: a child process reports its torch GPU peak here (in-process engines)
@@ -191,9 +198,13 @@ def run_cell(engine: str, clients: int, method: str, args: argparse.Namespace,
     cell = out / f"{engine.replace(':', 'x')}-{clients}-{method}"
     cell.mkdir(parents=True, exist_ok=True)
     cpus = os.cpu_count() or 1
+    data = ({"dataset": "synthetic", "partition": "natural", "model": "mlp",
+             "fraction-train": min(1.0, SYNTHETIC_PER_ROUND / clients)}
+            if args.dataset == "synthetic" else
+            {"fraction-train": FRACTION[clients], "partition": "dirichlet",
+             "dirichlet-alpha": 0.1})
     settings = {
-        "methods": method, **engine_settings(engine, cpus), "num-clients": clients,
-        "fraction-train": FRACTION[clients], "partition": "dirichlet", "dirichlet-alpha": 0.1,
+        "methods": method, **engine_settings(engine, cpus), "num-clients": clients, **data,
         "rounds": args.rounds, "eval-every": args.rounds, "out-dir": str(cell),
         "client-resources-num-gpus": (args.gpu_share if engine == "flower" else
                                       1 / int(engine.partition(":")[2] or 1)) if args.gpu else 0,
@@ -308,6 +319,10 @@ def main() -> None:
     parser.add_argument("--clients", default="20,100,1000")
     parser.add_argument("--methods", default="fedavg,pflalign")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dataset", choices=("fashion-mnist", "synthetic"),
+                        default="fashion-mnist",
+                        help="synthetic: Synthetic(1, 1) with model mlp, "
+                             f"{SYNTHETIC_PER_ROUND} clients a round at any --clients")
     parser.add_argument("--gpu", action="store_true", help="train on the GPU")
     parser.add_argument("--gpu-share", type=float, default=0.25,
                         help="client-resources-num-gpus of each Flower client with --gpu")
@@ -321,7 +336,7 @@ def main() -> None:
         print("Ray is not available here: the flower engine is skipped.", flush=True)
         engines.remove("flower")
     sizes = [int(n) for n in args.clients.split(",")]
-    if any(n not in FRACTION for n in sizes):
+    if args.dataset != "synthetic" and any(n not in FRACTION for n in sizes):
         parser.error(f"--clients takes {', '.join(map(str, FRACTION))}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,11 @@
 
 Every per-round row, final metric and per-client result of every method is compared for exact
 equality (floats included). Wall-clock entries (``*-seconds``, ``seconds-per-round``) differ from
-run to run and are skipped; so are the run's start time, its total seconds and the package
-versions. The partition summary and the config must match too (``out-dir``, ``engine`` and the
-engines' own keys aside, so that two engines' runs of one config can be compared). Prints one
-line per difference and a summary; exits 1 when anything differs.
+run to run and are skipped; so are the run's start time, its total seconds, the package versions
+and each method's ``processes`` (the run's own process ids and peak memory). The partition
+summary and the config must match too (``out-dir``, ``engine`` and the engines' own keys aside,
+so that two engines' runs of one config can be compared). Prints one line per difference and a
+summary; exits 1 when anything differs.
 """
 
 from __future__ import annotations

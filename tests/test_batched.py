@@ -65,10 +65,11 @@ class Lines(Reporter):
 
 
 def comparable(value: object) -> object:
-    """``value`` without timings and without the config keys that pick the engine."""
+    """``value`` without timings, the run's processes and the config keys that pick the
+    engine."""
     if isinstance(value, dict):
         return {k: comparable(v) for k, v in value.items()
-                if "seconds" not in k and k not in ("started", "engine", "out-dir",
+                if "seconds" not in k and k not in ("started", "engine", "out-dir", "processes",
                                                     "batched-backend", "memory-budget-gb")}
     if isinstance(value, list):
         return [comparable(v) for v in value]

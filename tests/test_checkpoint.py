@@ -48,10 +48,11 @@ def _no_stop_left_over():
 
 
 def comparable(value: object) -> object:
-    """``value`` without timings: keys with 'seconds' in their name, and 'started'."""
+    """``value`` without timings (keys with 'seconds' in their name, and 'started') and the
+    run's processes (its pids and peak memory)."""
     if isinstance(value, dict):
         return {k: comparable(v) for k, v in value.items()
-                if "seconds" not in k and k != "started"}
+                if "seconds" not in k and k not in ("started", "processes")}
     if isinstance(value, list):
         return [comparable(v) for v in value]
     return value

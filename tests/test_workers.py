@@ -200,6 +200,15 @@ def test_two_workers_give_the_sequential_engines_metrics_and_a_dead_worker_is_re
     differences, checked = compare(reference, on_workers)
     assert differences == []
     assert checked > 2 * 3 * 20  # every round's metrics of every entry
+    # each entry's processes: the driver's (the server), and the two Ray workers' as the
+    # clients', each accepted reply counted once
+    for label, entry in on_workers["methods"].items():
+        server, *clients = entry["processes"]
+        assert server["role"] == "server" and len(clients) == 2, (label, entry["processes"])
+        assert server["pid"] not in {c["pid"] for c in clients}
+        assert all(c["role"] == "clients" and c["peak-rss-mb"] > 0 for c in clients)
+        assert sum(c["replies"] for c in clients) == sum(
+            r["clients-trained"] + r["evaluated"] for r in entry["rounds"])
     assert sum(report["steals"]) > 0  # clients (and their states) taken by an idle worker
     assert any(line.startswith("engine = batched on 2 Ray workers") for line in report["lines"])
 

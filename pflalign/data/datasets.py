@@ -20,7 +20,7 @@ import torch
 
 from pflalign.process.caches import cached
 from pflalign.settings.options import ConfigError
-from pflalign.settings.schema import FEATURES, IMAGE, TOKENS
+from pflalign.settings.schema import CHARACTERS, FEATURES, IGNORE_INDEX, IMAGE, TOKENS
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
@@ -37,8 +37,6 @@ _IDX_FILES = {
 }
 
 
-#: the tokenizer of the character-level text models (LEAF's task)
-CHARACTERS = "characters"
 
 
 @dataclass(frozen=True)
@@ -68,6 +66,10 @@ class Dataset:
     #: each natural client's samples are in time order (text): its test split is its last
     #: samples; otherwise a stratified random split, as for the other partitions
     time_ordered: bool = False
+    #: some targets are :data:`IGNORE_INDEX` (instructions: a sample is a record of
+    #: ``L`` tokens whose labels are its response's next tokens, the prompt and the padding
+    #: left out), so a test counts the others
+    masked_targets: bool = False
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -266,12 +268,16 @@ def _load_cifar(name: str, root: Path | None, download: bool) -> tuple[np.ndarra
 
 @cached(maxsize=2)
 def load_dataset(name: str, data_root: str = "", download: bool = False, tokenizer: str = "",
-                 sequence_length: int = 80, image_size: int = 0) -> Dataset:
+                 sequence_length: int = 80, image_size: int = 0,
+                 columns: tuple[str, str, str] = ("", "", "")) -> Dataset:
     """Load a dataset once per process (cached): pooled train+test images as uint8, or a text
     dataset's token windows (``tokenizer``: ``characters`` or a language model's name;
-    ``sequence_length`` tokens of context a sample)."""
-    from pflalign.data import sources
+    ``sequence_length`` tokens of context a sample). ``columns``: a Hugging Face dataset's
+    input, label and client columns (:mod:`pflalign.data.hf_source`; empty: found)."""
+    from pflalign.data import hf_source, sources
 
+    if name.startswith(hf_source.HF):
+        return Dataset(**hf_source.load_hf(name, columns, image_size))
     if sources.npz_path(name) is not None:
         return Dataset(**sources.load_npz(name))
     if name.startswith(sources.IMAGEFOLDER):
@@ -281,6 +287,10 @@ def load_dataset(name: str, data_root: str = "", download: bool = False, tokeniz
         if tokenizer in ("", CHARACTERS):
             sources.check_characters(name, texts)
         return _text_dataset(name, texts, tokenizer, sequence_length)
+    if name.startswith(sources.JSONL):
+        from pflalign.data.instructions import load_instructions
+
+        return Dataset(**load_instructions(name, tokenizer, sequence_length))
     sources.check_dataset_name(name)
     root = Path(data_root).expanduser() if data_root else None
     if name == "shakespeare":
@@ -362,13 +372,16 @@ def _text_dataset(name: str, texts: list[tuple[str, str]], tokenizer: str,
 
 @dataclass
 class ClientData:
-    """One client's train and test split as tensors (uint8 images, int64 labels) on a device."""
+    """One client's train and test split as tensors (uint8 images, int64 labels) on a device;
+    ``masked_targets``: some labels are :data:`IGNORE_INDEX` (instructions), left out of the
+    loss and the scores."""
 
     train_x: torch.Tensor
     train_y: torch.Tensor
     test_x: torch.Tensor
     test_y: torch.Tensor
     normalize: Normalizer | TokenIds | AsFloat
+    masked_targets: bool = False
 
     @classmethod
     def from_indices(cls, dataset: Dataset, train_idx: np.ndarray, test_idx: np.ndarray,
@@ -380,7 +393,8 @@ class ClientData:
 
         train_x, train_y = take(train_idx)
         test_x, test_y = take(test_idx)
-        return cls(train_x, train_y, test_x, test_y, dataset.normalizer())
+        return cls(train_x, train_y, test_x, test_y, dataset.normalizer(),
+                   dataset.masked_targets)
 
     def rotated(self, degrees: float) -> ClientData:
         """The same samples with every image rotated by ``degrees`` counter-clockwise about its
@@ -399,7 +413,9 @@ class ClientData:
     @property
     def num_test(self) -> int:
         """What a test scores: samples, or a language model's tokens (each window predicts
-        one per place)."""
+        one per place; of an instruction, its response's tokens)."""
+        if self.masked_targets:
+            return int((self.test_y != IGNORE_INDEX).sum())
         return self.test_y.numel()
 
 

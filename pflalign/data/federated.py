@@ -8,7 +8,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from pflalign.data.datasets import ClientData, Dataset, load_dataset
+from pflalign.data import synthetic
+from pflalign.data.datasets import IGNORE_INDEX, ClientData, Dataset, load_dataset
+from pflalign.data.hf_source import COLUMN_KEYS
 from pflalign.data.partition import (
     Partition,
     make_partition,
@@ -16,6 +18,7 @@ from pflalign.data.partition import (
     split_in_order,
     split_train_test,
 )
+from pflalign.data.synthetic import SyntheticFederation
 from pflalign.process.caches import cached
 from pflalign.settings.schema import DATA_KEYS
 
@@ -48,7 +51,8 @@ class FederatedDataset:
             rows = {k: torch.from_numpy(v).to(device) for k, v in (("train", train),
                                                                    ("test", test))}
             return ClientData(images[rows["train"]], labels[rows["train"]], images[rows["test"]],
-                              labels[rows["test"]], self.dataset.normalizer())
+                              labels[rows["test"]], self.dataset.normalizer(),
+                              self.dataset.masked_targets)
         if not angle:
             return ClientData.from_indices(self.dataset, train, test, device)
         if client not in self._rotated:
@@ -81,8 +85,12 @@ class FederatedDataset:
         return 1 if self.dataset.labels.ndim == 1 else self.dataset.labels.shape[1]
 
     def sizes(self, client: int) -> tuple[int, int]:
-        """Client ``client``'s train samples and test targets (a language model's test tokens),
-        as :class:`~pflalign.data.datasets.ClientData` counts them."""
+        """Client ``client``'s train samples and test targets (a language model's test tokens;
+        an instruction's response tokens), as :class:`~pflalign.data.datasets.ClientData`
+        counts them."""
+        if self.dataset.masked_targets:
+            test = self.dataset.labels[self.pool[self.partition.test[client]]]
+            return len(self.partition.train[client]), int(np.count_nonzero(test != IGNORE_INDEX))
         return (len(self.partition.train[client]),
                 len(self.partition.test[client]) * self.targets_per_sample)
 
@@ -94,10 +102,13 @@ class FederatedDataset:
 
 
 @cached(maxsize=2)
-def _build(key: tuple) -> FederatedDataset:
+def _build(key: tuple) -> FederatedDataset | SyntheticFederation:
     cfg = dict(zip(DATA_KEYS, key, strict=True))
+    if cfg["dataset"] == synthetic.NAME:
+        return synthetic.synthetic_federation(cfg)
     dataset = load_dataset(cfg["dataset"], cfg["data-root"], cfg["download"], cfg["tokenizer"],
-                           cfg["sequence-length"], cfg["image-size"])
+                           cfg["sequence-length"], cfg["image-size"],
+                           tuple(cfg[k] for k in COLUMN_KEYS))
     pool, groups = dataset.sample_ids(), dataset.groups
     if 0 < cfg["max-samples"] < len(pool):
         chosen = np.sort(np.random.default_rng([cfg["seed"], 2]).choice(
@@ -110,7 +121,8 @@ def _build(key: tuple) -> FederatedDataset:
         quantity_power=cfg["quantity-power"], min_samples=cfg["min-samples-per-client"],
         test_fraction=cfg["test-fraction"], angles=parse_angles(cfg["rotation-angles"]),
         unseen_groups=cfg["rotation-unseen-groups"], groups=groups,
-        group_names=dataset.group_names, time_ordered=dataset.time_ordered)
+        group_names=dataset.group_names, time_ordered=dataset.time_ordered,
+        partition_args=cfg["partition-args"])
     if cfg["evaluate-on"] == "validation":
         partition = validation_partition(partition, dataset.labels[pool],
                                          cfg["validation-fraction"], cfg["seed"])
@@ -131,7 +143,8 @@ def validation_partition(partition: Partition, labels: np.ndarray, fraction: flo
                    test=tuple(s[1] for s in splits))
 
 
-def federated_dataset(settings: Mapping[str, object]) -> FederatedDataset:
-    """The run's federated dataset, cached per process (no re-reading or re-partitioning)."""
+def federated_dataset(settings: Mapping[str, object]) -> FederatedDataset | SyntheticFederation:
+    """The run's federated dataset, cached per process (no re-reading or re-partitioning; a
+    synthetic federation generates a client's data when it is asked for)."""
     key = getattr(settings, "data_key", None)
     return _build(key if key is not None else tuple(settings[k] for k in DATA_KEYS))

@@ -105,7 +105,8 @@ def partition_metadata(settings: Mapping[str, object], node: NodeData) -> dict:
             "num-train": node.data.num_train, "num-test": node.data.num_test,
             "strides": {k: list(getattr(node.data, k).stride()) for k in _SPLITS},
             "fingerprint": data_fingerprint(settings),
-            "data-config": {k: settings[k] for k in DATA_KEYS if k not in DATA_LOCATION_KEYS}}
+            "data-config": {k: settings[k] for k in DATA_KEYS if k not in DATA_LOCATION_KEYS},
+            **({"masked-targets": True} if node.data.masked_targets else {})}
 
 
 def write_partition(path: Path, node: NodeData, metadata: Mapping[str, object]) -> Path:
@@ -172,7 +173,8 @@ def _load_partition(path: str, mtime_ns: int, size: int) -> tuple[dict, NodeData
                   for k in _SPLITS}
     data = ClientData(arrays["train_x"], arrays["train_y"], arrays["test_x"], arrays["test_y"],
                       input_transform(str(meta.get("kind", IMAGE)), tuple(meta["mean"]),
-                                      tuple(meta["std"])))
+                                      tuple(meta["std"])),
+                      bool(meta.get("masked-targets", False)))
     node = NodeData(client_id=int(meta["client-id"]), data=data,
                     num_classes=int(meta["num-classes"]),
                     input_shape=tuple(int(d) for d in meta["input-shape"]),  # type: ignore[arg-type]

@@ -13,6 +13,8 @@ Four partitioners, each returning one index array per client (every sample assig
   angle, Dirichlet label skew within a group, held-out groups for the unseen clients.
 * :func:`natural_partition` -- the dataset's own clients (Shakespeare's roles): a seeded subset
   of those with at least ``min_samples`` samples.
+* ``flwr:<Partitioner>`` -- one of flwr-datasets' partitioners by its class name
+  (:mod:`pflalign.data.flwr_partitioners`).
 
 Each client's samples are then split into its own train and test parts, stratified by label, so its
 test labels follow its train labels (:func:`split_train_test`); in the natural partition, in time
@@ -183,10 +185,12 @@ def split_train_test(indices: np.ndarray, labels: np.ndarray, test_fraction: flo
 
     The client's samples are shuffled, stably sorted by label, and every position ``i`` with
     ``floor((i + 1) f) > floor(i f)`` goes to test: systematic sampling over the label-sorted list,
-    so each label's test count is within one of ``f`` times its count.
+    so each label's test count is within one of ``f`` times its count. Samples without one label
+    (a language model's: a label per token) are split at random, in the shuffled order.
     """
     shuffled = rng.permutation(indices)
-    ordered = shuffled[np.argsort(labels[shuffled], kind="stable")]
+    ordered = (shuffled[np.argsort(labels[shuffled], kind="stable")] if labels.ndim == 1
+               else shuffled)
     pos = np.arange(len(ordered))
     is_test = np.floor((pos + 1) * test_fraction) > np.floor(pos * test_fraction)
     if not is_test.any() and len(ordered) >= 2:
@@ -312,11 +316,12 @@ def make_partition(labels: np.ndarray, num_classes: int, *, scheme: str, num_cli
                    min_samples: int = 10, test_fraction: float = 0.25,
                    angles: Sequence[float] = (0.0,), unseen_groups: int = 0,
                    groups: np.ndarray | None = None, group_names: Sequence[str] = (),
-                   time_ordered: bool = True) -> Partition:
+                   time_ordered: bool = True, partition_args: str = "") -> Partition:
     """Partition over ``num_clients + num_unseen`` clients; split each into train/test.
     ``groups`` (one natural client per sample) is what ``scheme = natural`` partitions by; with
     ``time_ordered`` each natural client's last samples are its test split (text), otherwise a
-    stratified random one."""
+    stratified random one. ``scheme = flwr:NAME`` is flwr-datasets' partitioner of that name,
+    built with ``partition_args``."""
     total = num_clients + num_unseen
     rng = np.random.default_rng([seed, 0])
     topped_up = 0
@@ -348,9 +353,13 @@ def make_partition(labels: np.ndarray, num_classes: int, *, scheme: str, num_cli
                                        num_classes)
     elif scheme == "quantity":
         parts = quantity_partition(labels, total, quantity_power, rng, min_samples)
+    elif scheme.startswith("flwr:"):
+        from pflalign.data.flwr_partitioners import flwr_partition
+
+        parts = flwr_partition(labels, total, scheme, partition_args, seed, min_samples)
     else:
         raise ConfigError(f"Unknown partition '{scheme}'; choose iid, dirichlet, pathological, "
-                          "quantity, rotated or natural.")
+                          "quantity, rotated, natural or flwr:<Partitioner>.")
     split_rng = np.random.default_rng([seed, 1])
     splits = [split_train_test(p, labels, test_fraction, split_rng) for p in parts]
     return Partition(train=tuple(s[0] for s in splits), test=tuple(s[1] for s in splits),

@@ -16,18 +16,24 @@ before any data, so a config is checked without loading the file.
 
 from __future__ import annotations
 
-import os
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
+from pflalign.data import hf_source
+from pflalign.data.hf_source import HF, NO_COLUMNS
+from pflalign.data.image_arrays import channel_moments as _channel_moments
+from pflalign.data.image_arrays import common_mode
+from pflalign.data.image_arrays import write_cache as _write_cache
+from pflalign.data.instructions import JSONL, check_instructions, has_clients
 from pflalign.settings.options import ConfigError
 from pflalign.settings.schema import DATASETS, FEATURES, IMAGE, TOKENS
 
 NPZ = "npz:"
 #: what a dataset value may be besides a built-in name, for messages
-USER_FORMS = ("npz:PATH, imagefolder:DIR or text:DIR (your own data: docs/data.md)")
+USER_FORMS = ("npz:PATH, imagefolder:DIR, text:DIR, jsonl:PATH or hf:NAME_OR_PATH (your own "
+              "data: docs/data.md)")
 
 
 def npz_path(name: str) -> Path | None:
@@ -40,9 +46,13 @@ def npz_path(name: str) -> Path | None:
     return Path(text).expanduser()
 
 
-def check_dataset_name(name: str) -> None:
-    """A dataset value names a built-in dataset or a readable source, in one sentence if not."""
+def check_dataset_name(name: str, columns: tuple[str, str, str] = NO_COLUMNS) -> None:
+    """A dataset value names a built-in dataset or a readable source, in one sentence if not
+    (``columns``: a Hugging Face dataset's column keys, :mod:`pflalign.data.hf_source`)."""
     if name in DATASETS:
+        return
+    if name.startswith(HF):
+        hf_source.layout(name, columns)
         return
     if name.startswith(NPZ):
         _headers(npz_path(name))
@@ -52,6 +62,9 @@ def check_dataset_name(name: str) -> None:
         return
     if name.startswith(TEXT):
         text_files(folder_of(name, TEXT))
+        return
+    if name.startswith(JSONL):
+        check_instructions(name)
         return
     raise ConfigError(f"Unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}, or "
                       f"{USER_FORMS}.")
@@ -116,12 +129,16 @@ def _headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     return headers
 
 
-def dataset_kind(name: str) -> str:
+def dataset_kind(name: str, columns: tuple[str, str, str] = NO_COLUMNS) -> str:
     """What the samples of dataset ``name`` are (``image``, ``tokens`` or ``features``), known
     before any data is read."""
+    if name.startswith(HF):
+        return hf_source.layout(name, columns).kind
     if name.startswith(IMAGEFOLDER):
         return IMAGE
     if name.startswith(TEXT):
+        return TOKENS
+    if name.startswith(JSONL):
         return TOKENS
     path = npz_path(name)
     if path is None:
@@ -132,35 +149,20 @@ def dataset_kind(name: str) -> str:
     return FEATURES if dtype.kind == "f" else IMAGE
 
 
-def has_natural_clients(name: str) -> bool:
+def has_natural_clients(name: str, columns: tuple[str, str, str] = NO_COLUMNS) -> bool:
     """Whether dataset ``name`` says which client each sample belongs to."""
+    if name.startswith(HF):
+        return hf_source.layout(name, columns).client is not None
     if name.startswith(IMAGEFOLDER):
         return scan_imagefolder(folder_of(name, IMAGEFOLDER))[0] is not None
     if name.startswith(TEXT):
         return True
+    if name.startswith(JSONL):
+        return has_clients(name)
     path = npz_path(name)
     if path is None:
-        return name == "shakespeare"
+        return name in ("shakespeare", "synthetic")
     return "client" in _headers(path)
-
-
-def _channel_moments(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and standard deviation of uint8 images, in [0, 1] units, in chunks
-    (no float copy of the whole array)."""
-    channels = images.shape[1]
-    total = np.zeros(channels)
-    squares = np.zeros(channels)
-    for start in range(0, len(images), 4096):
-        chunk = images[start:start + 4096].astype(np.float64) / 255.0
-        total += chunk.sum(axis=(0, 2, 3))
-        squares += np.square(chunk).sum(axis=(0, 2, 3))
-    count = images.shape[0] * images.shape[2] * images.shape[3]
-    mean = total / count
-    std = np.sqrt(np.maximum(squares / count - mean ** 2, 0.0))
-    if not (std > 0).all():
-        raise ConfigError("The dataset's images have one value in a channel, everywhere; "
-                          "nothing can be learned from it.")
-    return tuple(float(m) for m in mean), tuple(float(s) for s in std)
 
 
 def load_npz(name: str) -> dict:
@@ -282,15 +284,7 @@ def _decoded(files: list[tuple[Path, str, str]], size: int, where: str) -> np.nd
                 sizes.add(img.size)
         except (UnidentifiedImageError, OSError) as err:
             raise ConfigError(f"{where}: {path} cannot be read as an image ({err}).") from None
-    deep = sorted(m for m in modes if m.startswith("I") or m == "F")
-    if deep:
-        raise ConfigError(f"{where}: some images are {deep[0]} (16- or 32-bit); convert them to "
-                          "8-bit greyscale or RGB (converting here would clip them).")
-    if size == 0 and len(sizes) > 1:
-        shown = ", ".join(f"{w}x{h}" for w, h in sorted(sizes)[:4])
-        raise ConfigError(f"{where}: the images have {len(sizes)} sizes ({shown}, ...); set "
-                          "image-size = N to resize every image to N x N.")
-    mode = "L" if modes <= {"L", "1"} else "RGB"
+    mode = common_mode(modes, sizes, size, where)
     images = []
     for path, _, _ in files:
         try:
@@ -303,24 +297,6 @@ def _decoded(files: list[tuple[Path, str, str]], size: int, where: str) -> np.nd
             raise ConfigError(f"{where}: {path} cannot be decoded ({err}).") from None
         images.append(array[None] if array.ndim == 2 else array.transpose(2, 0, 1))
     return np.stack(images)
-
-
-def _write_cache(cache: Path, images: np.ndarray) -> None:
-    """``images`` to ``cache`` through a temporary file of its own (renamed into place, so a
-    reader sees a whole file or none); a folder that cannot be written is left as it is."""
-    import tempfile
-
-    try:
-        cache.parent.mkdir(exist_ok=True)
-        handle, partial = tempfile.mkstemp(dir=cache.parent, prefix=".images-", suffix=".tmp")
-    except OSError:
-        return  # a read-only folder: every process decodes
-    try:
-        with os.fdopen(handle, "wb") as out:
-            np.save(out, images, allow_pickle=False)
-        os.replace(partial, cache)
-    except OSError:
-        Path(partial).unlink(missing_ok=True)
 
 
 def load_imagefolder(name: str, image_size: int) -> dict:

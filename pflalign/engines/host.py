@@ -6,7 +6,9 @@ on a :class:`~pflalign.training.client.ClientRuntime` (its local runs one after 
 client), and returns the reply's metrics and array records and the client's new saved state. The
 Flower ClientApp and the sequential engine both call it, so a method behaves the same under each;
 the batched engine calls its two halves, :func:`begin` and :func:`finish`, around rules it runs
-together.
+together. Every training and evaluation reply carries the process metrics of the process that
+ran it (:func:`~pflalign.process.memory.process_metrics`: a Ray worker's, a ClientApp's, or the
+server's own under the in-process engines).
 
 Two records serve checkpoints (:mod:`pflalign.run.checkpoint`): a
 :data:`~pflalign.wire.protocol.STATE` action returns the client's saved state as it is, changing
@@ -29,6 +31,7 @@ from pflalign.data.node import NodeData
 from pflalign.methods.base import Method
 from pflalign.methods.registry import METHODS
 from pflalign.process.caches import cached
+from pflalign.process.memory import process_metrics
 from pflalign.settings.options import Value
 from pflalign.settings.schema import Settings
 from pflalign.training.client import ClientRuntime
@@ -177,11 +180,12 @@ def begin(action: str, settings: Settings, client_id: int, config: Mapping[str, 
 
 
 def finish(call: Call, result: object) -> tuple[Metrics, ReplyArrays, State | None]:
-    """The reply and the state to keep from a :class:`Call`'s rule result."""
+    """The reply and the state to keep from a :class:`Call`'s rule result; its metrics end with
+    the process metrics of the process that ran the rule (:func:`evaluation_reply`,
+    :func:`train_reply`)."""
     client_id = call.client.client_id
     if call.action == EVALUATE:
-        metrics = {PARTITION_ID: client_id, **result}  # type: ignore[dict-item]
-        return metrics, {}, call.restored
+        return evaluation_reply(client_id, result), {}, call.restored  # type: ignore[arg-type]
     upload, new_state = result  # type: ignore[misc]
     kept = state_to_keep(new_state, call.restored)
     upload = counted(upload, call.client.data.num_train)
@@ -204,13 +208,20 @@ def counted(upload: Upload, num_train: int) -> Upload:
     return replace(upload, metrics={NUM_EXAMPLES: num_train, **upload.metrics})
 
 
+def evaluation_reply(client_id: int, scores: Mapping[str, float | int]) -> Metrics:
+    """An evaluation reply's metrics: the client's id, its rule's ``scores`` and this process's
+    metrics (:func:`~pflalign.process.memory.process_metrics`)."""
+    return {PARTITION_ID: client_id, **scores, **process_metrics()}
+
+
 def train_reply(client_id: int, upload: Upload, saved: State | None, kept: State | None,
                 seconds: float) -> tuple[Metrics, ReplyArrays]:
     """A training reply's metrics and array records (the model first) from a client's upload,
-    the state it had (``saved``) and the state it keeps (``kept``; None: ``saved``)."""
+    the state it had (``saved``) and the state it keeps (``kept``; None: ``saved``); the
+    metrics end with this process's (:func:`~pflalign.process.memory.process_metrics`)."""
     metrics = {PARTITION_ID: client_id, **upload.metrics,
                HAD_STATE: int(bool(saved)), KEPT_STATE: int(bool(saved if kept is None else kept)),
-               CLIENT_SECONDS: seconds}
+               CLIENT_SECONDS: seconds, **process_metrics()}
     reply = dict(upload.arrays)
     if upload.model is not None:
         reply = {MODEL: upload.model, **reply}

@@ -1,1 +1,2 @@
-"""Process-wide facilities: caches with one reset, and the stop flag."""
+"""Process-wide facilities: caches with one reset, the stop flag, and the process's identity
+and peak memory."""

@@ -16,20 +16,23 @@ counts it (``eval-audited``, ``eval-audit-rejected``).
 Training replies can be audited the same way (``train-audit-fraction``, default 0: it repeats
 the sampled clients' local training on the server): the sampled clients' states are asked for
 before the round's training messages go out, and each sampled reply's metrics and arrays must
-equal the server's recomputation (arrays to ``ARRAY_TOLERANCE`` of their norm). It catches what
-no bound can, such as an update reversed within the norm bound.
+equal the server's recomputation (arrays to ``ARRAY_TOLERANCE`` of their norm; its
+``client-seconds`` aside). It catches what no bound can, such as an update reversed within the
+norm bound.
 
 The recomputation runs in the server's process with the server's data: in simulation, and in a
 deployment whose ServerApp reads the same partition as its nodes (the nodes' partition files are
-exported from it, :mod:`pflalign.run.export_partitions`). With ``eval-audit-fraction = 0`` nothing
-is recomputed and the report says the accuracies are self-reported.
+exported from it, :mod:`pflalign.run.export_partitions`). So a reply's process metrics
+(:data:`~pflalign.wire.protocol.PROCESS_METRICS`: which process computed it, and that process's
+peak memory) are never compared. With ``eval-audit-fraction = 0`` nothing is recomputed and the
+report says the accuracies are self-reported.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,6 +48,7 @@ from pflalign.wire.protocol import (
     EVALUATE,
     ID,
     PARTITION_ID,
+    PROCESS_METRICS,
     STATE,
     STATE_CHUNK,
     TRAIN,
@@ -73,6 +77,18 @@ class AuditOutcome:
     rejected: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
+    _index: tuple[list, dict[int, list[int]]] | None = field(default=None, repr=False,
+                                                              compare=False)
+
+    def positions(self) -> dict[int, list[int]]:
+        """Where each client's replies are in :attr:`good` (rebuilt when ``good`` is replaced;
+        an audit in chunks looks its clients up here instead of scanning every reply)."""
+        if self._index is None or self._index[0] is not self.good:
+            index: dict[int, list[int]] = {}
+            for i, (metrics, _) in enumerate(self.good):
+                index.setdefault(int(metrics[PARTITION_ID]), []).append(i)
+            self._index = (self.good, index)
+        return self._index[1]
 
 
 def audit_sample(clients: Sequence[int], fraction: float, seed: int, server_round: int,
@@ -94,7 +110,7 @@ def disagreement(claimed: Mapping[str, float], recomputed: Mapping[str, float],
                  integer: Callable[[str], bool], skip: Sequence[str] = ()) -> str | None:
     """Where claimed metrics differ from the recomputed ones (None when they do not):
     ``integer(key)`` says which metrics are counts, compared exactly; ``skip``: keys not
-    compared (wall-clock seconds)."""
+    compared (wall-clock seconds, process metrics)."""
     for key in sorted((set(claimed) | set(recomputed)) - set(skip)):
         if key not in claimed or key not in recomputed:
             return f"{key} is {'missing from' if key not in claimed else 'extra in'} the reply"
@@ -207,29 +223,35 @@ class Audit:
                  ) -> AuditOutcome:
         sent = {m.client: m for m in messages}
         bad: dict[int, str] = {}
-        for metrics, arrays in outcome.good:
+        # the replies of the clients in ``states``, in the order they came (found through an
+        # index of the replies kept for the round: a chunk's look-up does not scan them all)
+        positions = outcome.positions()
+        at = sorted(i for cid in states for i in positions.get(cid, ()))
+        for metrics, arrays in (outcome.good[i] for i in at):
             cid = int(metrics[PARTITION_ID])
-            if cid not in states:
-                continue
             outcome.audited += 1
             state = states[cid]
             if isinstance(state, str):
                 bad[cid] = state
                 continue
             recomputed, reply = self.recompute(action, sent[cid], state)
+            # the process metrics name the process that computed a reply, and this one is
+            # the server's: never compared (nor the wall-clock seconds of a training reply)
             if action == EVALUATE:
-                problem = disagreement(metrics, recomputed, self.eval_integer)
+                problem = disagreement(metrics, recomputed, self.eval_integer,
+                                       skip=PROCESS_METRICS)
             else:
                 problem = disagreement(metrics, recomputed, self.train_integer,
-                                       skip=(CLIENT_SECONDS,)) or array_disagreement(arrays,
-                                                                                     reply)
+                                       skip=(CLIENT_SECONDS, *PROCESS_METRICS)
+                                       ) or array_disagreement(arrays, reply)
             if problem:
                 bad[cid] = f"it does not match the server's recomputation ({problem})"
         what = "evaluation" if action == EVALUATE else "training"
         for cid, why in sorted(bad.items()):
             self.warn(f"round {server_round}: client {cid}'s {what} reply is rejected by the "
                       f"audit: {why}.")
-        outcome.good = [(m, a) for m, a in outcome.good if int(m[PARTITION_ID]) not in bad]
+        if bad:
+            outcome.good = [(m, a) for m, a in outcome.good if int(m[PARTITION_ID]) not in bad]
         outcome.rejected += len(bad)
         return outcome
 

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pflalign.data.datasets import CHARACTERS
+from pflalign.data.flwr_partitioners import check_flwr_partition, is_flwr
+from pflalign.data.hf_source import COLUMN_KEYS, HF, hf_target, local_folder
+from pflalign.data.instructions import JSONL, jsonl_path
 from pflalign.data.partition import parse_angles
 from pflalign.data.sources import (
     IMAGEFOLDER,
@@ -81,6 +84,16 @@ def _unknown_key_error(key: str, source: str) -> ConfigError:
     return ConfigError(f"Unknown config key '{key}' in {source}{hint}")
 
 
+def _is_choice(value: object, choices: tuple[str, ...]) -> bool:
+    """``value`` is one of ``choices``, or names one of a family a choice written
+    ``prefix:<Name>`` stands for (``flwr:<Partitioner>``: ``flwr:DirichletPartitioner``; the
+    name itself is checked with the other keys)."""
+    if value in choices:
+        return True
+    families = [c[:c.index(":<") + 1] for c in choices if c.endswith(">") and ":<" in c]
+    return isinstance(value, str) and any(value.startswith(f) for f in families)
+
+
 def coerce(key: str, value: object, source: str = "the config") -> Value:
     """Check one value against its option's type, choices and range; return it in the right type."""
     if key not in OPTIONS_BY_KEY:
@@ -107,7 +120,7 @@ def coerce(key: str, value: object, source: str = "the config") -> Value:
         raise ConfigError(f"Config key '{key}' expects a string, got {value!r} (from {source}).")
 
     choices = opt.choices
-    if choices is not None and value not in choices:
+    if choices is not None and not _is_choice(value, choices):
         raise ConfigError(f"Config key '{key}' = {value!r} is not one of: "
                           f"{', '.join(choices)} (from {source}).")
     if isinstance(value, int | float) and not isinstance(value, bool):
@@ -271,7 +284,25 @@ def _resolve_dataset(values: dict[str, Value]) -> None:
         folder = folder_of(name, prefix)
         if folder is not None:
             values["dataset"] = prefix + str(folder.resolve())
-    check_dataset_name(str(values["dataset"]))
+    records = jsonl_path(name)
+    if records is not None:
+        values["dataset"] = JSONL + str(records.resolve())
+    target = hf_target(name)
+    folder = None if target is None else local_folder(target)
+    if folder is not None:
+        values["dataset"] = HF + str(folder.resolve())
+    if target is None:
+        given = [k for k in COLUMN_KEYS if str(values[k]).strip()]
+        if given:
+            raise ConfigError(f"{given[0]} = {values[given[0]]!r} names a column of a Hugging "
+                              f"Face dataset, and dataset = {values['dataset']!r} is not one "
+                              f"(hf:...): clear {given[0]}.")
+    check_dataset_name(str(values["dataset"]), _columns(values))
+
+
+def _columns(values: Mapping[str, Value]) -> tuple[str, str, str]:
+    """A Hugging Face dataset's column keys (input, label, client)."""
+    return tuple(str(values[k]) for k in COLUMN_KEYS)
 
 
 def _check_model_name(model: str, key: str) -> None:
@@ -293,7 +324,7 @@ def _model_tokenizer(model: str) -> str:
 
 def _resolve_tokenizer(values: dict[str, Value]) -> None:
     """A text dataset's tokenizer: the model's, unless given (and then it must be the model's)."""
-    if dataset_kind(str(values["dataset"])) != TOKENS:
+    if dataset_kind(str(values["dataset"]), _columns(values)) != TOKENS:
         return
     if not values["tokenizer"]:
         values["tokenizer"] = _model_tokenizer(str(values["model"]))
@@ -304,7 +335,11 @@ def _check_model_fits_data(values: Mapping[str, Value], label: str) -> None:
     run's data is."""
     model = str(values["model"])
     _check_model_name(model, "model")
-    kind = dataset_kind(str(values["dataset"]))
+    kind = dataset_kind(str(values["dataset"]), _columns(values))
+    if jsonl_path(str(values["dataset"])) is not None and not is_language_model(model):
+        raise ConfigError(f"Method '{label}' would run model = {model!r} on dataset = "
+                          f"{values['dataset']!r}, whose instructions a language model's own "
+                          f"tokenizer reads: set model = hf:<model> (hf:{SMOLLM2} offline).")
     if is_user_model(model):
         return  # a factory gets the data's shape; its model is checked when it is built
     takes = (TOKENS,) if is_language_model(model) else MODELS[model].takes
@@ -328,16 +363,40 @@ def _check_cross_keys(values: Mapping[str, Value]) -> None:
     if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
         raise ConfigError(f"batched-workers = {values['batched-workers']!r}: give a whole number "
                           "of worker processes (>= 1), or auto.")
-    kind = dataset_kind(str(values["dataset"]))
+    kind = dataset_kind(str(values["dataset"]), _columns(values))
     if kind == TOKENS and values["partition"] not in TEXT_PARTITIONS:
         raise ConfigError(f"partition = {values['partition']!r} splits by class label or "
                           f"rotates images, which mean nothing for dataset = "
                           f"{values['dataset']!r} (text; its label is the next character): "
                           f"choose {', '.join(TEXT_PARTITIONS)}.")
-    if values["partition"] == "natural" and not has_natural_clients(str(values["dataset"])):
+    if values["partition"] == "natural" and not has_natural_clients(str(values["dataset"]),
+                                                                    _columns(values)):
         raise ConfigError(f"partition = 'natural' needs a dataset with its own clients, and "
                           f"{values['dataset']!r} has none: choose dataset = 'shakespeare', "
-                          "npz:PATH with a client array, or another partition.")
+                          "npz:PATH with a client array, hf:... with a client-column, or "
+                          "another partition.")
+    if is_flwr(str(values["partition"])):
+        check_flwr_partition(str(values["partition"]), str(values["partition-args"]),
+                             values["num-clients"] + values["num-unseen-clients"],
+                             values["seed"])
+    elif str(values["partition-args"]).strip():
+        raise ConfigError(f"partition-args = {values['partition-args']!r} is for partition = "
+                          f"flwr:<Partitioner>, and partition = {values['partition']!r}: clear "
+                          "partition-args.")
+    if values["dataset"] == "synthetic" and values["partition"] != "natural":
+        raise ConfigError(f"dataset = 'synthetic' generates each client's own data, so its "
+                          f"clients are its partition: set partition = 'natural' (not "
+                          f"{values['partition']!r}); synthetic-iid = true gives IID clients.")
+    if values["dataset"] == "synthetic" and values["max-samples"]:
+        raise ConfigError("max-samples subsamples a pooled dataset, and dataset = 'synthetic' "
+                          "generates each client's data: set max-samples = 0 and size the "
+                          "clients with min-samples-per-client, synthetic-size-power and "
+                          "synthetic-max-samples.")
+    if values["synthetic-max-samples"] < values["min-samples-per-client"] and (
+            values["dataset"] == "synthetic"):
+        raise ConfigError(f"synthetic-max-samples = {values['synthetic-max-samples']} is below "
+                          f"min-samples-per-client = {values['min-samples-per-client']}; raise "
+                          "it.")
     if kind == FEATURES and values["partition"] == "rotated":
         raise ConfigError(f"partition = 'rotated' rotates images, and dataset = "
                           f"{values['dataset']!r} holds feature vectors: choose another "

@@ -15,12 +15,19 @@ Given a :class:`~pflalign.run.checkpoint.Checkpoint`, the loop writes one every
 ``checkpoint-every`` rounds (asking the clients that keep state for it) and, when one exists at
 the start, continues after its round: the server state and rows come from the file, and each
 client's state is sent back to it with the next message it gets (a ``restore-state`` record).
+
+The run's result also lists its processes (``processes``): this one (the server's), and each
+client process that sent an accepted training or evaluation reply, by the process metrics it
+reported (:data:`~pflalign.wire.protocol.PROCESS_METRICS`), with its largest reported peak
+memory. A diagnostic only: no row or metric uses it. A resumed run lists the processes of its
+own rounds (the checkpoint does not keep them).
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -31,6 +38,7 @@ from pflalign.methods.base import Method
 from pflalign.models.language import is_language_model
 from pflalign.outputs.results import Reporter
 from pflalign.process.interrupt import check_stop
+from pflalign.process.memory import host_id, peak_rss_mb
 from pflalign.run.audit import Audit
 from pflalign.run.checkpoint import Checkpoint, Snapshot, capture_rng, nonempty, restore_rng
 from pflalign.server.aggregation import mean_cosine
@@ -65,6 +73,10 @@ from pflalign.wire.protocol import (
     PARTITION_ID,
     PERSONAL_CORRECT,
     PERSONAL_LOSS,
+    PROCESS_HOST,
+    PROCESS_ID,
+    PROCESS_METRICS,
+    PROCESS_PEAK_RSS_MB,
     RESTORE,
     ROUND,
     STATE,
@@ -121,6 +133,9 @@ class RoundLoop:
         #: the evaluation and training audits (given this loop's exchange each round, not kept)
         self.audit = Audit(server, method, self.validator,
                            lambda text: reporter.warn(f"[{label}] {text}"))
+        #: per client process (host id, pid) that sent an accepted reply in this run: the
+        #: largest peak memory it reported (MiB) and how many such replies it sent
+        self.client_processes: dict[tuple[int, int], tuple[float, int]] = {}
 
     @property
     def label(self) -> str:
@@ -135,7 +150,8 @@ class RoundLoop:
 
     # --- the run -------------------------------------------------------------------------------
     def run(self, initial_model: State, checkpoint: Checkpoint | None = None) -> dict:
-        """Run all rounds; return ``{"rounds": [...], "final": {...}, "clients": [...]}``.
+        """Run all rounds; return ``{"rounds": [...], "final": {...}, "clients": [...],
+        "processes": [...]}`` (:meth:`processes`).
 
         With ``checkpoint``, write it after every round it is due, and when its file exists at
         the start (a run killed after that round), continue from the round after it."""
@@ -181,7 +197,33 @@ class RoundLoop:
             if checkpoint is not None and checkpoint.due(server_round):
                 self.write_checkpoint(checkpoint, server_round, last_eval)
         return {"rounds": self.rounds, "final": self.final_metrics(last_eval),
-                "clients": self.client_results}
+                "clients": self.client_results, "processes": self.processes()}
+
+    # --- processes -----------------------------------------------------------------------------
+    def note_processes(self, replies: Iterable[Mapping[str, float]]) -> None:
+        """Keep, from the metrics of accepted ``replies``, each reporting process's largest
+        peak memory and its count of replies (a reply without the process metrics is passed
+        over)."""
+        for metrics in replies:
+            if not all(key in metrics for key in PROCESS_METRICS):
+                continue
+            key = (int(metrics[PROCESS_HOST]), int(metrics[PROCESS_ID]))
+            peak, replies_so_far = self.client_processes.get(key, (0.0, 0))
+            self.client_processes[key] = (max(peak, float(metrics[PROCESS_PEAK_RSS_MB])),
+                                          replies_so_far + 1)
+
+    def processes(self) -> list[dict]:
+        """The run's processes for its result: first this one, the server's (its host id, pid
+        and peak memory so far, in MiB), then each client process that sent an accepted reply,
+        by pid, with the largest peak it reported and its number of accepted replies. Under the
+        in-process engines the clients run here: the server's pid is then a client's too."""
+        server = {"role": "server", "host": host_id(), "pid": os.getpid(),
+                  "peak-rss-mb": peak_rss_mb()}
+        clients = [{"role": "clients", "host": host, "pid": pid, "peak-rss-mb": peak,
+                    "replies": count}
+                   for (host, pid), (peak, count) in sorted(
+                       self.client_processes.items(), key=lambda item: item[0][::-1])]
+        return [server, *clients]
 
     # --- checkpoints ---------------------------------------------------------------------------
     def write_checkpoint(self, checkpoint: Checkpoint, server_round: int,
@@ -323,6 +365,7 @@ class RoundLoop:
                           arrays={k: v for k, v in arrays.items() if k != MODEL})
                    for m, arrays in audit.good]
         updates, too_large = self.validator.bound_updates(updates, self.state.model)
+        self.note_processes(u.metrics for u in updates)
         self.check_kept_state(updates)
         row: dict = {"clients-trained": len(updates), "failures": collected.failed,
                      "timeouts": collected.timed_out,
@@ -410,6 +453,7 @@ class RoundLoop:
                                             lambda cid: self.message(cid, Payload(),
                                                                      server_round))
         rows = [m for m, _ in audit.good]
+        self.note_processes(rows)
         rejected = collected.rejected + audit.rejected
         metrics: dict = {"eval-failures": collected.failed + rejected,
                          "eval-rejected": rejected, "evaluated": len(rows),

@@ -50,12 +50,21 @@ ENGINES = {
 #: ``tokens`` (uint8 N x L indices into a vocabulary of ``num_classes`` symbols, given to the
 #: model as int64) or ``features`` (float32 N x D vectors, given to the model as they are)
 IMAGE, TOKENS, FEATURES = "image", "tokens", "features"
+#: the tokenizer of the character-level text models (LEAF's task)
+CHARACTERS = "characters"
+#: a target left out of the loss and the scores (PyTorch's ``ignore_index``, which
+#: ``F.cross_entropy`` skips): an instruction's prompt and padding
+#: (:mod:`pflalign.data.instructions`)
+IGNORE_INDEX = -100
 #: every built-in dataset the ``dataset`` key names, and the kind of its samples (known before
 #: anything is read): the one table of them (:func:`pflalign.data.datasets.load_dataset` loads
 #: each; a user's own, ``npz:PATH``, is :mod:`pflalign.data.sources`')
 DATASETS = {"fashion-mnist": IMAGE, "mnist": IMAGE, "cifar10": IMAGE, "cifar100": IMAGE,
-            "shakespeare": TOKENS}
-PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated", "natural")
+            "shakespeare": TOKENS, "synthetic": FEATURES}
+#: the partitions the ``partition`` key names; ``flwr:<Partitioner>`` stands for any of
+#: flwr-datasets' partitioners by its class name (:mod:`pflalign.data.flwr_partitioners`)
+PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated", "natural",
+              "flwr:<Partitioner>")
 AGGREGATIONS = ("mean", "trimmed-mean", "median")
 ATTACKS = ("none", "signflip", "scale", "noise", "labelflip", "inflate-count", "fake-eval",
            "perfect-eval", "hang")
@@ -102,20 +111,46 @@ class RunConfig(Params):
         'fashion-mnist',
         'Dataset: fashion-mnist (embedded default, read from '
         '/usr/share/datasets/fashion-mnist or data-root), mnist, cifar10, cifar100 '
-        '(torchvision files under data-root), or shakespeare (next-character prediction, one '
+        '(torchvision files under data-root), shakespeare (next-character prediction, one '
         'client per role of a play, as LEAF; with model = char-lstm, or hf:<model> for its '
         'tokens; the texts are fetched '
-        "by scripts/fetch-shakespeare.sh); or your own (docs/data.md): npz:PATH (x: uint8 "
-        "images or float feature vectors, y: integer labels, optionally client: each sample's "
-        "client for partition = natural), imagefolder:DIR (DIR/<class>/<image>, or "
-        "DIR/<client>/<class>/<image> for natural clients), or text:DIR (one UTF-8 .txt file "
-        "per client, tokenized as for shakespeare).",
+        "by scripts/fetch-shakespeare.sh), or synthetic (Synthetic(alpha, beta) of FedProx: "
+        "feature vectors generated per client from the seed, any number of clients, with "
+        "partition = natural; see the synthetic-* keys); or your own (docs/data.md): "
+        "npz:PATH (x: uint8 images or float feature vectors, y: integer labels, optionally "
+        "client: each sample's client for partition = natural), imagefolder:DIR "
+        "(DIR/<class>/<image>, or "
+        "DIR/<client>/<class>/<image> for natural clients), text:DIR (one UTF-8 .txt file "
+        "per client, tokenized as for shakespeare), jsonl:PATH_OR_DIR (instructions for "
+        "model = hf:...: a JSON record a line with instruction, optional context, and response; "
+        "a client or category field, or one file per client, for partition = natural; scored "
+        "on the response tokens), or hf:NAME_OR_PATH (a Hugging Face dataset: "
+        "a folder written by save_to_disk, or a name on the hub when online; its columns by "
+        'input-column, label-column and client-column; pip install "pflalign[hf]").',
         group='data', scope='data')
     image_size: int = param(
         0,
-        'dataset = imagefolder:DIR: resize every image to N x N pixels (bilinear); 0 keeps '
-        'their size, which must then be one.',
+        'dataset = imagefolder:DIR or hf:... (its images): resize every image to N x N pixels '
+        '(bilinear); 0 keeps their size, which must then be one.',
         minimum=0, group='data', scope='data')
+    input_column: str = param(
+        '',
+        'dataset = hf:...: the column of the inputs: an Image column, uint8 arrays (H x W, '
+        'C x H x W or H x W x C), one column of number lists (feature vectors), or '
+        'comma-separated numeric columns (one feature each). Empty: the Image column, else a '
+        "column named 'image' or 'img', else every numeric column but the label and client "
+        'columns.',
+        group='data', scope='data')
+    label_column: str = param(
+        '',
+        'dataset = hf:...: the column of the labels, integers 0..K-1 (a ClassLabel or an '
+        "integer column). Empty: 'label', 'labels', or the one ClassLabel column.",
+        group='data', scope='data')
+    client_column: str = param(
+        '',
+        "dataset = hf:...: the column of each sample's client (integers or strings), for "
+        "partition = natural. Empty: 'client' or 'client_id' where there is one, else none.",
+        group='data', scope='data')
     data_root: str = param(
         '',
         "Directory holding the dataset files; empty means the Debian package's directory for "
@@ -130,7 +165,8 @@ class RunConfig(Params):
         80,
         'Text datasets: the tokens of context in a sample. With char-lstm a sample is that '
         'many characters and the next one (LEAF: 80); with a language model (model=hf:...) '
-        'it is a window of that many of the model\'s tokens, each predicting the next.',
+        'it is a window of that many of the model\'s tokens, each predicting the next; with '
+        'dataset = jsonl:..., one record\'s tokens (its prompt and response, cut or padded).',
         minimum=2, group='data', scope='data')
     tokenizer: str = param(
         '',
@@ -150,9 +186,18 @@ class RunConfig(Params):
         '(domain shift: client groups with rotated images, dirichlet labels within; see '
         'rotation-angles), natural (the dataset\'s own clients: shakespeare\'s roles, a '
         'seeded subset of num-clients of those with min-samples-per-client samples, each '
-        'split into train and test in time order). shakespeare takes natural, iid or '
-        'quantity.',
+        'split into train and test in time order), or flwr:<Partitioner>: one of '
+        "flwr-datasets' partitioners by its class name (flwr:DirichletPartitioner, "
+        'flwr:ShardPartitioner, ...) with partition-args, on the labels (pip install '
+        '"pflalign[flwr-partitioners]"). shakespeare takes natural, iid or quantity.',
         choices=PARTITIONS, group='data', scope='data')
+    partition_args: str = param(
+        '',
+        'partition = flwr:<Partitioner>: its own arguments, comma-separated name=value pairs, '
+        "each value a TOML literal or a bare word: 'alpha=0.5,min_partition_size=5'. pflalign "
+        'gives num_partitions (num-clients + num-unseen-clients), partition_by (the labels) '
+        'and seed (the run\'s) itself.',
+        group='data', scope='data')
     num_clients: int = param(
         20,
         'Number of training clients (Flower SuperNodes).',
@@ -186,6 +231,39 @@ class RunConfig(Params):
         'Exponent s of partition=quantity: the k-th largest client holds a share proportional '
         'to k^-s.',
         minimum=0.0, exclusive_minimum=True, group='data', scope='data')
+    synthetic_alpha: float = param(
+        1.0,
+        'dataset = synthetic: how much the clients\' labelling models differ (the standard '
+        'deviation alpha of Synthetic(alpha, beta), Li et al. 2020).',
+        minimum=0.0, group='data', scope='data')
+    synthetic_beta: float = param(
+        1.0,
+        'dataset = synthetic: how much the clients\' inputs differ (the standard deviation '
+        'beta of Synthetic(alpha, beta)).',
+        minimum=0.0, group='data', scope='data')
+    synthetic_iid: bool = param(
+        False,
+        'dataset = synthetic: Synthetic-IID, one labelling model and one input distribution '
+        'for every client (synthetic-alpha and synthetic-beta unused).',
+        group='data', scope='data')
+    synthetic_features: int = param(
+        60,
+        'dataset = synthetic: the length of a sample\'s feature vector (FedProx: 60).',
+        minimum=1, group='data', scope='data')
+    synthetic_classes: int = param(
+        10,
+        'dataset = synthetic: the number of classes (FedProx: 10).',
+        minimum=2, group='data', scope='data')
+    synthetic_size_power: float = param(
+        1.0,
+        'dataset = synthetic: the tail index s of the clients\' power-law sizes, '
+        'n = floor(m (1 - U)^(-1/s)) with m = min-samples-per-client and U uniform; smaller '
+        'is more unequal.',
+        minimum=0.0, exclusive_minimum=True, group='data', scope='data')
+    synthetic_max_samples: int = param(
+        1000,
+        'dataset = synthetic: the most samples a client holds (the power law\'s cap).',
+        minimum=2, group='data', scope='data')
     min_samples_per_client: int = param(
         10,
         'Smallest number of samples any client may hold; the partitioner retries a bounded '

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pflalign.data.datasets import Normalizer
+from pflalign.data.datasets import IGNORE_INDEX, Normalizer
 
 T = TypeVar("T")
 
@@ -201,7 +201,9 @@ def head_inputs(model: nn.Module, head: nn.Module, batches: Iterable[torch.Tenso
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Normalizer,
              batch_size: int = 256) -> EvalStats:
     """Accuracy counts and summed cross-entropy of ``model`` on (x, y), in eval mode (per
-    target: a sample's label, or each token of a language model's window)."""
+    target: a sample's label, or each token of a language model's window; a target that is
+    :data:`~pflalign.data.datasets.IGNORE_INDEX`, an instruction's prompt or padding, is
+    neither scored nor counted)."""
     model.eval()
     correct = 0
     loss_sum = 0.0
@@ -210,4 +212,5 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Norm
         targets = y[start:start + batch_size]
         correct += int((logits.argmax(dim=1) == targets).sum())
         loss_sum += float(F.cross_entropy(logits, targets, reduction="sum"))
-    return EvalStats(correct=correct, loss_sum=loss_sum, count=y.numel())
+    count = y.numel() if y.dim() == 1 else int((y != IGNORE_INDEX).sum())
+    return EvalStats(correct=correct, loss_sum=loss_sum, count=count)

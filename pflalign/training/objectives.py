@@ -18,7 +18,9 @@ Its :meth:`Objective.loss` computes one batch's value from
   previous batch left them (:meth:`Objective.initial_state` at first);
 - the batch ``x``, ``y`` and ``mask``: None when one client runs alone; under the vectorised
   executor a client's batch is padded to the cohort's longest, and ``mask`` (1 for a sample, 0
-  for padding) must weight every mean over the batch (:func:`batch_mean`).
+  for padding) must weight every mean over the batch (:func:`batch_mean`). For data whose
+  targets are masked (instructions: only the response tokens are scored), ``mask`` has the
+  targets' shape instead, 1 for a scored target, and :func:`cross_entropy` takes it so.
 
 It returns a :class:`Step`. Both executors run every objective (one client at a time, and a
 cohort together under ``torch.func.vmap``), and the losses stay on the device through the run.
@@ -63,10 +65,14 @@ def batch_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
                   mask: torch.Tensor | None) -> torch.Tensor:
     """The batch's mean cross-entropy (a language model's window: its tokens' mean per sample),
-    padding left out by ``mask``."""
+    padding left out by ``mask``. A ``mask`` of the targets' shape (masked targets: an
+    instruction's response tokens) weights each target: the mean over the scored tokens of the
+    batch, as ``F.cross_entropy`` gives it without a mask, skipping the ignored targets."""
     if mask is None:
         return F.cross_entropy(logits, targets)
     losses = F.cross_entropy(logits, targets, reduction="none")
+    if mask.dim() > 1:
+        return (losses * mask).sum() / mask.sum().clamp_min(1)
     if losses.dim() > 1:
         losses = losses.flatten(1).mean(dim=1)
     return batch_mean(losses, mask)

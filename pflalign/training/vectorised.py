@@ -33,6 +33,7 @@ from typing import TypeVar
 import torch
 from torch.func import grad_and_value, vmap
 
+from pflalign.data.datasets import IGNORE_INDEX
 from pflalign.models.registry import is_deterministic_in_training
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Correction, PerClient
@@ -120,7 +121,9 @@ def padded(clients: Sequence[ClientRuntime], batch: Sequence[torch.Tensor | None
            active: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The active clients' batches (positions in their train splits) as one padded tensor:
     normalised inputs ``(clients, longest, ...)``, labels (``(clients, longest, ...)``: a
-    language model's are windows) and a float mask of the real samples."""
+    language model's are windows) and a float mask of the real samples; for data with masked
+    targets (instructions), a mask of the labels' shape, 1 for each scored target of a real
+    sample (the padding's labels are ignored ones)."""
     size = max(len(batch[i]) for i in active)
     first = clients[active[0]].data
     device = first.train_x.device
@@ -129,11 +132,15 @@ def padded(clients: Sequence[ClientRuntime], batch: Sequence[torch.Tensor | None
     y = torch.zeros((len(active), size, *first.train_y.shape[1:]), dtype=first.train_y.dtype,
                     device=device)
     mask = torch.zeros((len(active), size), dtype=torch.float32, device=device)
+    if first.masked_targets:
+        y.fill_(IGNORE_INDEX)
     for k, i in enumerate(active):
         data, idx = clients[i].data, batch[i]
         x[k, :len(idx)] = data.train_x[idx]
         y[k, :len(idx)] = data.train_y[idx]
         mask[k, :len(idx)] = 1.0
+    if first.masked_targets:
+        mask = (y != IGNORE_INDEX).float()
     return first.normalize(x.flatten(0, 1)).unflatten(0, (len(active), size)), y, mask
 
 

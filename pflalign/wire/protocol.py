@@ -42,6 +42,12 @@ NUM_EXAMPLES = "num-examples"  #: training samples: the aggregation weight
 NUM_TRAIN, NUM_TEST, UNSEEN = "num-train", "num-test", "unseen"  #: discovery
 TRAIN_LOSS, LOCAL_STEPS = "train-loss", "local-steps"
 CLIENT_SECONDS = "client-seconds"
+#: a training or evaluation reply: the process that computed it (an integer id of its host, the
+#: CRC-32 of the host name; its pid) and that process's peak resident memory so far, in MiB. A
+#: diagnostic: the round loop keeps each process's largest for results.json's ``processes``,
+#: and no row averages it; the audit does not compare it (its recomputation runs elsewhere)
+PROCESS_HOST, PROCESS_ID, PROCESS_PEAK_RSS_MB = "process-host", "process-id", "process-peak-rss-mb"
+PROCESS_METRICS = (PROCESS_HOST, PROCESS_ID, PROCESS_PEAK_RSS_MB)
 HAD_STATE = "had-state"  #: a training reply: 1 if the client had saved state for the method entry
 KEPT_STATE = "kept-state"  #: a training reply: 1 if the client saved state for the next round
 PERSONAL_CORRECT, PERSONAL_LOSS = "personal-correct", "personal-loss"
@@ -93,13 +99,20 @@ COUNT = Metric(integer=True, count=True)
 ID = Metric(integer=True, high=math.inf)
 SAMPLES = Metric(1, math.inf, integer=True)
 
+#: the optional process metrics of a training or an evaluation reply: a host id and a pid are
+#: 32-bit integers; a peak of at most 1e8 MiB (about 100 TiB, more than any machine holds)
+PROCESS: Mapping[str, Metric] = {
+    PROCESS_HOST: Metric(high=2**32 - 1, integer=True, required=False),
+    PROCESS_ID: Metric(high=2**32 - 1, integer=True, required=False),
+    PROCESS_PEAK_RSS_MB: Metric(high=1e8, required=False)}
+
 #: the metrics of every training reply
 TRAIN_METRICS: Mapping[str, Metric] = {
     PARTITION_ID: ID, NUM_EXAMPLES: SAMPLES, TRAIN_LOSS: LOSS,
     LOCAL_STEPS: Metric(integer=True, high=1e9), CLIENT_SECONDS: Metric(high=1e7),
-    HAD_STATE: FLAG, KEPT_STATE: FLAG}
+    HAD_STATE: FLAG, KEPT_STATE: FLAG, **PROCESS}
 #: the metrics of every evaluation reply
 EVAL_METRICS: Mapping[str, Metric] = {
-    PARTITION_ID: ID, NUM_TEST: SAMPLES, PERSONAL_CORRECT: COUNT, PERSONAL_LOSS: LOSS}
+    PARTITION_ID: ID, NUM_TEST: SAMPLES, PERSONAL_CORRECT: COUNT, PERSONAL_LOSS: LOSS, **PROCESS}
 #: ... and those of a method with a global model
 GLOBAL_EVAL_METRICS: Mapping[str, Metric] = {GLOBAL_CORRECT: COUNT, GLOBAL_LOSS: LOSS}
