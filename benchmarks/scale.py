@@ -48,7 +48,9 @@ per Flower client, 1 for the in-process engines, 1/N for each of N batched worke
         --methods pflalign --rounds 5 --engines batched,batched:2
 
 ``--dataset synthetic`` runs Synthetic(1, 1) (generated per client, so a round's cost should not
-grow with the federation) with ``model = mlp`` and 100 clients a round at any number of clients.
+grow with the federation) with ``model = mlp`` and 100 clients a round at any number of clients,
+each for 5 local steps; the lines after the table give each engine's seconds a round (round 1
+left out: it warms up) and peak memory against its smallest size.
 
 The table is printed and written, with every cell's numbers, to ``--out``
 (``results/benchmark-scale/scale.json`` and ``scale.md``).
@@ -68,8 +70,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FRACTION = {20: 0.4, 100: 0.2, 1000: 0.05, 10000: 0.01}
-#: --dataset synthetic: clients trained a round, whatever the federation's size
-SYNTHETIC_PER_ROUND = 100
+#: --dataset synthetic: clients trained a round, whatever the federation's size, each for the
+#: same number of local steps (the clients' power-law sizes would otherwise make a round's work
+#: depend on which clients it samples)
+SYNTHETIC_PER_ROUND, SYNTHETIC_STEPS = 100, 5
 #: spilled client state lives in folders named so (pflalign/engines/store.py)
 SPILL_PREFIX = ".client-state-"
 #: a child process reports its torch GPU peak here (in-process engines)
@@ -199,7 +203,8 @@ def run_cell(engine: str, clients: int, method: str, args: argparse.Namespace,
     cell.mkdir(parents=True, exist_ok=True)
     cpus = os.cpu_count() or 1
     data = ({"dataset": "synthetic", "partition": "natural", "model": "mlp",
-             "fraction-train": min(1.0, SYNTHETIC_PER_ROUND / clients)}
+             "fraction-train": min(1.0, SYNTHETIC_PER_ROUND / clients),
+             "local-steps": SYNTHETIC_STEPS}
             if args.dataset == "synthetic" else
             {"fraction-train": FRACTION[clients], "partition": "dirichlet",
              "dirichlet-alpha": 0.1})
@@ -238,6 +243,8 @@ def run_cell(engine: str, clients: int, method: str, args: argparse.Namespace,
             "threads": int(settings["client-resources-num-cpus"]),
             "trained": trained, "clients-per-s": trained / train_seconds,
             "s-per-round": train_seconds / len(rows),
+            "s-per-round-after-first": (sum(r["train-seconds"] for r in rows[1:])
+                                        / max(len(rows) - 1, 1)),
             "eval-s": sum(r.get("eval-seconds", 0.0) for r in rows),
             "final-eval-s": rows[-1].get("eval-seconds"),
             "evaluated": [r.get("evaluated") for r in rows if "evaluated" in r],
@@ -312,6 +319,23 @@ def ratios(cells: list[dict]) -> list[str]:
     return out
 
 
+def growth(cells: list[dict]) -> list[str]:
+    """Per engine and method: seconds a training round (round 1, which warms up, left out) and
+    the peak memory at each size, against the smallest size's."""
+    out = []
+    keys = sorted({(c["engine"], c["method"]) for c in cells if "error" not in c})
+    for engine, method in keys:
+        mine = sorted((c for c in cells if "error" not in c and c["engine"] == engine
+                       and c["method"] == method), key=lambda c: c["clients"])
+        base = mine[0]
+        for c in mine:
+            out.append(f"{engine:<10} {method:<9} {c['clients']:>7} clients: "
+                       f"{c['s-per-round-after-first']:.3f} s a round after the first "
+                       f"({c['s-per-round-after-first'] / base['s-per-round-after-first']:.2f}x "
+                       f"{base['clients']}), peak RSS {c['peak-rss-gb']:.2f} GB")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -356,7 +380,8 @@ def main() -> None:
                       f"clients/s, peak RSS {cell['peak-rss-gb']:.2f} GB", flush=True)
                 (out / "scale.json").write_text(json.dumps(
                     {"argv": sys.argv[1:], "cpus": os.cpu_count(), "cells": cells}, indent=1))
-    text = table(cells) + "\n\n" + "\n".join(ratios(cells))
+    text = (table(cells) + "\n\n" + "\n".join(ratios(cells)) + "\n\n"
+            + "\n".join(growth(cells)))
     print("\n" + text)
     (out / "scale.md").write_text("```\n" + text + "\n```\n")
     print(f"\nWritten to {out / 'scale.json'} and {out / 'scale.md'}")

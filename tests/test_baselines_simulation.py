@@ -24,9 +24,9 @@ INVARIANTS = ["fedprox(fedprox-mu=0.0)", "apfl(apfl-alpha=0.0,apfl-adaptive=fals
 #: state, the GGA warm start (a query round), other local optimizers, local batch norm
 EXTRAS = ["pflalign(pflalign-state=server)", "fedavg(gga=true)", "fedavg(local-optimizer=adam)",
           "fedprox(local-optimizer=genie)", "pflalign(model=cnn-bn,pflalign-bn=local)"]
-COMMON = ["--set", "num-clients=4", "--set", "num-unseen-clients=1", "--set", "max-samples=2000",
+COMMON = ["--set", "num-clients=4", "--set", "num-unseen-clients=1", "--set", "max-samples=1000",
           "--set", "rounds=2", "--set", "eval-every=1", "--set", "fraction-train=0.5",
-          "--set", "seed=4", "--set", "local-steps=10", "--set", "gga-start=2",
+          "--set", "seed=4", "--set", "local-steps=4", "--set", "gga-start=2",
           "--set", "gga-end=2", "--quiet"]
 ENTRIES = [*METHODS, *INVARIANTS, *EXTRAS]
 
