@@ -40,6 +40,8 @@ from pflalign.models.language import SMOLLM2, is_language_model, source_of
 from pflalign.models.registry import MODELS
 from pflalign.models.user import is_user_model
 from pflalign.outputs.tracking import parse_tracking
+from pflalign.server.clock import LOGNORMAL, check_profiles_key, read_trace
+from pflalign.server.clock import NONE as NONE_PROFILES
 from pflalign.settings.options import ConfigError, Option, Value
 from pflalign.settings.schema import (
     FEATURES,
@@ -216,6 +218,7 @@ def build_settings(values: Mapping[str, object] | None = None,
     for key, value in (values or {}).items():
         merged[key] = coerce(key, value, source)
     _resolve_dataset(merged)
+    _check_systems(merged)
     if is_user_model(str(merged["model"])):
         merged["model"] = user.resolved(str(merged["model"]))
     _check_model_name(str(merged["model"]), "model")
@@ -355,6 +358,24 @@ def _check_model_fits_data(values: Mapping[str, Value], label: str) -> None:
                           f"tokenizer = {values['tokenizer']!r}; a model reads only its own "
                           f"tokens: set tokenizer = {_model_tokenizer(model)!r} (or leave it "
                           "empty), and give every method entry the same model.")
+
+
+def _check_systems(values: dict[str, Value]) -> None:
+    """device-profiles names none, lognormal or a readable trace (made absolute, and read now,
+    so that a bad one stops the run before any data is read); round-deadline and
+    over-selection need profiles."""
+    kind = str(values["device-profiles"])
+    check_profiles_key(kind)
+    if kind not in (NONE_PROFILES, LOGNORMAL):
+        path = Path(kind).expanduser().resolve()
+        values["device-profiles"] = str(path)
+        read_trace(path, int(values["num-clients"]) + int(values["num-unseen-clients"]))
+    if kind == NONE_PROFILES:
+        for key, idle in (("round-deadline", 0.0), ("over-selection", 1.0)):
+            if values[key] != idle:
+                raise ConfigError(f"{key} = {values[key]:g} times the clients on the simulated "
+                                  "clock, which needs device profiles: set device-profiles = "
+                                  "lognormal or a trace file.")
 
 
 def _check_cross_keys(values: Mapping[str, Value]) -> None:

@@ -25,6 +25,7 @@ own rounds (the checkpoint does not keep them).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
@@ -34,6 +35,7 @@ from typing import Protocol
 import numpy as np
 
 from pflalign.engines.base import Engine
+from pflalign.engines.sequential import records_bytes, sent_bytes
 from pflalign.methods.base import Method
 from pflalign.models.language import is_language_model
 from pflalign.outputs.results import Reporter
@@ -42,6 +44,7 @@ from pflalign.process.memory import host_id, peak_rss_mb
 from pflalign.run.audit import Audit
 from pflalign.run.checkpoint import Checkpoint, Snapshot, capture_rng, nonempty, restore_rng
 from pflalign.server.aggregation import mean_cosine
+from pflalign.server.clock import close_round, profiles_of
 from pflalign.server.metrics import accuracy_summary
 from pflalign.server.runtime import ServerRuntime
 from pflalign.server.validation import (
@@ -53,6 +56,7 @@ from pflalign.server.validation import (
     state_problem,
 )
 from pflalign.settings.options import ConfigError
+from pflalign.training.loops import num_local_steps
 from pflalign.wire.messages import Exchange, Outgoing, Payload, Update
 from pflalign.wire.protocol import (
     ARRAY_HEADER,
@@ -133,6 +137,11 @@ class RoundLoop:
         #: the evaluation and training audits (given this loop's exchange each round, not kept)
         self.audit = Audit(server, method, self.validator,
                            lambda text: reporter.warn(f"[{label}] {text}"))
+        #: each client's device profile (None: device-profiles = none, no simulated clock),
+        #: and the clock: the simulated seconds of the training rounds so far
+        run = server.settings.run
+        self.profiles = profiles_of(run, run.num_clients + run.num_unseen_clients)
+        self.sim_time = 0.0
         #: per client process (host id, pid) that sent an accepted reply in this run: the
         #: largest peak memory it reported (MiB) and how many such replies it sent
         self.client_processes: dict[tuple[int, int], tuple[float, int]] = {}
@@ -167,6 +176,7 @@ class RoundLoop:
         snapshot = checkpoint.read() if checkpoint is not None else None
         if snapshot is not None:
             last_eval = self.restore(snapshot)
+            self.sim_time = float(self.rounds[-1].get("sim-time", 0.0)) if self.rounds else 0.0
             first = snapshot.round + 1
             self.reporter.info(f"[{self.label}] resumed from round {snapshot.round} (checkpoint "
                                f"{checkpoint.path})")
@@ -348,13 +358,19 @@ class RoundLoop:
     def train_round(self, server_round: int) -> tuple[dict, int, int]:
         """One training round: the round's metrics, and the bytes sent down and up."""
         server, method = self.server, self.method
+        over = server.settings.run.over_selection if self.profiles is not None else 1.0
+        wanted = len(server.sample(server_round))
+        sampled = server.sample(server_round, over) if over > 1 else server.sample(server_round)
         messages = [self.message(cid, method.train_payload(server, self.state, cid, server_round),
                                  server_round)
-                    for cid in server.largest_first(server.sample(server_round))]
+                    for cid in server.largest_first(sampled)]
         states, audit = self.audit.training_states(
             server_round, [m.client for m in messages], self.pending_restore, self.exchange,
             lambda cid: self.message(cid, Payload(), server_round))
         exchange = self.exchange(TRAIN, messages)
+        clock: dict = {}
+        if self.profiles is not None:
+            exchange, clock = self.close_round(server_round, messages, exchange, wanted)
         reply_arrays = {MODEL: server.flat, **method.reply_arrays(server)} \
             if method.uploads_model else {}
         collected = self.validator.collect(exchange.replies, reply_arrays,
@@ -370,7 +386,8 @@ class RoundLoop:
         row: dict = {"clients-trained": len(updates), "failures": collected.failed,
                      "timeouts": collected.timed_out,
                      "rejected": collected.rejected + audit.rejected + too_large,
-                     "train-audited": audit.audited, "train-audit-rejected": audit.rejected}
+                     "train-audited": audit.audited, "train-audit-rejected": audit.rejected,
+                     **clock}
         if self.validator.largest_ratio is not None:  # how close the kept updates came
             row["norm-ratio-max"] = float(self.validator.largest_ratio)
         traffic = exchange.bytes_down, exchange.bytes_up
@@ -413,6 +430,46 @@ class RoundLoop:
             row[f"{TRAIN_LOSS}-median"] = float(np.median([u.metrics[TRAIN_LOSS]
                                                            for u in updates]))
         return row, *traffic
+
+    def close_round(self, server_round: int, messages: Sequence[Outgoing], exchange: Exchange,
+                    wanted: int) -> tuple[Exchange, dict]:
+        """The replies a synchronous round uses, by their simulated arrival
+        (:mod:`pflalign.server.clock`): each client's download of its message, its training
+        samples at its compute speed and its upload of its reply; a failed or silent client
+        never arrives. Returns the exchange with the used replies only, and the row's clock
+        entries (``sim-seconds``, ``sim-time``, and how many were ``late`` or ``unneeded``)."""
+        training = self.server.settings.training
+        sent = {m.client: sent_bytes(m.payload.arrays) for m in messages}
+        arrivals: list[float | None] = []
+        for reply in exchange.replies:
+            info = self.server.clients.get(reply.sender) if reply.sender is not None else None
+            if reply.error is not None or reply.timed_out or info is None \
+                    or reply.sender not in sent:
+                arrivals.append(None)
+                continue
+            steps = num_local_steps(info.num_train, training.batch_size, training.local_epochs,
+                                    training.local_steps)
+            full = math.ceil(info.num_train / training.batch_size) * training.local_epochs
+            samples = info.num_train * training.local_epochs if steps == full \
+                else steps * training.batch_size
+            arrivals.append(self.profiles.seconds(
+                reply.sender, sent[reply.sender], samples,
+                records_bytes(reply.arrays.values())))
+        closed = close_round(arrivals, wanted, self.server.settings.run.round_deadline)
+        kept = set(closed.used)
+        replies = [r for i, r in enumerate(exchange.replies)
+                   if arrivals[i] is None or i in kept]  # failures stay, to be counted
+        self.sim_time += closed.seconds
+        clock = {"sim-seconds": closed.seconds, "sim-time": self.sim_time}
+        if self.server.settings.run.round_deadline > 0:
+            clock["late"] = closed.late
+        if self.server.settings.run.over_selection > 1:
+            clock["unneeded"] = closed.unneeded
+        if closed.late:
+            self.warn(f"round {server_round}: {closed.late} client(s) would "
+                      f"reply after round-deadline = {self.server.settings.run.round_deadline:g} "
+                      "simulated s; their updates are not used.")
+        return Exchange(replies, exchange.bytes_down, exchange.bytes_up), clock
 
     def check_kept_state(self, updates: Sequence[Update]) -> None:
         """Warn when a client that saved method state in an earlier round comes back without it

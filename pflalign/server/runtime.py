@@ -42,7 +42,7 @@ class ServerRuntime:
         #: the trainable entries (control variates, mixing)
         self.trainable_spec = FlatSpec.of({k: initial_model[k] for k in trainable})
         self.keep_personal(())
-        self._samples: dict[int, list[int]] = {}
+        self._samples: dict[int | tuple[int, float], list[int]] = {}
         self._notices: list[str] = []
         self._weak_sizes: set[int] = set()
 
@@ -127,13 +127,16 @@ class ServerRuntime:
     def training_clients(self) -> list[int]:
         return [cid for cid, info in self.clients.items() if not info.unseen]
 
-    def sample(self, server_round: int) -> list[int]:
+    def sample(self, server_round: int, over: float = 1.0) -> list[int]:
         """This round's training clients: reproducible from (seed, round), the same for every
-        method."""
-        if server_round not in self._samples:
-            self._samples[server_round] = sample_clients(
-                self.training_clients(), self.fraction_train, self.seed, server_round)
-        return self._samples[server_round]
+        method; ``over`` > 1 samples that factor more (``over-selection``: a draw of
+        ``min(1, fraction-train * over)`` of the clients)."""
+        key = server_round if over == 1.0 else (server_round, over)
+        if key not in self._samples:
+            self._samples[key] = sample_clients(
+                self.training_clients(), min(1.0, self.fraction_train * over), self.seed,
+                server_round)
+        return self._samples[key]
 
     def eval_sample(self, clients: Iterable[int], server_round: int) -> list[int]:
         """The clients of ``clients`` evaluated in ``server_round``: all of them in the last

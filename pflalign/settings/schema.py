@@ -414,6 +414,45 @@ class RunConfig(Params):
         'attack-scale times their num-test, all correct), perfect-eval (report every test '
         'sample correct, with the true num-test and a zero loss), hang (never reply).',
         choices=ATTACKS, group='robustness', scope='run')
+    device_profiles: str = param(
+        'none',
+        'Systems heterogeneity (docs/systems.md): none (every client trains and travels in no '
+        'time; no simulated clock), lognormal (each client\'s compute speed, upload and download '
+        'bandwidth drawn from the seed, log-normal around device-compute, device-upload and '
+        'device-download with log-spread device-spread), or a trace file PATH.csv or PATH.json '
+        '(client, compute in samples/s, upload and download in MB/s). With profiles, every '
+        'round row has its simulated seconds (sim-seconds) and the clock (sim-time).',
+        group='systems', scope='run')
+    device_compute: float = param(
+        100.0,
+        'device-profiles = lognormal: the median compute speed, samples trained a second.',
+        minimum=0.0, exclusive_minimum=True, group='systems', scope='run')
+    device_upload: float = param(
+        1.0,
+        'device-profiles = lognormal: the median upload bandwidth, MB a second.',
+        minimum=0.0, exclusive_minimum=True, group='systems', scope='run')
+    device_download: float = param(
+        5.0,
+        'device-profiles = lognormal: the median download bandwidth, MB a second.',
+        minimum=0.0, exclusive_minimum=True, group='systems', scope='run')
+    device_spread: float = param(
+        1.0,
+        'device-profiles = lognormal: the standard deviation of log(speed), for each of the '
+        'three (drawn independently); 1.0 puts the 95th percentile device 27 times above the '
+        '5th; 0 makes every device the median one.',
+        minimum=0.0, group='systems', scope='run')
+    round_deadline: float = param(
+        0.0,
+        'Simulated seconds a training round waits for replies (with device-profiles): a reply '
+        'that would arrive later is dropped (its client trained, and keeps what it trained, as '
+        'a real device does; the server does not use its update); 0 waits for every client.',
+        minimum=0.0, group='systems', scope='run')
+    over_selection: float = param(
+        1.0,
+        'With device-profiles: sample this factor more clients than fraction-train asks for and '
+        'use the first fraction-train replies to arrive (Bonawitz et al. 2019 over-select 1.3); '
+        '1 samples exactly fraction-train.',
+        minimum=1.0, group='systems', scope='run')
     attack_scale: float = param(
         10.0,
         'The factor of attack=scale, noise, inflate-count and fake-eval.',

@@ -1,0 +1,191 @@
+"""Systems heterogeneity: device profiles, the simulated clock, deadlines and over-selection."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import needs_fashion_mnist
+from harness import three_engines
+
+from pflalign.engines.sequential import records_bytes
+from pflalign.run.config import build_settings
+from pflalign.run.driver import initial_model, simulate
+from pflalign.server.clock import MB, DeviceProfiles, close_round, drawn_profiles, read_trace
+from pflalign.server.sampling import sample_clients
+from pflalign.settings.options import ConfigError
+from scripts.compare_results import compare
+
+#: 6 clients, 3 rounds of 3 (FedAvg and pFLAlign), on 1,200 Fashion-MNIST samples
+RUN = {"engine": "sequential", "num-clients": 6, "max-samples": 1200, "rounds": 3,
+       "eval-every": 3, "fraction-train": 0.5, "seed": 2, "methods": "fedavg,pflalign"}
+
+
+def test_lognormal_profiles_have_the_declared_median_and_spread_and_depend_on_the_seed_alone():
+    profiles = drawn_profiles(200_000, seed=1, compute=80.0, upload_mb=2.0, download_mb=10.0,
+                              spread=0.7)
+    for values, median in ((profiles.compute, 80.0), (profiles.upload, 2.0 * MB),
+                           (profiles.download, 10.0 * MB)):
+        assert abs(np.median(values) / median - 1) < 0.01
+        assert abs(np.log(values).std() - 0.7) < 0.01
+    # the three are drawn independently
+    assert abs(np.corrcoef(np.log(profiles.compute), np.log(profiles.upload))[0, 1]) < 0.01
+    again = drawn_profiles(200_000, seed=1, compute=80.0, upload_mb=2.0, download_mb=10.0,
+                           spread=0.7)
+    assert np.array_equal(again.compute, profiles.compute)
+    flat = drawn_profiles(10, seed=1, compute=80.0, upload_mb=2.0, download_mb=10.0, spread=0.0)
+    assert np.all(flat.compute == 80.0) and np.all(flat.upload == 2e6)
+
+
+def test_a_clients_time_is_download_compute_and_upload():
+    profiles = DeviceProfiles(compute=np.array([50.0, 10.0]), upload=np.array([1e6, 2e6]),
+                              download=np.array([4e6, 1e6]))
+    # 2 MB down at 4 MB/s, 100 samples at 50/s, 1 MB up at 1 MB/s
+    assert profiles.seconds(0, 2_000_000, 100, 1_000_000) == 0.5 + 2.0 + 1.0
+    assert profiles.seconds(1, 1_000_000, 30, 4_000_000) == 1.0 + 3.0 + 2.0
+
+
+def test_a_round_closes_on_the_replies_that_arrive_first_and_in_time():
+    arrivals = [5.0, None, 2.0, 9.0, 7.0]  # client 1 never replies
+    closed = close_round(arrivals, wanted=3, deadline=8.0)
+    assert (closed.used, closed.late, closed.unneeded, closed.seconds) == ([0, 2, 4], 1, 0, 7.0)
+    # a deadline that leaves the round short: it waited until the deadline
+    closed = close_round(arrivals, wanted=3, deadline=6.0)
+    assert (closed.used, closed.late, closed.unneeded, closed.seconds) == ([0, 2], 2, 0, 6.0)
+    # over-selection: the first 2 of 4 arrivals, the round over when the second arrives
+    closed = close_round(arrivals, wanted=2, deadline=0.0)
+    assert (closed.used, closed.late, closed.unneeded, closed.seconds) == ([0, 2], 0, 2, 5.0)
+    # no deadline, everyone wanted: the slowest sets the round's time
+    assert close_round(arrivals, wanted=5, deadline=0.0).seconds == 9.0
+    # ties go by reply order
+    assert close_round([3.0, 3.0, 3.0], wanted=2, deadline=0.0).used == [0, 1]
+
+
+def _trace(tmp_path, text: str, name: str = "trace.csv") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_the_example_trace_serves_twenty_clients():
+    from conftest import ROOT
+
+    profiles = read_trace(ROOT / "configs" / "device-trace-example.csv", 20)
+    assert profiles.compute[0] == 100.1 and profiles.upload[1] == 0.63 * MB
+
+
+def test_a_trace_file_gives_each_clients_profile(tmp_path):
+    rows = "\n".join(f"{c},{10 * (c + 1)},{c + 1},{2 * (c + 1)}" for c in range(4))
+    csv_path = _trace(tmp_path, "client,compute,upload,download\n" + rows + "\n")
+    profiles = read_trace(csv_path, 4)
+    assert profiles.compute.tolist() == [10.0, 20.0, 30.0, 40.0]
+    assert profiles.upload.tolist() == [1e6, 2e6, 3e6, 4e6]
+    assert profiles.download.tolist() == [2e6, 4e6, 6e6, 8e6]
+    entries = [{"client": c, "compute": 10 * (c + 1), "upload": c + 1, "download": 2 * (c + 1)}
+               for c in reversed(range(4))]
+    json_path = _trace(tmp_path, json.dumps(entries), "trace.json")
+    assert np.array_equal(read_trace(json_path, 4).download, profiles.download)
+    settings = build_settings({"device-profiles": json_path, "num-clients": 3,
+                               "num-unseen-clients": 1})
+    assert settings.run.device_profiles == json_path
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("client,compute,upload\n0,1,1\n", r"needs the header client,compute,upload,download "
+                                       r"\(missing: download\)"),
+    ("client,compute,upload,download\n0,1,1,1\n1,fast,1,1\n", "line 3: give client as a whole"),
+    ("client,compute,upload,download\n0,1,1,1\n1,0,1,1\n", "line 3: client 1's speeds must be "
+                                                           "positive"),
+    ("client,compute,upload,download\n0,1,1,1\n1,1,-2,1\n", "speeds must be positive"),
+    ("client,compute,upload,download\n0,1,1,1\n0,1,1,1\n", "client 0 appears twice"),
+    ("client,compute,upload,download\n0,1,1,1\n", r"has no row for 1 of the run's 2 clients "
+                                                  r"\(the first: 1\)"),
+    ("client,compute,upload,download\n0,1,1,1\n1,1,1,1\n2,1,1,1\n", "client 2 is outside"),
+])
+def test_a_bad_trace_is_one_sentence_before_any_data_is_read(tmp_path, text, message):
+    path = _trace(tmp_path, text)
+    with pytest.raises(ConfigError, match=message):
+        build_settings({"device-profiles": path, "num-clients": 2})
+
+
+def test_bad_systems_keys_are_one_sentence(tmp_path):
+    with pytest.raises(ConfigError, match="the trace file does not exist"):
+        build_settings({"device-profiles": str(tmp_path / "none.csv")})
+    with pytest.raises(ConfigError, match="a trace file ending in .csv or .json"):
+        build_settings({"device-profiles": "traces.txt"})
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        build_settings({"device-profiles": _trace(tmp_path, "[{", "t.json")})
+    for key, value in (("round-deadline", 10.0), ("over-selection", 1.3)):
+        with pytest.raises(ConfigError, match=f"{key} = .* needs device profiles"):
+            build_settings({key: value})
+    with pytest.raises(ConfigError, match="over-selection"):
+        build_settings({"device-profiles": "lognormal", "over-selection": 0.5})
+
+
+@needs_fashion_mnist
+def test_the_clock_is_each_rounds_slowest_client_from_its_profile_and_bytes(tmp_path):
+    """A trace of known speeds: every round's sim-seconds is, computed here by hand, the
+    largest of its sampled clients' download (the model's bytes), training (their samples) and
+    upload (the model's bytes) times; sim-time adds them up."""
+    speeds = [(c, 200.0 + 100 * c, 0.5 + c, 2.0 + c) for c in range(6)]
+    path = _trace(tmp_path, "client,compute,upload,download\n"
+                  + "".join(f"{c},{k},{u},{d}\n" for c, k, u, d in speeds))
+    values = {**RUN, "methods": "fedavg", "device-profiles": path,
+              "out-dir": str(tmp_path / "run")}
+    settings = build_settings(values)
+    results = simulate(settings)
+    model, _ = initial_model(settings)
+    model_bytes = records_bytes([model])
+    sizes = {c["id"]: c["num-train"] for c in results["partition"]["clients"]}
+    clock = 0.0
+    for row in results["methods"]["fedavg"]["rounds"]:
+        sampled = sample_clients(range(6), 0.5, 2, row["round"])
+        times = [model_bytes / (speeds[c][3] * MB) + sizes[c] / speeds[c][1]
+                 + model_bytes / (speeds[c][2] * MB) for c in sampled]
+        assert math.isclose(row["sim-seconds"], max(times), rel_tol=1e-12)
+        clock += max(times)
+        assert math.isclose(row["sim-time"], clock, rel_tol=1e-12)
+        assert row["clients-trained"] == 3 and "late" not in row
+
+
+@needs_fashion_mnist
+def test_equal_profiles_and_no_deadline_change_no_metric(tmp_path):
+    """With every device the median one and no deadline the clock only adds its entries: the
+    metrics are those of a run without profiles, bit for bit."""
+    plain = simulate(build_settings({**RUN, "out-dir": str(tmp_path / "plain")}))
+    timed = simulate(build_settings({**RUN, "device-profiles": "lognormal", "device-spread": 0.0,
+                                     "out-dir": str(tmp_path / "timed")}))
+    differences, compared = compare(plain, {**timed, "config": plain["config"]}, allow_new=True)
+    assert differences == [] and compared > 40
+    assert all(row["sim-seconds"] > 0 for row in timed["methods"]["pflalign"]["rounds"])
+
+
+@needs_fashion_mnist
+def test_a_deadline_drops_the_late_and_over_selection_keeps_the_first(tmp_path):
+    """A deadline below every round's slowest client: the late ones are counted and not used,
+    and each round lasts until its deadline; over-selection samples more and uses the first
+    fraction-train to arrive."""
+    base = {**RUN, "methods": "fedavg", "device-profiles": "lognormal", "device-spread": 1.0}
+    free = simulate(build_settings({**base, "out-dir": str(tmp_path / "free")}))
+    times = sorted(r["sim-seconds"] for r in free["methods"]["fedavg"]["rounds"])
+    deadline = times[0] * 0.9  # below every round's slowest client: someone is late each round
+    timed = simulate(build_settings({**base, "round-deadline": deadline,
+                                     "out-dir": str(tmp_path / "deadline")}))
+    rows = timed["methods"]["fedavg"]["rounds"]
+    assert all(r["late"] >= 1 and r["clients-trained"] == 3 - r["late"] for r in rows)
+    assert all(r["sim-seconds"] == deadline for r in rows)
+    over = simulate(build_settings({**base, "over-selection": 1.5,
+                                    "out-dir": str(tmp_path / "over")}))
+    rows = over["methods"]["fedavg"]["rounds"]
+    assert all(r["clients-trained"] == 3 and r["unneeded"] == 1 for r in rows)  # 4 sampled
+
+
+@needs_fashion_mnist
+def test_the_clock_and_metrics_are_the_same_on_every_engine(tmp_path):
+    results = three_engines({**RUN, "device-profiles": "lognormal", "device-spread": 1.0,
+                             "round-deadline": 6.0, "over-selection": 1.4}, tmp_path,
+                            compared_at_least=60)
+    rows = [r for entry in results["methods"].values() for r in entry["rounds"]]
+    assert sum(r["late"] for r in rows) > 0 and all("unneeded" in r for r in rows)
