@@ -13,7 +13,16 @@ from harness import three_engines
 from pflalign.engines.sequential import records_bytes
 from pflalign.run.config import build_settings
 from pflalign.run.driver import initial_model, simulate
-from pflalign.server.clock import MB, DeviceProfiles, close_round, drawn_profiles, read_trace
+from pflalign.server.clock import (
+    MB,
+    Availability,
+    DeviceProfiles,
+    availability_of,
+    close_round,
+    drawn_profiles,
+    read_trace,
+    sample_available,
+)
 from pflalign.server.sampling import sample_clients
 from pflalign.settings.options import ConfigError
 from scripts.compare_results import compare
@@ -185,7 +194,54 @@ def test_a_deadline_drops_the_late_and_over_selection_keeps_the_first(tmp_path):
 @needs_fashion_mnist
 def test_the_clock_and_metrics_are_the_same_on_every_engine(tmp_path):
     results = three_engines({**RUN, "device-profiles": "lognormal", "device-spread": 1.0,
-                             "round-deadline": 6.0, "over-selection": 1.4}, tmp_path,
+                             "round-deadline": 6.0, "over-selection": 1.4,
+                             "availability": "diurnal", "available-hours": 16.0}, tmp_path,
                             compared_at_least=60)
     rows = [r for entry in results["methods"].values() for r in entry["rounds"]]
     assert sum(r["late"] for r in rows) > 0 and all("unneeded" in r for r in rows)
+
+
+def test_a_diurnal_window_opens_at_each_clients_phase():
+    """Client c is reachable while (t / 3600 + phase_c) mod 24 < hours."""
+    days = Availability(phase=np.array([0.0, 20.0, 6.0]), hours=8.0)
+    assert days.available([0, 1, 2], 0.0) == [0, 2]  # hours 0, 20, 6
+    # at 1 h: hours 1, 21, 7 -> clients 0 and 2; at 5 h: 5, 1, 11 -> 0 and 1
+    assert days.available([0, 1, 2], 3600.0) == [0, 2]
+    assert days.available([0, 1, 2], 5 * 3600.0) == [0, 1]
+    # at 9 h: 9, 5, 15 -> only client 1; the next opening for {0, 2} is client 2's at 18 h
+    assert days.available([0, 1, 2], 9 * 3600.0) == [1]
+    assert days.next_opening([0, 2], 9 * 3600.0) == 18 * 3600.0
+    assert days.next_opening([1], 9 * 3600.0) == 9 * 3600.0
+
+
+def test_sampling_among_the_reachable_takes_what_there_is():
+    assert sample_available([7, 3, 9], 5, seed=1, server_round=2) == [3, 7, 9]
+    drawn = sample_available(list(range(100)), 10, seed=1, server_round=2)
+    assert drawn == sample_available(list(range(100)), 10, seed=1, server_round=2)
+    assert len(drawn) == 10 and drawn != sample_available(list(range(100)), 10, 1, 3)
+
+
+def test_availability_needs_profiles_and_a_day_of_hours():
+    with pytest.raises(ConfigError, match="availability = 'diurnal' .* needs device profiles"):
+        build_settings({"availability": "diurnal"})
+    with pytest.raises(ConfigError, match="available-hours"):
+        build_settings({"device-profiles": "lognormal", "availability": "diurnal",
+                        "available-hours": 30})
+
+
+@needs_fashion_mnist
+def test_each_round_samples_among_the_clients_reachable_when_it_starts(tmp_path):
+    """Each row's available count is, computed here from the drawn phases and the clock at the
+    round's start, the clients whose window is open; a round trains at most that many."""
+    values = {**RUN, "num-clients": 12, "methods": "fedavg", "device-profiles": "lognormal",
+              "availability": "diurnal", "available-hours": 6.0,
+              "out-dir": str(tmp_path / "run")}
+    settings = build_settings(values)
+    results = simulate(settings)
+    days = availability_of(settings.run, 12)
+    start = 0.0
+    for row in results["methods"]["fedavg"]["rounds"]:
+        start += row.get("waited", 0.0)
+        assert row["available"] == len(days.available(range(12), start)) > 0
+        assert row["clients-trained"] <= min(6, row["available"])
+        start = row["sim-time"]

@@ -44,7 +44,7 @@ from pflalign.process.memory import host_id, peak_rss_mb
 from pflalign.run.audit import Audit
 from pflalign.run.checkpoint import Checkpoint, Snapshot, capture_rng, nonempty, restore_rng
 from pflalign.server.aggregation import mean_cosine
-from pflalign.server.clock import close_round, profiles_of
+from pflalign.server.clock import availability_of, close_round, profiles_of, sample_available
 from pflalign.server.metrics import accuracy_summary
 from pflalign.server.runtime import ServerRuntime
 from pflalign.server.validation import (
@@ -141,6 +141,7 @@ class RoundLoop:
         #: and the clock: the simulated seconds of the training rounds so far
         run = server.settings.run
         self.profiles = profiles_of(run, run.num_clients + run.num_unseen_clients)
+        self.availability = availability_of(run, run.num_clients + run.num_unseen_clients)
         self.sim_time = 0.0
         #: per client process (host id, pid) that sent an accepted reply in this run: the
         #: largest peak memory it reported (MiB) and how many such replies it sent
@@ -360,7 +361,12 @@ class RoundLoop:
         server, method = self.server, self.method
         over = server.settings.run.over_selection if self.profiles is not None else 1.0
         wanted = len(server.sample(server_round))
-        sampled = server.sample(server_round, over) if over > 1 else server.sample(server_round)
+        clock: dict = {}
+        if self.availability is not None:
+            sampled, wanted, clock = self.available_sample(server_round, wanted, over)
+        else:
+            sampled = (server.sample(server_round, over) if over > 1
+                       else server.sample(server_round))
         messages = [self.message(cid, method.train_payload(server, self.state, cid, server_round),
                                  server_round)
                     for cid in server.largest_first(sampled)]
@@ -368,9 +374,9 @@ class RoundLoop:
             server_round, [m.client for m in messages], self.pending_restore, self.exchange,
             lambda cid: self.message(cid, Payload(), server_round))
         exchange = self.exchange(TRAIN, messages)
-        clock: dict = {}
         if self.profiles is not None:
-            exchange, clock = self.close_round(server_round, messages, exchange, wanted)
+            exchange, closed = self.close_round(server_round, messages, exchange, wanted)
+            clock.update(closed)
         reply_arrays = {MODEL: server.flat, **method.reply_arrays(server)} \
             if method.uploads_model else {}
         collected = self.validator.collect(exchange.replies, reply_arrays,
@@ -430,6 +436,30 @@ class RoundLoop:
             row[f"{TRAIN_LOSS}-median"] = float(np.median([u.metrics[TRAIN_LOSS]
                                                            for u in updates]))
         return row, *traffic
+
+    def available_sample(self, server_round: int, wanted: int, over: float,
+                         ) -> tuple[list[int], int, dict]:
+        """The round's clients among those reachable when it starts (:mod:`pflalign.server.clock`:
+        the clock waits for the next to become reachable when none is), how many of their
+        replies it wants, and the row's entries (``available``; ``waited``: simulated seconds
+        the clock moved on for one)."""
+        pool = self.server.training_clients()
+        reachable = self.availability.available(pool, self.sim_time)
+        entries: dict = {}
+        if not reachable:
+            opening = self.availability.next_opening(pool, self.sim_time)
+            entries["waited"] = opening - self.sim_time
+            self.sim_time = opening
+            reachable = self.availability.available(pool, self.sim_time)
+            self.warn(f"round {server_round}: no client is reachable; the clock waits "
+                      f"{entries['waited']:.0f} simulated s for the next.")
+        entries["available"] = len(reachable)
+        if len(reachable) < wanted:
+            self.warn(f"round {server_round}: {len(reachable)} of the {wanted} clients this round "
+                      "wants are reachable; it trains those.")
+        count = min(len(pool), max(1, round(wanted * over))) if over > 1 else wanted
+        sampled = sample_available(reachable, count, self.server.seed, server_round)
+        return sampled, min(wanted, len(sampled)), entries
 
     def close_round(self, server_round: int, messages: Sequence[Outgoing], exchange: Exchange,
                     wanted: int) -> tuple[Exchange, dict]:

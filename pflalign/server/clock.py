@@ -179,3 +179,50 @@ def close_round(arrivals: Sequence[float | None], wanted: int, deadline: float) 
         seconds = used[-1][0] if used else (deadline if deadline > 0 else 0.0)
     return RoundClose(used=sorted(i for _, i in used), late=late, unneeded=unneeded,
                       seconds=float(seconds))
+
+
+#: the random stream of the clients' diurnal phases, and of sampling among available clients
+PHASE_STREAM, AVAILABLE_STREAM = 21, 22
+ALWAYS, DIURNAL = "always", "diurnal"
+DAY = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class Availability:
+    """When each client can be reached: a diurnal window of ``hours`` a day, opening at a
+    per-client phase (client ``c`` is reachable at simulated time ``t`` when
+    ``(t / 3600 + phase[c]) mod 24 < hours``), as devices train only while idle and charging
+    (Bonawitz et al. 2019)."""
+
+    phase: np.ndarray
+    hours: float
+
+    def available(self, clients: Sequence[int], time: float) -> list[int]:
+        """The clients of ``clients`` reachable at ``time``."""
+        ids = np.asarray(clients, dtype=np.int64)
+        hour = np.mod(time / 3600.0 + self.phase[ids], 24.0)
+        return [int(c) for c in ids[hour < self.hours]]
+
+    def next_opening(self, clients: Sequence[int], time: float) -> float:
+        """The first time at or after ``time`` when one of ``clients`` is reachable."""
+        ids = np.asarray(clients, dtype=np.int64)
+        hour = np.mod(time / 3600.0 + self.phase[ids], 24.0)
+        wait = np.where(hour < self.hours, 0.0, (24.0 - hour) * 3600.0)
+        return float(time + wait.min())
+
+
+def availability_of(run: object, num_clients: int) -> Availability | None:
+    """The run's availability (None for ``availability = always``)."""
+    if run.availability == ALWAYS:  # type: ignore[attr-defined]
+        return None
+    phase = np.random.default_rng([run.seed, PHASE_STREAM]).uniform(  # type: ignore
+        0.0, 24.0, num_clients)
+    return Availability(phase=phase, hours=float(run.available_hours))  # type: ignore
+
+
+def sample_available(pool: Sequence[int], count: int, seed: int, server_round: int) -> list[int]:
+    """``min(count, |pool|)`` distinct clients of ``pool``, sorted, drawn by (seed, round)."""
+    ordered = sorted(pool)
+    take = min(count, len(ordered))
+    rng = np.random.default_rng([seed, server_round, AVAILABLE_STREAM])
+    return sorted(int(c) for c in rng.choice(ordered, size=take, replace=False))

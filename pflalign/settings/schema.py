@@ -441,6 +441,16 @@ class RunConfig(Params):
         'three (drawn independently); 1.0 puts the 95th percentile device 27 times above the '
         '5th; 0 makes every device the median one.',
         minimum=0.0, group='systems', scope='run')
+    availability: str = param(
+        'always',
+        'When clients can be reached (with device-profiles, on the simulated clock): always, or '
+        'diurnal (each client for available-hours a day, from a phase of its own drawn from '
+        'the seed; a round samples only among the clients reachable when it starts).',
+        choices=('always', 'diurnal'), group='systems', scope='run')
+    available_hours: float = param(
+        8.0,
+        'availability = diurnal: the hours a day each client can be reached.',
+        minimum=0.0, maximum=24.0, exclusive_minimum=True, group='systems', scope='run')
     round_deadline: float = param(
         0.0,
         'Simulated seconds a training round waits for replies (with device-profiles): a reply '
