@@ -329,3 +329,39 @@ def test_a_checkpoint_streams_client_states_and_a_resume_reads_them_one_by_one(t
                                        for v in snapshot.clients[3].values())
     resumed = run_methods(settings, SequentialEngine, Reporter(quiet=True), resume=True)
     assert comparable(resumed["methods"]) == comparable(reference["methods"])
+
+
+@needs_fashion_mnist
+def test_a_run_on_the_simulated_clock_killed_and_resumed_gives_the_uninterrupted_results(
+        tmp_path):
+    """Profiles, diurnal availability, a deadline and over-selection: the clock (sim-time) goes
+    on from the checkpoint's last row, so who is reachable, who is late and every metric are
+    those of the uninterrupted run."""
+    systems = {**TINY, "methods": "pflalign", "rounds": 5, "checkpoint-every": 2,
+               "device-profiles": "lognormal", "availability": "diurnal",
+               "available-hours": 12.0, "round-deadline": 9.0, "over-selection": 1.5,
+               "out-dir": str(tmp_path / "k")}
+    reference = run_methods(build_settings({**systems, "checkpoint-every": 0,
+                                            "out-dir": str(tmp_path / "ref")}),
+                            SequentialEngine, Reporter(quiet=True))
+    rows = reference["methods"]["pflalign"]["rounds"]
+    assert rows[-1]["sim-time"] > 0 and all("available" in r for r in rows)
+    proc = _start(systems, resume=False, log=tmp_path / "run.log")
+    target = checkpoint_path(systems["out-dir"], "pflalign")
+    try:
+        deadline = time.monotonic() + 120
+        while not target.exists():
+            assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    proc = _start(systems, resume=True, log=tmp_path / "last.log")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "last.log").read_text()[-3000:]
+    assert "[pflalign] resumed from round" in (tmp_path / "last.log").read_text()
+    resumed = json.loads((tmp_path / "k" / "results.json").read_text())
+    assert comparable(resumed["methods"]["pflalign"]) == comparable(
+        reference["methods"]["pflalign"])

@@ -489,6 +489,11 @@ class RoundLoop:
         kept = set(closed.used)
         replies = [r for i, r in enumerate(exchange.replies)
                    if arrivals[i] is None or i in kept]  # failures stay, to be counted
+        for i, reply in enumerate(exchange.replies):
+            # a dropped client trained and keeps what it trained, on its device: its state is
+            # one a checkpoint must ask for, as a used client's is
+            if arrivals[i] is not None and i not in kept and reply.metrics.get(KEPT_STATE):
+                self.saved_state.add(reply.sender)
         self.sim_time += closed.seconds
         clock = {"sim-seconds": closed.seconds, "sim-time": self.sim_time}
         if self.server.settings.run.round_deadline > 0:
