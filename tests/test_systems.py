@@ -245,3 +245,30 @@ def test_each_round_samples_among_the_clients_reachable_when_it_starts(tmp_path)
         assert row["available"] == len(days.available(range(12), start)) > 0
         assert row["clients-trained"] <= min(6, row["available"])
         start = row["sim-time"]
+
+
+@needs_fashion_mnist
+def test_each_method_is_reported_at_the_time_budget(tmp_path):
+    """time-budget: each method's last evaluation in a round that ended by then, in
+    results.json and under the comparison table."""
+    from pflalign.outputs.results import comparison_table
+
+    values = {**RUN, "eval-every": 1, "device-profiles": "lognormal",
+              "out-dir": str(tmp_path / "free")}
+    free = simulate(build_settings(values))
+    rows = free["methods"]["pflalign"]["rounds"]
+    budget = (rows[1]["sim-time"] + rows[2]["sim-time"]) / 2  # after round 2, before round 3
+    timed = simulate(build_settings({**values, "time-budget": budget,
+                                     "out-dir": str(tmp_path / "budget")}))
+    at = timed["methods"]["pflalign"]["final"]["at-time-budget"]
+    assert at == {"budget": budget, "round": 2, "sim-time": rows[1]["sim-time"],
+                  "personal-acc": rows[1]["personal-acc"], "global-acc": rows[1]["global-acc"]}
+    table = comparison_table(timed["methods"])
+    assert f"At the time budget of {budget:g} simulated s" in table
+    assert f"  pflalign: personal-acc {100 * rows[1]['personal-acc']:.2f}%" in table
+    early = simulate(build_settings({**values, "time-budget": rows[0]["sim-time"] / 2,
+                                     "out-dir": str(tmp_path / "early")}))
+    assert "round" not in early["methods"]["fedavg"]["final"]["at-time-budget"]
+    assert "fedavg: no evaluation within the budget" in comparison_table(early["methods"])
+    with pytest.raises(ConfigError, match="time-budget = 5 .* needs device profiles"):
+        build_settings({"time-budget": 5})

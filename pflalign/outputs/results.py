@@ -136,7 +136,26 @@ def comparison_table(methods: Mapping[str, Mapping[str, object]]) -> str:
                            "evaluation; its accuracies cover those only.")
         lines.append(f"{name:<{width}}  {cells}  {count:>9}  "
                      f"{final.get('seconds-per-round', 0):8.2f}  {up:8.1f}  {down:8.1f}")
-    return "\n".join(lines + partial + audit_notes(methods))
+    return "\n".join(lines + partial + budget_lines(methods) + audit_notes(methods))
+
+
+def budget_lines(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
+    """Each method at the run's simulated-time budget (``time-budget``), when there is one."""
+    at = {name: result.get("final", {}).get("at-time-budget") for name, result in methods.items()}
+    at = {name: value for name, value in at.items() if value}
+    if not at:
+        return []
+    budget = next(iter(at.values()))["budget"]
+    lines = [f"At the time budget of {budget:g} simulated s (the last evaluation by then):"]
+    for name, value in at.items():
+        if "round" not in value:
+            lines.append(f"  {name}: no evaluation within the budget")
+            continue
+        accs = ", ".join(f"{k} {_pct(value[k]).strip()}%" for k in ("personal-acc", "global-acc",
+                                                             "unseen-acc") if k in value)
+        lines.append(f"  {name}: {accs} (round {value['round']}, sim-time "
+                     f"{value['sim-time']:.0f} s)")
+    return lines
 
 
 def audit_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:

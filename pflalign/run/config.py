@@ -376,6 +376,10 @@ def _check_systems(values: dict[str, Value]) -> None:
                 raise ConfigError(f"{key} = {values[key]:g} times the clients on the simulated "
                                   "clock, which needs device profiles: set device-profiles = "
                                   "lognormal or a trace file.")
+        if values["time-budget"]:
+            raise ConfigError(f"time-budget = {values['time-budget']:g} reports the methods at a "
+                              "simulated time, which needs device profiles: set device-profiles "
+                              "= lognormal or a trace file.")
         if values["availability"] != "always":
             raise ConfigError(f"availability = {values['availability']!r} follows the clients "
                               "on the simulated clock, which needs device profiles: set "

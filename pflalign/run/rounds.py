@@ -601,4 +601,19 @@ class RoundLoop:
             "bytes-up": int(sum(r["bytes-up"] for r in self.rounds)),
             "bytes-down": int(sum(r["bytes-down"] for r in self.rounds)),
         })
+        budget = self.server.settings.run.time_budget
+        if self.profiles is not None and budget > 0:
+            final["at-time-budget"] = self.at_time_budget(budget)
         return final
+
+    def at_time_budget(self, budget: float) -> dict:
+        """The method at a simulated-time budget: its last evaluation in a round that ended by
+        ``budget`` (the round, its clock and accuracies), or only the budget when none did."""
+        within = [r for r in self.rounds if "personal-acc" in r and r["sim-time"] <= budget]
+        out: dict = {"budget": budget}
+        if within:
+            row = within[-1]
+            out.update({"round": row["round"], "sim-time": row["sim-time"],
+                        **{k: row[k] for k in ("personal-acc", "global-acc", "unseen-acc")
+                           if k in row}})
+        return out

@@ -463,6 +463,12 @@ class RunConfig(Params):
         'use the first fraction-train replies to arrive (Bonawitz et al. 2019 over-select 1.3); '
         '1 samples exactly fraction-train.',
         minimum=1.0, group='systems', scope='run')
+    time_budget: float = param(
+        0.0,
+        'With device-profiles: also report each method at this simulated-time budget (seconds): '
+        'its last evaluation whose round ended by then (results.json: final.at-time-budget; the '
+        'comparison table\'s closing lines). 0: none.',
+        minimum=0.0, group='systems', scope='output')
     attack_scale: float = param(
         10.0,
         'The factor of attack=scale, noise, inflate-count and fake-eval.',
