@@ -468,7 +468,7 @@ class RunConfig(Params):
         'With device-profiles: also report each method at this simulated-time budget (seconds): '
         'its last evaluation whose round ended by then (results.json: final.at-time-budget; the '
         'comparison table\'s closing lines). 0: none.',
-        minimum=0.0, group='systems', scope='output')
+        minimum=0.0, group='systems', scope='run')
     attack_scale: float = param(
         10.0,
         'The factor of attack=scale, noise, inflate-count and fake-eval.',
