@@ -162,6 +162,22 @@ def _start(settings: dict, resume: bool, log: Path) -> subprocess.Popen:
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
 
+def _kill_once_written(proc: subprocess.Popen, target: Path, log: Path) -> None:
+    """SIGKILL ``proc`` as soon as the file ``target`` (its checkpoint) exists (within 120 s,
+    the process alive until then)."""
+    try:
+        deadline = time.monotonic() + 120
+        while not target.exists():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
 @needs_fashion_mnist
 def test_a_run_killed_in_every_entry_and_resumed_gives_exactly_the_uninterrupted_results(
         tmp_path):
@@ -175,17 +191,7 @@ def test_a_run_killed_in_every_entry_and_resumed_gives_exactly_the_uninterrupted
         # once its checkpoint after round 2 exists, during round 3 or 4
         proc = _start(killed, resume=i > 0, log=tmp_path / f"run{i}.log")
         target = checkpoint_path(killed["out-dir"], label)
-        try:
-            deadline = time.monotonic() + 120
-            while not target.exists():
-                assert proc.poll() is None, (tmp_path / f"run{i}.log").read_text()[-3000:]
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
-            proc.send_signal(signal.SIGKILL)
-        finally:
-            proc.kill()
-            proc.wait()
-        assert proc.returncode == -signal.SIGKILL
+        _kill_once_written(proc, target, tmp_path / f"run{i}.log")
         assert target.exists()
         written = json.loads((tmp_path / "k" / "results.json").read_text()) if i else {}
         assert list(written.get("methods", {})) == METHODS[:i]  # the finished entries
@@ -347,18 +353,8 @@ def test_a_run_on_the_simulated_clock_killed_and_resumed_gives_the_uninterrupted
     rows = reference["methods"]["pflalign"]["rounds"]
     assert rows[-1]["sim-time"] > 0 and all("available" in r for r in rows)
     proc = _start(systems, resume=False, log=tmp_path / "run.log")
-    target = checkpoint_path(systems["out-dir"], "pflalign")
-    try:
-        deadline = time.monotonic() + 120
-        while not target.exists():
-            assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    _kill_once_written(proc, checkpoint_path(systems["out-dir"], "pflalign"),
+                       tmp_path / "run.log")
     proc = _start(systems, resume=True, log=tmp_path / "last.log")
     assert proc.wait(timeout=300) == 0, (tmp_path / "last.log").read_text()[-3000:]
     assert "[pflalign] resumed from round" in (tmp_path / "last.log").read_text()
