@@ -105,6 +105,7 @@ class APFLClientState(ArrayState):
 
 
 class APFL(Method):
+    asynchronous = True  # its server update is a sample-weighted average of uploads
     name = "apfl"
     summary = ("Each client mixes a personal model v with the global model w as "
                "alpha v + (1 - alpha) w, learning alpha by gradient descent.")

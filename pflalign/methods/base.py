@@ -72,6 +72,11 @@ class Method(Generic[P, C, S]):
     #: the server update is an average of client models, so ``aggregation`` (mean, trimmed-mean,
     #: median) applies to it (false for server updates such as SCAFFOLD's and FedDyn's)
     robust_aggregation: ClassVar[bool] = True
+    #: the method can run ``mode = async`` (FedBuff, :mod:`pflalign.server.buffered`): its server
+    #: update is an average of uploaded models, so an update from an older global model can be
+    #: rebased onto the current one and weighted by its staleness (false for server rules that
+    #: keep running corrections, mix, or learn from the round's cohort as a whole)
+    asynchronous: ClassVar[bool] = False
     #: shared local-training keys (:class:`~pflalign.training.loops.LocalTraining`) whose search
     #: spaces ``--tune`` adds to the method's own Params' (empty for a method with its own step
     #: size)
@@ -132,6 +137,17 @@ class Method(Generic[P, C, S]):
             raise ConfigError(f"aggregation = {aggregation!r} is not defined for {cls.name}: its "
                               "server update is not an average of models; use aggregation = "
                               f"'mean' for it, e.g. '{cls.name}(aggregation=mean)'.")
+        if settings.run.mode == "async":
+            if not cls.asynchronous:
+                raise ConfigError(f"{cls.name} cannot run mode = 'async': its server update is "
+                                  "not an average of uploaded models that an update from an "
+                                  "older model can be rebased into (docs/systems.md lists the "
+                                  "methods that can); use mode = 'sync' for it, e.g. "
+                                  f"'{cls.name}(mode=sync)'.")
+            if settings.gga.enabled:
+                raise ConfigError("gga = true anneals the global model before each synchronous "
+                                  "round's training, and mode = 'async' has no such rounds: "
+                                  "set gga = false or mode = 'sync'.")
         optimizer = settings.training.local_optimizer
         if not cls.local_optimizer and optimizer != "sgd":
             raise ConfigError(f"local-optimizer = {optimizer!r} does not apply to {cls.name} "

@@ -24,6 +24,7 @@ def trained_upload(result: RunResult, **metrics: float | int) -> Upload:
 
 
 class FedAvg(Method):
+    asynchronous = True  # its server update is a sample-weighted average of uploads
     name = "fedavg"
     summary = ("Sample-weighted averaging of locally trained models; every client uses the "
                "global model.")

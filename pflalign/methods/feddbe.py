@@ -140,6 +140,7 @@ class FedDBEServerState(ServerState):
 
 
 class FedDBE(FedAvg):
+    asynchronous = False  # its server update is not a plain average of uploads
     name = "feddbe"
     feature_head = True
     summary = ("FedAvg with a personal representation bias added to the features before the head, "

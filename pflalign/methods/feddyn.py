@@ -105,6 +105,7 @@ class FedDynServerState(ServerState):
 
 
 class FedDyn(FedAvg):
+    asynchronous = False  # its server update is not a plain average of uploads
     name = "feddyn"
     summary = ("Dynamic regularization: each client's loss gets a linear term from its past "
                "updates and a proximal term, so that local optima align with the global one; "

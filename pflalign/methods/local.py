@@ -34,6 +34,7 @@ class LocalServerState(ServerState):
 
 
 class Local(Method):
+    asynchronous = True  # its server update is a sample-weighted average of uploads
     name = "local"
     summary = ("Each client trains only on its own data; no averaging. Its model persists "
                "across rounds in the client's state.")

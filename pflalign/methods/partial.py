@@ -54,6 +54,7 @@ class PartialClientState(ArrayState):
 
 class PartialModel(Method):
     """Shared entries from the server, personal entries from the client's state."""
+    asynchronous = True  # its server update is a sample-weighted average of uploads
 
     Params = PartialParams
     ClientState = PartialClientState

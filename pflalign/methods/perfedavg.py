@@ -74,6 +74,7 @@ class PerFedAvgParams(Params):
 
 
 class PerFedAvg(Method):
+    asynchronous = True  # its server update is a sample-weighted average of uploads
     name = "perfedavg"
     summary = ("First-order MAML: the global model is trained to adapt well in one step; clients "
                "personalize by a few SGD steps from it.")

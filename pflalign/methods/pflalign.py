@@ -259,6 +259,7 @@ class PFLAlignServerState(ServerState):
 
 
 class PFLAlignMethod(Method):
+    asynchronous = True  # its server update is a sample-weighted average of uploads
     name = "pflalign"
     summary = ("pFLAlign: clients start from global + their offset Delta and train with a "
                "persistent multiplicative preconditioner P and a gamma-weighted removal of "
@@ -391,7 +392,11 @@ class PFLAlignMethod(Method):
     def last_training_before_evaluation(server: ServerRuntime, client: int,
                                         server_round: int) -> bool:
         """Whether ``client`` trains in no round after this one up to the next evaluation: its
-        model after this training is then its personal model at that evaluation."""
+        model after this training is then its personal model at that evaluation. Always under
+        ``mode = async``, whose dispatches cannot be foreseen (the last training's score then
+        stands)."""
+        if server.settings.run.mode == "async":
+            return True
         next_eval = min(math.ceil(server_round / server.eval_every) * server.eval_every,
                         server.rounds)
         return all(client not in server.sample(r) for r in range(server_round + 1, next_eval + 1))
@@ -401,7 +406,12 @@ class PFLAlignMethod(Method):
         norms = []
         offsets = dict(state.offsets)
         for update in updates:
-            offset = personal_offset(update.model, state.model, server.trainable)
+            # an asynchronous update's offset is against the model it trained from (1.7: "the
+            # global model received this round"), neither rebased nor staleness-weighted, as the
+            # client computes it itself with state = client (docs/pflalign.md)
+            offset = (personal_offset(update.stale.upload, update.stale.base, server.trainable)
+                      if update.stale is not None
+                      else personal_offset(update.model, state.model, server.trainable))
             norms.append(l2_norm(offset))
             if self.server_mode and self.params.personalize:
                 offsets[update.client] = offset

@@ -103,6 +103,7 @@ class ScaffoldServerState(ServerState):
 
 
 class Scaffold(FedAvg):
+    asynchronous = False  # its server update is not a plain average of uploads
     name = "scaffold"
     summary = ("Client and server control variates correct each local gradient for client drift "
                "(variance reduction); option II control-variate update.")

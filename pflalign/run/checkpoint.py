@@ -40,7 +40,8 @@ FORMAT_VERSION = 1
 DIRECTORY = "checkpoints"
 
 #: array groups of a checkpoint file
-SERVER, BEFORE, CLIENT, RNG = "server", "before-aggregation", "client", "rng"
+SERVER, BEFORE, CLIENT, RNG, BUFFERED = ("server", "before-aggregation", "client", "rng",
+                                         "buffered")
 
 
 def _digest(payload: object) -> str:
@@ -89,6 +90,10 @@ class Snapshot:
     rng_arrays: State = field(default_factory=dict)
     #: the rest of NumPy's generator state (position, cached Gaussian)
     rng_meta: dict = field(default_factory=dict)
+    #: ``mode = async``: the clients in flight and their replies (JSON metadata and arrays,
+    #: :meth:`~pflalign.run.asynchronous.BufferedRounds.state_dict`)
+    buffered: dict = field(default_factory=dict)
+    buffered_arrays: State = field(default_factory=dict)
 
 
 def capture_rng() -> tuple[State, dict]:
@@ -207,13 +212,16 @@ class Checkpoint:
             for cid, state in pairs:
                 yield CLIENT, int(cid), state
             yield RNG, None, snapshot.rng_arrays
+            if snapshot.buffered_arrays:
+                yield BUFFERED, None, snapshot.buffered_arrays
 
         meta = {"format": CHECKPOINT_FORMAT, "version": FORMAT_VERSION, "label": self.label,
                 "fingerprint": self.fingerprint, "round": snapshot.round,
                 "has-before-aggregation": snapshot.before_aggregation is not None,
                 "rounds": snapshot.rounds, "client-results": snapshot.client_results,
                 "saved-state": sorted(snapshot.saved_state), "last-eval": snapshot.last_eval,
-                "hooks": snapshot.hooks, "rng": snapshot.rng_meta, "norms": snapshot.norms}
+                "hooks": snapshot.hooks, "rng": snapshot.rng_meta, "norms": snapshot.norms,
+                "buffered": snapshot.buffered}
         atomic_write(self.path, lambda handle: _write_archive(handle, meta, groups()))
         return self.path
 
@@ -260,7 +268,8 @@ class Checkpoint:
             rounds=meta["rounds"], client_results=meta["client-results"],
             saved_state=[int(c) for c in meta["saved-state"]], last_eval=meta["last-eval"],
             hooks=meta["hooks"], rng_arrays=groups.get((RNG, None), {}), rng_meta=meta["rng"],
-            norms=meta.get("norms", {}))
+            norms=meta.get("norms", {}), buffered=meta.get("buffered", {}),
+            buffered_arrays=groups.get((BUFFERED, None), {}))
 
     def remove(self) -> None:
         """Remove the checkpoint (and temporary files a killed write left beside it), and the

@@ -40,6 +40,7 @@ from pflalign.models.language import SMOLLM2, is_language_model, source_of
 from pflalign.models.registry import MODELS
 from pflalign.models.user import is_user_model
 from pflalign.outputs.tracking import parse_tracking
+from pflalign.server.buffered import async_sizes
 from pflalign.server.clock import LOGNORMAL, check_profiles_key, read_trace
 from pflalign.server.clock import NONE as NONE_PROFILES
 from pflalign.settings.options import ConfigError, Option, Value
@@ -364,6 +365,7 @@ def _check_systems(values: dict[str, Value]) -> None:
     """device-profiles names none, lognormal or a readable trace (made absolute, and read now,
     so that a bad one stops the run before any data is read); round-deadline and
     over-selection need profiles."""
+    _check_mode(values)
     kind = str(values["device-profiles"])
     check_profiles_key(kind)
     if kind not in (NONE_PROFILES, LOGNORMAL):
@@ -384,6 +386,49 @@ def _check_systems(values: dict[str, Value]) -> None:
             raise ConfigError(f"availability = {values['availability']!r} follows the clients "
                               "on the simulated clock, which needs device profiles: set "
                               "device-profiles = lognormal or a trace file.")
+
+
+#: the keys of ``mode = async`` and their values when unused
+ASYNC_KEYS = {"concurrency": 0, "buffer-size": 0, "staleness-exponent": 0.5, "async-lr": 1.0}
+
+
+def _check_mode(values: Mapping[str, Value]) -> None:
+    """mode = async: its keys fit the run (buffer-size at most concurrency, at most the training
+    clients), it runs on the simulated clock (device-profiles) or in real time on the Flower
+    engine, and without the synchronous-round keys; mode = sync: no async key is set."""
+    if values["mode"] != "async":
+        for key, idle in ASYNC_KEYS.items():
+            if values[key] != idle:
+                raise ConfigError(f"{key} = {values[key]:g} applies to mode = 'async', and this "
+                                  "run is synchronous: set mode = 'async' or remove it.")
+        return
+    clients = int(values["num-clients"])
+    concurrency = int(values["concurrency"])
+    if concurrency > clients:
+        raise ConfigError(f"concurrency = {concurrency} keeps more clients in flight than the "
+                          f"run's {clients} training clients (num-clients): lower it.")
+    flying, buffer = async_sizes(clients, float(values["fraction-train"]), concurrency,
+                                 int(values["buffer-size"]))
+    if buffer > flying:
+        raise ConfigError(f"buffer-size = {buffer} waits for more arrivals than the {flying} "
+                          "clients in flight (concurrency"
+                          f"{'' if concurrency else ' = 0: fraction-train of num-clients'}), so "
+                          "no aggregation would ever happen: lower buffer-size or raise "
+                          "concurrency.")
+    for key, idle in (("round-deadline", 0.0), ("over-selection", 1.0)):
+        if values[key] != idle:
+            raise ConfigError(f"{key} = {values[key]:g} closes synchronous rounds, and mode = "
+                              "'async' has none (every arrival is used, weighted by its "
+                              "staleness): remove it or set mode = 'sync'.")
+    if float(values["train-audit-fraction"]) > 0:
+        raise ConfigError(f"train-audit-fraction = {values['train-audit-fraction']:g} recomputes "
+                          "a synchronous round's training replies, which mode = 'async' does "
+                          "not have: set it to 0 or mode = 'sync'.")
+    if values["device-profiles"] == NONE_PROFILES and values["engine"] != "flower":
+        raise ConfigError(f"mode = 'async' on engine = {values['engine']!r} orders arrivals on "
+                          "the simulated clock, which needs device profiles: set "
+                          "device-profiles = lognormal or a trace file (without them, only the "
+                          "Flower engine runs it, in real time).")
 
 
 def _check_cross_keys(values: Mapping[str, Value]) -> None:

@@ -41,9 +41,11 @@ from pflalign.models.language import is_language_model
 from pflalign.outputs.results import Reporter
 from pflalign.process.interrupt import check_stop
 from pflalign.process.memory import host_id, peak_rss_mb
+from pflalign.run.asynchronous import BufferedRounds
 from pflalign.run.audit import Audit
 from pflalign.run.checkpoint import Checkpoint, Snapshot, capture_rng, nonempty, restore_rng
 from pflalign.server.aggregation import mean_cosine
+from pflalign.server.buffered import server_step
 from pflalign.server.clock import availability_of, close_round, profiles_of, sample_available
 from pflalign.server.metrics import accuracy_summary
 from pflalign.server.runtime import ServerRuntime
@@ -57,7 +59,7 @@ from pflalign.server.validation import (
 )
 from pflalign.settings.options import ConfigError
 from pflalign.training.loops import num_local_steps
-from pflalign.wire.messages import Exchange, Outgoing, Payload, Update
+from pflalign.wire.messages import ClientInfo, Exchange, Outgoing, Payload, Update
 from pflalign.wire.protocol import (
     ARRAY_HEADER,
     CLIENT_SECONDS,
@@ -143,6 +145,8 @@ class RoundLoop:
         self.profiles = profiles_of(run, run.num_clients + run.num_unseen_clients)
         self.availability = availability_of(run, run.num_clients + run.num_unseen_clients)
         self.sim_time = 0.0
+        #: ``mode = async``'s rounds (None: synchronous rounds)
+        self.buffered: BufferedRounds | None = None
         #: per client process (host id, pid) that sent an accepted reply in this run: the
         #: largest peak memory it reported (MiB) and how many such replies it sent
         self.client_processes: dict[tuple[int, int], tuple[float, int]] = {}
@@ -172,6 +176,12 @@ class RoundLoop:
             f"model {run.model} ({server.flat.size:,} values)")
         server.clients = self.engine.discover()
         self.state = self.method.init_server(server, initial_model)
+        if run.mode == "async":
+            self.buffered = BufferedRounds(self)
+            self.reporter.info(f"[{self.label}] asynchronous: {self.buffered.concurrency} clients "
+                               f"in flight, aggregating every {self.buffered.buffer_size} "
+                               "arrivals")
+        self.check_deadline()
         last_eval: dict[str, float] = {}
         first = 1
         snapshot = checkpoint.read() if checkpoint is not None else None
@@ -190,13 +200,17 @@ class RoundLoop:
                 entries, hook_down, hook_up = hook.before_training(self, server_round)
                 row.update(entries)
                 down, up = down + hook_down, up + hook_up
-            entries, train_down, train_up = self.train_round(server_round)
+            entries, train_down, train_up = (self.train_round(server_round)
+                                             if self.buffered is None
+                                             else self.buffered.round(server_round))
             row.update(entries)
             down, up = down + train_down, up + train_up
             row["train-seconds"] = time.perf_counter() - started
             row.update(self.method.round_diagnostics(server, self.state))
             if server.is_eval_round(server_round):
                 eval_started = time.perf_counter()
+                if self.buffered is not None:  # each client as it is after its latest dispatch
+                    self.buffered.train_all()
                 last_eval, eval_down, eval_up = self.evaluate_round(server_round)
                 down, up = down + eval_down, up + eval_up
                 row.update(last_eval)
@@ -209,6 +223,22 @@ class RoundLoop:
                 self.write_checkpoint(checkpoint, server_round, last_eval)
         return {"rounds": self.rounds, "final": self.final_metrics(last_eval),
                 "clients": self.client_results, "processes": self.processes()}
+
+    def check_deadline(self) -> None:
+        """Refuse, before any training, a ``round-deadline`` that no training client can meet
+        even without uploading anything: the download of the global model and its compute
+        already take longer."""
+        deadline = self.server.settings.run.round_deadline
+        if self.profiles is None or deadline <= 0:
+            return
+        down = records_bytes([self.server.shared_model(self.state)])
+        fastest = min((self.profiles.seconds(cid, down, self.charged_samples(info), 0), cid)
+                      for cid, info in self.server.clients.items() if not info.unseen)
+        if fastest[0] > deadline:
+            raise ConfigError(f"round-deadline = {deadline:g} simulated s is shorter than any "
+                              f"client's round: the fastest, client {fastest[1]}, needs "
+                              f"{fastest[0]:.4g} s to download the model and train, before its "
+                              "upload; raise round-deadline.")
 
     # --- processes -----------------------------------------------------------------------------
     def note_processes(self, replies: Iterable[Mapping[str, float]]) -> None:
@@ -249,6 +279,10 @@ class RoundLoop:
                           f"{type(hook).__name__} cannot save its state.")
                 return
             hooks.append(hook.state_dict())
+        buffered: tuple[dict, State] = ({}, {})
+        if self.buffered is not None:  # replies in flight are kept, never messages
+            self.buffered.train_all()
+            buffered = self.buffered.state_dict()
         rng_arrays, rng_meta = capture_rng()
         snapshot = Snapshot(
             round=server_round, server=self.state.to_arrays(),
@@ -258,7 +292,8 @@ class RoundLoop:
             saved_state=sorted(self.saved_state), last_eval=dict(last_eval), hooks=hooks,
             rng_arrays=rng_arrays, rng_meta=rng_meta,
             norms={part: [list(kept) for kept in rounds]
-                   for part, rounds in self.validator.norm_history.items()})
+                   for part, rounds in self.validator.norm_history.items()},
+            buffered=buffered[0], buffered_arrays=buffered[1])
         try:
             checkpoint.write(snapshot, self.client_states(server_round))
         except _NoCheckpoint as reason:
@@ -316,6 +351,8 @@ class RoundLoop:
         self.validator.norm_history = {part: [[float(n) for n in kept] for kept in rounds]
                                        for part, rounds in snapshot.norms.items()}
         restore_rng(snapshot.rng_arrays, snapshot.rng_meta)
+        if self.buffered is not None:
+            self.buffered.load_state_dict(snapshot.buffered, snapshot.buffered_arrays)
         return dict(snapshot.last_eval)
 
     def reply_limits(self, action: str) -> dict[str, int] | None:
@@ -405,12 +442,24 @@ class RoundLoop:
             self.state, self.before_aggregation = self.before_aggregation, None
             row.update({"clients-trained": 0, "rolled-back": 1})
             return row, *traffic
+        return self.aggregate_updates(server_round, updates, row), *traffic
+
+    def aggregate_updates(self, server_round: int, updates: Sequence[Update], row: dict,
+                          lr: float = 1.0) -> dict:
+        """Aggregate a round's validated, bounded ``updates`` into the server state with the
+        method's rule (``lr`` != 1: the model then moves that factor of the way, ``async-lr``),
+        keeping the previous state when none is usable or the aggregate is not finite; returns
+        ``row`` with the aggregation's diagnostics."""
+        server, method = self.server, self.method
         if not updates:
             self.warn(f"round {server_round}: no usable training reply; the global model is kept "
                       "unchanged.")
-            return row, *traffic
+            return row
         previous = self.state
         self.state, diagnostics = method.aggregate(server, self.state, server_round, updates)
+        if lr != 1.0 and method.uploads_model:
+            self.state = server.with_model(self.state, server_step(
+                server.shared_model(previous), server.shared_model(self.state), lr))
         for text in server.take_notices():
             self.warn(f"round {server_round}: {text}")
         problem = non_finite(self.state)
@@ -419,7 +468,7 @@ class RoundLoop:
                       "state of the previous round is kept.")
             self.state = previous
             row.update({"clients-trained": 0, "rolled-back": 1})
-            return row, *traffic
+            return row
         self.before_aggregation = previous
         if method.uploads_model:
             row["update-cosine"] = self.update_cosine(previous.model, self.state.model, updates)
@@ -435,7 +484,7 @@ class RoundLoop:
                                                weights=[u.num_examples for u in updates]))
             row[f"{TRAIN_LOSS}-median"] = float(np.median([u.metrics[TRAIN_LOSS]
                                                            for u in updates]))
-        return row, *traffic
+        return row
 
     def available_sample(self, server_round: int, wanted: int, over: float,
                          ) -> tuple[list[int], int, dict]:
@@ -461,6 +510,17 @@ class RoundLoop:
         sampled = sample_available(reachable, count, self.server.seed, server_round)
         return sampled, min(wanted, len(sampled)), entries
 
+    def charged_samples(self, info: ClientInfo) -> int:
+        """The samples the clock charges a client's training: its training samples times
+        ``local-epochs``, or ``local-steps`` times ``batch-size`` when the steps are capped (known
+        to the server; never the client's own claim)."""
+        training = self.server.settings.training
+        steps = num_local_steps(info.num_train, training.batch_size, training.local_epochs,
+                                training.local_steps)
+        full = math.ceil(info.num_train / training.batch_size) * training.local_epochs
+        return info.num_train * training.local_epochs if steps == full \
+            else steps * training.batch_size
+
     def close_round(self, server_round: int, messages: Sequence[Outgoing], exchange: Exchange,
                     wanted: int) -> tuple[Exchange, dict]:
         """The replies a synchronous round uses, by their simulated arrival
@@ -468,7 +528,6 @@ class RoundLoop:
         samples at its compute speed and its upload of its reply; a failed or silent client
         never arrives. Returns the exchange with the used replies only, and the row's clock
         entries (``sim-seconds``, ``sim-time``, and how many were ``late`` or ``unneeded``)."""
-        training = self.server.settings.training
         sent = {m.client: sent_bytes(m.payload.arrays) for m in messages}
         arrivals: list[float | None] = []
         for reply in exchange.replies:
@@ -477,13 +536,8 @@ class RoundLoop:
                     or reply.sender not in sent:
                 arrivals.append(None)
                 continue
-            steps = num_local_steps(info.num_train, training.batch_size, training.local_epochs,
-                                    training.local_steps)
-            full = math.ceil(info.num_train / training.batch_size) * training.local_epochs
-            samples = info.num_train * training.local_epochs if steps == full \
-                else steps * training.batch_size
             arrivals.append(self.profiles.seconds(
-                reply.sender, sent[reply.sender], samples,
+                reply.sender, sent[reply.sender], self.charged_samples(info),
                 records_bytes(reply.arrays.values())))
         closed = close_round(arrivals, wanted, self.server.settings.run.round_deadline)
         kept = set(closed.used)

@@ -469,6 +469,34 @@ class RunConfig(Params):
         'its last evaluation whose round ended by then (results.json: final.at-time-budget; the '
         'comparison table\'s closing lines). 0: none.',
         minimum=0.0, group='systems', scope='run')
+    mode: str = param(
+        'sync',
+        'Rounds (docs/systems.md): sync (each round samples its clients and waits for them, or '
+        'its round-deadline), or async (FedBuff, Nguyen et al. 2022: concurrency clients always '
+        'in flight, the server aggregating every buffer-size arrivals, each update weighted by '
+        'its staleness; a row per aggregation). On the simulated clock with device-profiles; '
+        'in real time on the Flower engine without them.',
+        choices=('sync', 'async'), group='systems', scope='run')
+    concurrency: int = param(
+        0,
+        'mode = async: the clients in flight at any time; 0: as many as a synchronous round '
+        'samples (fraction-train of the training clients).',
+        minimum=0, group='systems', scope='run')
+    buffer_size: int = param(
+        0,
+        'mode = async: the arrivals each aggregation takes (FedBuff\'s K); 0: half of '
+        'concurrency, rounded up.',
+        minimum=0, group='systems', scope='run')
+    staleness_exponent: float = param(
+        0.5,
+        'mode = async: an update s aggregations stale is weighted (1 + s)^-a with this a '
+        '(0.5: FedBuff\'s 1/sqrt(1 + s); 0: no staleness weighting).',
+        minimum=0.0, group='systems', scope='run')
+    async_lr: float = param(
+        1.0,
+        'mode = async: the server learning rate: the model moves this factor of the buffer\'s '
+        'weighted mean update (FedBuff\'s eta_g).',
+        minimum=0.0, exclusive_minimum=True, group='systems', scope='run')
     attack_scale: float = param(
         10.0,
         'The factor of attack=scale, noise, inflate-count and fake-eval.',

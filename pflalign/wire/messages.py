@@ -39,6 +39,22 @@ class Update:
     model: State | None
     #: further validated array records (e.g. SCAFFOLD's control-variate change)
     arrays: dict[str, State] = field(default_factory=dict)
+    #: under ``mode = async``, an update that trained from an older global model: ``model``
+    #: is then its upload rebased onto the current model (:func:`pflalign.server.buffered.rebase`)
+    #: and this holds what it was rebased from; None for an update from the current model
+    stale: Stale | None = None
+
+
+@dataclass(frozen=True)
+class Stale:
+    """What an asynchronous update was rebased from: the client's own upload, the global model
+    (its exchanged entries) it trained from, how many aggregations happened since it was
+    dispatched, and the weight its change got."""
+
+    upload: State
+    base: State
+    staleness: int
+    weight: float
 
 
 @dataclass(frozen=True)

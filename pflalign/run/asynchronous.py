@@ -1,0 +1,296 @@
+"""``mode = async`` on the simulated clock: FedBuff's rounds for one :class:`RoundLoop`.
+
+A round is one aggregation. The loop keeps ``concurrency`` clients in flight
+(:class:`~pflalign.server.buffered.Schedule`): a client is dispatched with the model version
+current at that moment (its message is built then, by the method's ``train_payload``), trains
+from it, and its reply reaches the server at ``start + download + compute + upload`` simulated
+seconds (:mod:`pflalign.server.clock`). Arrivals are taken in order of arrival; each is
+validated as a synchronous reply is, and a usable one goes into the buffer; a client that
+arrives (or fails) is replaced at once by a client drawn among those reachable and not in
+flight and whose update is not waiting in the buffer
+(:func:`~pflalign.server.buffered.draw_client`). When the buffer holds ``buffer-size``
+updates, each is rebased onto the current model with its staleness weight
+(:func:`~pflalign.server.buffered.rebase`), bounded as a synchronous round's updates are, and
+aggregated by the method's own rule with ``async-lr``; the arrival that filled the buffer is
+replaced after the aggregation, with the new model (a message of the next round).
+
+**Training runs when it is needed, with the result of training at dispatch.** A client's
+training depends only on the message it was dispatched with and its own state, and no other
+training can touch that state while it is in flight, so the loop trains a dispatched client
+only when its reply might be the next to arrive (its lower bound, download and compute, comes
+before the first known arrival), every such client in one exchange; before an evaluation and
+before a checkpoint it trains every client in flight, so that an evaluation sees each client as
+it is after its latest dispatch, and a checkpoint holds replies, never messages. The metrics do
+not depend on when the training ran: every engine gives the same, bit for bit, and a resumed
+run equals an uninterrupted one.
+
+A row's ``bytes-down`` are the messages dispatched in its round and ``bytes-up`` the replies
+that arrived in it (array bytes, as the clock counts them); ``clients-trained`` the updates
+aggregated, ``arrivals`` all the replies that arrived (failed and rejected ones included),
+``staleness-mean`` and ``staleness-max`` those of the aggregated updates, ``in-flight`` the
+clients in flight after the round's dispatches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pflalign.engines.sequential import records_bytes, sent_bytes
+from pflalign.server.buffered import (
+    Flight,
+    Schedule,
+    async_sizes,
+    draw_client,
+    rebase,
+    staleness_weight,
+)
+from pflalign.server.validation import Collected
+from pflalign.wire.messages import Outgoing, Reply, Stale, Update
+from pflalign.wire.protocol import MODEL, NUM_EXAMPLES, PARTITION_ID, TRAIN
+from pflalign.wire.state import State
+
+if TYPE_CHECKING:
+    from pflalign.run.rounds import RoundLoop
+
+#: the separator of the array names of an asynchronous checkpoint's entries
+SEP = "|"
+
+
+def _json_number(value: object) -> object:
+    """A reply metric as JSON keeps it (ints stay ints, NumPy scalars become Python ones)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    return value
+
+
+class BufferedRounds:
+    """The asynchronous rounds of one :class:`~pflalign.run.rounds.RoundLoop` on the simulated
+    clock (see the module docstring)."""
+
+    def __init__(self, loop: RoundLoop):
+        self.loop = loop
+        run = loop.server.settings.run
+        pool = loop.server.training_clients()
+        self.concurrency, self.buffer_size = async_sizes(len(pool), run.fraction_train,
+                                                         min(run.concurrency, len(pool)),
+                                                         run.buffer_size)
+        self.buffer_size = min(self.buffer_size, self.concurrency)
+        self.exponent = run.staleness_exponent
+        self.lr = run.async_lr
+        self.schedule = Schedule()
+        #: untrained flights' messages, and trained flights' replies, by dispatch number
+        self.messages: dict[int, Outgoing] = {}
+        self.replies: dict[int, Reply] = {}
+        #: the exchanged global model of each version a flight trains from
+        self.bases: dict[int, State] = {}
+        #: aggregations so far (the version of the current model)
+        self.version = 0
+        #: the round's arrived, usable updates with the version each trained from
+        self.buffer: list[tuple[Update, int]] = []
+
+    # --- dispatching and training --------------------------------------------------------------
+    def fill(self, server_round: int) -> int:
+        """Dispatch clients until ``concurrency`` are in flight (or none is left to dispatch),
+        at the clock's time, or when the next becomes reachable; returns their message bytes."""
+        loop, server = self.loop, self.loop.server
+        pool = server.training_clients()
+        sent = 0
+        while len(self.schedule.flights) < self.concurrency:
+            # a client whose update waits in the buffer is not dispatched again before it is
+            # aggregated: one update per client and aggregation, as in a synchronous round
+            busy = self.schedule.flying() | {update.client for update, _ in self.buffer}
+            candidates = [c for c in pool if c not in busy]
+            if not candidates:
+                break
+            start = loop.sim_time
+            if loop.availability is not None:
+                reachable = loop.availability.available(candidates, start)
+                if not reachable:  # the slot stays empty until a client can be reached
+                    start = loop.availability.next_opening(candidates, start)
+                    reachable = loop.availability.available(candidates, start)
+                candidates = reachable
+            client = draw_client(candidates, server.seed, self.schedule.seq)
+            payload = loop.method.train_payload(server, loop.state, client, server_round)
+            down = sent_bytes(payload.arrays)
+            samples = loop.charged_samples(server.clients[client])
+            earliest = start + loop.profiles.seconds(client, down, samples, 0)
+            flight = self.schedule.dispatch(client, self.version, start, earliest, down, samples)
+            self.messages[flight.seq] = loop.message(client, payload, server_round)
+            if self.version not in self.bases:
+                self.bases[self.version] = server.shared_model(loop.state)
+            sent += down
+        return sent
+
+    def train(self, flights: Sequence[Flight]) -> None:
+        """Train ``flights`` in one exchange and set each one's arrival (a client that failed
+        or gave no reply "arrives" at its lower bound, to be counted and replaced)."""
+        loop = self.loop
+        exchange = loop.exchange(TRAIN, [self.messages.pop(f.seq) for f in flights])
+        replies = {r.sender: r for r in exchange.replies if r.sender is not None}
+        stray = [r for r in exchange.replies if r.sender is None]
+        if stray:  # said once here; their clients' flights fail below
+            loop.validator.collect(stray, {}, {})
+        for flight in flights:
+            reply = replies.get(flight.client) or Reply(
+                flight.client, f"client {flight.client}",
+                error="gave no reply the server could attribute to it")
+            if reply.error is None:
+                flight.arrival = flight.start + loop.profiles.seconds(
+                    flight.client, flight.down, flight.samples,
+                    records_bytes(reply.arrays.values()))
+                # it trained now, from the state it had: a client known to keep state that
+                # had none is warned about, and one that keeps state is asked for it by
+                # checkpoints from now on (its update is used later, or never)
+                loop.check_kept_state([Update(flight.client, 0, reply.metrics, None)])
+            else:
+                flight.arrival = flight.earliest
+            self.replies[flight.seq] = reply
+
+    def train_all(self) -> None:
+        """Train every client in flight that has not trained yet (before an evaluation or a
+        checkpoint)."""
+        untrained = sorted(self.schedule.untrained(), key=lambda f: f.seq)
+        if untrained:
+            self.train(untrained)
+
+    # --- a round -------------------------------------------------------------------------------
+    def round(self, server_round: int) -> tuple[dict, int, int]:
+        """One aggregation: its row entries, and the bytes sent down and up in it."""
+        loop, server, method = self.loop, self.loop.server, self.loop.method
+        begun = loop.sim_time
+        down = self.fill(server_round)  # the first round's clients (later ones: none to add)
+        up = arrivals = 0
+        totals = Collected(good=[])
+        buffer = self.buffer = []
+        reply_arrays = ({MODEL: server.flat, **method.reply_arrays(server)}
+                        if method.uploads_model else {})
+        while len(buffer) < self.buffer_size and self.schedule.flights:
+            needed = self.schedule.must_train()
+            if needed:
+                self.train(needed)
+                continue
+            flight = self.schedule.next_arrival()
+            loop.sim_time = max(loop.sim_time, float(flight.arrival))
+            reply = self.replies.pop(flight.seq)
+            arrivals += 1
+            if reply.error is None:
+                up += records_bytes(reply.arrays.values())
+            collected = loop.validator.collect([reply], reply_arrays,
+                                               method.reply_metrics(TRAIN))
+            for name in ("failed", "timed_out", "rejected"):
+                setattr(totals, name, getattr(totals, name) + getattr(collected, name))
+            for metrics, arrays in collected.good:
+                buffer.append((Update(client=int(metrics[PARTITION_ID]),
+                                      num_examples=metrics[NUM_EXAMPLES], metrics=metrics,
+                                      model=arrays.get(MODEL),
+                                      arrays={k: v for k, v in arrays.items() if k != MODEL}),
+                               flight.version))
+            if len(buffer) < self.buffer_size:
+                down += self.fill(server_round)
+        updates, staleness = self.rebased(buffer)
+        self.buffer = []
+        updates.sort(key=lambda u: u.client)  # the order a synchronous round aggregates in
+        updates, too_large = loop.validator.bound_updates(updates, loop.state.model)
+        loop.note_processes(u.metrics for u in updates)
+        row: dict = {"clients-trained": len(updates), "arrivals": arrivals,
+                     "failures": totals.failed, "timeouts": totals.timed_out,
+                     "rejected": totals.rejected + too_large}
+        if staleness:
+            row.update({"staleness-mean": float(np.mean(staleness)),
+                        "staleness-max": int(max(staleness))})
+        if loop.validator.largest_ratio is not None:
+            row["norm-ratio-max"] = float(loop.validator.largest_ratio)
+        row = loop.aggregate_updates(server_round, updates, row, self.lr)
+        self.version = server_round
+        self.forget_bases()
+        down += self.fill(server_round + 1)  # the arrival that filled the buffer is replaced
+        row.update({"sim-seconds": loop.sim_time - begun, "sim-time": loop.sim_time,
+                    "in-flight": len(self.schedule.flights)})
+        return row, down, up
+
+    def rebased(self, buffer: Sequence[tuple[Update, int]]) -> tuple[list[Update], list[int]]:
+        """The buffer's updates rebased onto the current model with their staleness weights,
+        and each one's staleness."""
+        server = self.loop.server
+        current = server.shared_model(self.loop.state)
+        updates, staleness = [], []
+        for update, version in buffer:
+            stale = self.version - version
+            staleness.append(stale)
+            if update.model is None:
+                updates.append(update)
+                continue
+            weight = staleness_weight(stale, self.exponent)
+            base = self.bases[version]
+            model = rebase(update.model, base, current, weight, stale > 0)
+            updates.append(dataclasses.replace(
+                update, model=model,
+                stale=Stale(update.model, base, stale, weight) if stale else None))
+        return updates, staleness
+
+    def forget_bases(self) -> None:
+        """Drop the global models no flight trains from (the current one is kept for the next
+        dispatches)."""
+        used = {f.version for f in self.schedule.flights.values()}
+        self.bases = {v: b for v, b in self.bases.items() if v in used}
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict, State]:
+        """What a checkpoint keeps (call :meth:`train_all` first): JSON metadata (the flights,
+        the dispatch count, each trained flight's reply without its arrays) and the arrays (the
+        replies' records and the base models), named ``reply|seq|record|key`` and
+        ``base|version|key``."""
+        if self.messages:
+            raise RuntimeError("train every client in flight before saving the schedule")
+        arrays: State = {}
+        replies = {}
+        for seq, reply in self.replies.items():
+            replies[str(seq)] = {"sender": reply.sender, "who": reply.who,
+                                 "metrics": {k: _json_number(v) for k, v in reply.metrics.items()},
+                                 "error": reply.error, "timed-out": reply.timed_out,
+                                 "refused": reply.refused,
+                                 "records": sorted(reply.arrays)}
+            for record, state in reply.arrays.items():
+                for key, value in state.items():
+                    arrays[SEP.join(("reply", str(seq), record, key))] = np.asarray(value)
+        for version, base in self.bases.items():
+            for key, value in base.items():
+                arrays[SEP.join(("base", str(version), key))] = np.asarray(value)
+        meta = {"version": self.version, "seq": self.schedule.seq,
+                "flights": [f.to_json() for f in sorted(self.schedule.flights.values())],
+                "replies": replies}
+        return meta, arrays
+
+    def load_state_dict(self, meta: Mapping, arrays: Mapping[str, np.ndarray]) -> None:
+        """Continue from what :meth:`state_dict` gave."""
+        self.version = int(meta["version"])
+        self.schedule = Schedule()
+        self.schedule.seq = int(meta["seq"])
+        for row in meta["flights"]:
+            flight = Flight.from_json(row)
+            self.schedule.flights[flight.seq] = flight
+        records: dict[int, dict[str, State]] = {}
+        self.bases = {}
+        for name, value in arrays.items():
+            kind, owner, rest = name.split(SEP, 2)
+            if kind == "reply":
+                record, key = rest.split(SEP, 1)
+                records.setdefault(int(owner), {}).setdefault(record, {})[key] = value
+            else:
+                self.bases.setdefault(int(owner), {})[rest] = value
+        self.messages = {}
+        self.replies = {
+            int(seq): Reply(entry["sender"], entry["who"], metrics=dict(entry["metrics"]),
+                            arrays={r: records.get(int(seq), {}).get(r, {})
+                                    for r in entry["records"]},
+                            error=entry["error"], timed_out=entry["timed-out"],
+                            refused=entry["refused"])
+            for seq, entry in meta["replies"].items()}
