@@ -361,3 +361,27 @@ def test_a_run_on_the_simulated_clock_killed_and_resumed_gives_the_uninterrupted
     resumed = json.loads((tmp_path / "k" / "results.json").read_text())
     assert comparable(resumed["methods"]["pflalign"]) == comparable(
         reference["methods"]["pflalign"])
+
+
+@needs_fashion_mnist
+def test_an_asynchronous_run_killed_and_resumed_gives_the_uninterrupted_results(tmp_path):
+    """mode = async: the clients in flight, their replies, the models they trained from and the
+    dispatch count are in the checkpoint, so the resumed run delivers the same arrivals in the
+    same order, with the same staleness, to the bit (pFLAlign with server-held offsets: the
+    server's state holds them too)."""
+    systems = {**TINY, "methods": 'pflalign(pflalign-state="server")', "rounds": 5,
+               "checkpoint-every": 2, "mode": "async", "device-profiles": "lognormal",
+               "concurrency": 4, "buffer-size": 2, "fraction-train": 0.5,
+               "out-dir": str(tmp_path / "k")}
+    reference = run_methods(build_settings({**systems, "checkpoint-every": 0,
+                                            "out-dir": str(tmp_path / "ref")}),
+                            SequentialEngine, Reporter(quiet=True))
+    label = 'pflalign(pflalign-state="server")'
+    assert max(r["staleness-max"] for r in reference["methods"][label]["rounds"]) >= 1
+    proc = _start(systems, resume=False, log=tmp_path / "run.log")
+    _kill_once_written(proc, checkpoint_path(systems["out-dir"], label), tmp_path / "run.log")
+    proc = _start(systems, resume=True, log=tmp_path / "last.log")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "last.log").read_text()[-3000:]
+    assert f"[{label}] resumed from round" in (tmp_path / "last.log").read_text()
+    resumed = json.loads((tmp_path / "k" / "results.json").read_text())
+    assert comparable(resumed["methods"][label]) == comparable(reference["methods"][label])
