@@ -103,6 +103,10 @@ class FlowerEngine(Engine):
         self.node_of: dict[int, int] = {}
         #: the array bytes of the largest message sent so far (bounds a reply's size)
         self.largest_sent = 0
+        #: messages submitted and not yet answered: id -> (client, reply limits, push time), and
+        #: the clients whose submitted message the SuperLink refused
+        self.flying: dict[str, tuple[int, Mapping[str, int] | None, float]] = {}
+        self.refused: list[int] = []
 
     def discover(self) -> dict[int, ClientInfo]:
         """Wait for the nodes, then ask each for its partition-id and split sizes (QUERY).
@@ -218,15 +222,7 @@ class FlowerEngine(Engine):
         # one push for all (as Flower's send_and_receive does: messages share content objects,
         # which the store must hold until every node has pulled them); each message carries
         # its id once pushed, and a message the SuperLink refused has no id among those returned
-        accepted = {str(i) for i in self.grid.push_messages(list(messages.values()))
-                    if i is not None}
-        pending: dict[str, int] = {}
-        unsent = []
-        for key, message in messages.items():
-            if message.metadata.message_id in accepted:
-                pending[message.metadata.message_id] = key
-            else:
-                unsent.append(key)
+        pending, unsent = self.push(messages)
         replies: dict[int, Message] = {}
         timeout = self.timeout if timeout is None else timeout
         started = time.monotonic()
@@ -249,7 +245,59 @@ class FlowerEngine(Engine):
             time.sleep(0.05)
         return replies, sorted([*unsent, *pending.values()])
 
-    def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
+    def push(self, messages: Mapping[int, Message]) -> tuple[dict[str, int], list[int]]:
+        """Push one message per key in one call; returns the pushed messages' ids with their
+        keys, and the keys whose message the SuperLink refused."""
+        accepted = {str(i) for i in self.grid.push_messages(list(messages.values()))
+                    if i is not None}
+        pending: dict[str, int] = {}
+        unsent = []
+        for key, message in messages.items():
+            if message.metadata.message_id in accepted:
+                pending[message.metadata.message_id] = key
+            else:
+                unsent.append(key)
+        return pending, unsent
+
+    # --- asynchronous rounds in real time (pflalign.run.asynchronous.RealTimeRounds) ----------
+    def submit(self, action: str, messages: Sequence[Outgoing]) -> int:
+        """Push ``messages`` without waiting for their replies (:meth:`poll` collects them);
+        returns their bytes."""
+        outgoing, sizes = self.outgoing(action, messages)
+        pushed, unsent = self.push(outgoing)
+        now = time.monotonic()
+        limits = {m.client: m.limits for m in messages}
+        for message_id, cid in pushed.items():
+            self.flying[message_id] = (cid, limits.get(cid), now)
+        self.refused.extend(unsent)
+        return sum(sizes)
+
+    def poll(self) -> list[tuple[int, Reply, int]]:
+        """The replies to :meth:`submit`'s messages that have come since the last call, in the
+        order they were pulled, as ``(client, reply, bytes up)``; a message the SuperLink refused,
+        and one without a reply within ``round-timeout`` of its push, as a failed reply."""
+        out: list[tuple[int, Reply, int]] = [
+            (cid, Reply(cid, f"client {cid}", error="could not be sent its message"), 0)
+            for cid in self.refused]
+        self.refused = []
+        if self.flying:
+            for msg in self.grid.pull_messages(list(self.flying)):
+                entry = self.flying.pop(msg.metadata.reply_to_message_id, None)
+                if entry is not None:
+                    cid, limits, _ = entry
+                    up = 0 if msg.has_error() else message_bytes(msg.content)
+                    out.append((cid, self.reply(cid, msg, limits), up))
+            now = time.monotonic()
+            for message_id, (cid, _, pushed) in list(self.flying.items()):
+                if now - pushed > self.timeout:
+                    del self.flying[message_id]
+                    out.append((cid, Reply(cid, f"client {cid}", timed_out=True, error=(
+                        f"did not reply within round-timeout = {self.timeout:g} s")), 0))
+        return out
+
+    def outgoing(self, action: str, messages: Sequence[Outgoing],
+                 ) -> tuple[dict[int, Message], list[int]]:
+        """The Flower messages of ``messages`` by client, and each one's bytes."""
         records: dict[tuple, ArrayRecord] = {}  # one serialization per distinct state
 
         def record(state: State) -> ArrayRecord:
@@ -266,6 +314,10 @@ class FlowerEngine(Engine):
             for m in messages}
         sizes = [message_bytes(m.content) for m in outgoing.values()]
         self.largest_sent = max([self.largest_sent, *sizes])
+        return outgoing, sizes
+
+    def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
+        outgoing, sizes = self.outgoing(action, messages)
         down = sum(sizes)
         replies, silent = self.send(outgoing)
         up = sum(message_bytes(m.content) for m in replies.values() if not m.has_error())

@@ -19,6 +19,7 @@ Deselect with ``pytest -m "not deployment"``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -358,6 +359,71 @@ def _bad_nodes_leave_the_run(work: Path, env: dict[str, str], node_2: int, port:
     assert "No node answered discovery" not in bound and "all report" not in bound
     method = json.loads((tmp_path / "bound" / "results.json").read_text())["methods"]["fedavg"]
     assert [c["id"] for c in method["clients"]] == [0, 1, 2]
+
+
+
+@needs_fashion_mnist
+@pytest.mark.slow
+def test_asynchronous_rounds_on_supernodes_do_not_wait_for_a_frozen_node(tmp_path):
+    """``mode = async`` in real time (no device profiles) on three real SuperNodes: the client
+    the server dispatches first has its SuperNode frozen (SIGSTOP on its process group, the
+    ClientApp it may have started included) right after discovery, with round-timeout far above
+    the run's length. The run pushes its messages (``Grid.push_messages``) and aggregates the
+    replies as they are pulled (``pull_messages``), one at a time, so all 6 aggregations happen,
+    each of one update, while that node is still frozen, and the run ends without it: the frozen
+    client is in flight at the end (left out of the evaluation, ``eval-busy``) or was reported
+    lost by the SuperLink (a failure), never aggregated. About 2 minutes."""
+    from pflalign.server.buffered import draw_client
+
+    work = tmp_path / "deploy"
+    out = tmp_path / "out"
+    port = _free_ports(4)
+    env = _environment()
+    frozen = draw_client([0, 1, 2], seed=1, draw=0)  # CONFIG's seed: the first dispatch
+    run = run_log = node = None
+    try:
+        _script(work, env, "start", "--nodes", "3", "--port", str(port), "--node-port",
+                str(port + 1), *CONFIG, timeout=180)
+        node = int((work / "pids" / f"node-{frozen}.pid").read_text())
+        run_log = open(tmp_path / "run.log", "w")  # noqa: SIM115 (closed in finally)
+        started = time.monotonic()
+        run = subprocess.Popen(
+            ["bash", str(SCRIPT), "run", "--workdir", str(work), "--rounds", "6", "--methods",
+             "fedavg", "--set", "mode=async", "--set", "concurrency=2", "--set", "buffer-size=1",
+             "--set", "eval-every=6", "--set", "round-timeout=900", "--out", str(out)],
+            stdout=run_log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        _wait_until(lambda: "asynchronous: 2 clients in flight" in (
+            tmp_path / "run.log").read_text(errors="ignore"), 300, "discovery", run,
+            tmp_path / "run.log")
+        os.killpg(node, signal.SIGSTOP)
+        run.wait(timeout=600)
+        seconds = time.monotonic() - started
+        log = (tmp_path / "run.log").read_text()
+        assert run.returncode == 0, log[-5000:]
+        assert (Path("/proc") / str(node) / "stat").read_text().rsplit(")", 1)[1].split()[0] \
+            == "T", "the frozen node was not stopped until the end"
+        assert seconds < 900
+        method = json.loads((out / "results.json").read_text())["methods"]["fedavg"]
+        rows = method["rounds"]
+        assert [r["round"] for r in rows] == list(range(1, 7))
+        assert all(r["clients-trained"] == 1 for r in rows), rows
+        lost = sum(r.get("failures", 0) for r in rows)
+        assert method["final"].get("eval-busy") == 1 or lost >= 1, (method["final"], rows)
+        assert frozen not in {c["id"] for c in method["clients"]}
+        print(f"async deployment: {seconds:.0f} s; frozen client {frozen};",
+              [(r["round"], r["arrivals"], r.get("failures"), round(r["round-seconds"], 1))
+               for r in rows])
+    finally:
+        if node is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node, signal.SIGCONT)
+        if run is not None and run.poll() is None:
+            os.killpg(run.pid, signal.SIGTERM)
+            run.wait(timeout=30)
+        if run_log is not None:
+            run_log.close()
+        _stop(work, env)
+    _nothing_left(work, port)
 
 
 LM_ROUNDS = 1

@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 
 from pflalign.outputs.results import Reporter
 from pflalign.settings.schema import Settings
-from pflalign.wire.messages import ClientInfo, Exchange, Outgoing
+from pflalign.wire.messages import ClientInfo, Exchange, Outgoing, Reply
 
 
 class Engine:
@@ -33,6 +33,17 @@ class Engine:
         replies. A :data:`~pflalign.wire.protocol.RESTORE` record is delivered with every shape
         as it is and not counted in the bytes."""
         raise NotImplementedError
+
+    def submit(self, action: str, messages: Sequence[Outgoing]) -> int:
+        """Deliver ``messages`` without waiting for their replies (asynchronous rounds in real
+        time; only an engine whose clients answer on their own time has it); returns their
+        bytes."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run rounds in real time")
+
+    def poll(self) -> list[tuple[int, Reply, int]]:
+        """The replies to :meth:`submit`'s messages that came since the last call, as
+        ``(client, reply, bytes up)``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run rounds in real time")
 
     def memory_note(self) -> str | None:
         """What the engine keeps beyond memory (spilled client state), for the run's log; None

@@ -12,7 +12,8 @@ flight and whose update is not waiting in the buffer
 updates, each is rebased onto the current model with its staleness weight
 (:func:`~pflalign.server.buffered.rebase`), bounded as a synchronous round's updates are, and
 aggregated by the method's own rule with ``async-lr``; the arrival that filled the buffer is
-replaced after the aggregation, with the new model (a message of the next round).
+replaced after the aggregation, with the new model (a message of the next round; after the
+last round, nobody is dispatched).
 
 **Training runs when it is needed, with the result of training at dispatch.** A client's
 training depends only on the message it was dispatched with and its own state, and no other
@@ -34,12 +35,15 @@ clients in flight after the round's dispatches.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pflalign.engines.sequential import records_bytes, sent_bytes
+from pflalign.process.interrupt import check_stop
 from pflalign.server.buffered import (
     Flight,
     Schedule,
@@ -48,7 +52,6 @@ from pflalign.server.buffered import (
     rebase,
     staleness_weight,
 )
-from pflalign.server.validation import Collected
 from pflalign.wire.messages import Outgoing, Reply, Stale, Update
 from pflalign.wire.protocol import MODEL, NUM_EXAMPLES, PARTITION_ID, TRAIN
 from pflalign.wire.state import State
@@ -56,6 +59,8 @@ from pflalign.wire.state import State
 if TYPE_CHECKING:
     from pflalign.run.rounds import RoundLoop
 
+#: seconds between two polls for replies in real time
+POLL_SECONDS = 0.05
 #: the separator of the array names of an asynchronous checkpoint's entries
 SEP = "|"
 
@@ -69,6 +74,18 @@ def _json_number(value: object) -> object:
     if isinstance(value, (float, np.floating)):
         return float(value)
     return value
+
+
+@dataclass
+class Arrivals:
+    """A round's arrivals: how many, their bytes, and how many failed, timed out or were
+    rejected."""
+
+    count: int = 0
+    bytes_up: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    rejected: int = 0
 
 
 class BufferedRounds:
@@ -104,10 +121,7 @@ class BufferedRounds:
         pool = server.training_clients()
         sent = 0
         while len(self.schedule.flights) < self.concurrency:
-            # a client whose update waits in the buffer is not dispatched again before it is
-            # aggregated: one update per client and aggregation, as in a synchronous round
-            busy = self.schedule.flying() | {update.client for update, _ in self.buffer}
-            candidates = [c for c in pool if c not in busy]
+            candidates = self.candidates(pool, self.schedule.flying())
             if not candidates:
                 break
             start = loop.sim_time
@@ -118,16 +132,29 @@ class BufferedRounds:
                     reachable = loop.availability.available(candidates, start)
                 candidates = reachable
             client = draw_client(candidates, server.seed, self.schedule.seq)
-            payload = loop.method.train_payload(server, loop.state, client, server_round)
-            down = sent_bytes(payload.arrays)
+            message, down = self.dispatched(client, server_round)
             samples = loop.charged_samples(server.clients[client])
             earliest = start + loop.profiles.seconds(client, down, samples, 0)
             flight = self.schedule.dispatch(client, self.version, start, earliest, down, samples)
-            self.messages[flight.seq] = loop.message(client, payload, server_round)
-            if self.version not in self.bases:
-                self.bases[self.version] = server.shared_model(loop.state)
+            self.messages[flight.seq] = message
             sent += down
         return sent
+
+    def candidates(self, pool: Sequence[int], flying: set[int]) -> list[int]:
+        """The clients of ``pool`` that may be dispatched: not in flight, and without an update
+        waiting in the buffer (one update per client and aggregation, as in a synchronous
+        round)."""
+        busy = flying | {update.client for update, _ in self.buffer}
+        return [c for c in pool if c not in busy]
+
+    def dispatched(self, client: int, server_round: int) -> tuple[Outgoing, int]:
+        """The training message of ``client`` dispatched now (the method's payload from the
+        current server state; the current model kept as what it trains from), and its bytes."""
+        loop, server = self.loop, self.loop.server
+        payload = loop.method.train_payload(server, loop.state, client, server_round)
+        if self.version not in self.bases:
+            self.bases[self.version] = server.shared_model(loop.state)
+        return loop.message(client, payload, server_round), sent_bytes(payload.arrays)
 
     def train(self, flights: Sequence[Flight]) -> None:
         """Train ``flights`` in one exchange and set each one's arrival (a client that failed
@@ -164,15 +191,12 @@ class BufferedRounds:
     # --- a round -------------------------------------------------------------------------------
     def round(self, server_round: int) -> tuple[dict, int, int]:
         """One aggregation: its row entries, and the bytes sent down and up in it."""
-        loop, server, method = self.loop, self.loop.server, self.loop.method
+        loop = self.loop
         begun = loop.sim_time
         down = self.fill(server_round)  # the first round's clients (later ones: none to add)
-        up = arrivals = 0
-        totals = Collected(good=[])
-        buffer = self.buffer = []
-        reply_arrays = ({MODEL: server.flat, **method.reply_arrays(server)}
-                        if method.uploads_model else {})
-        while len(buffer) < self.buffer_size and self.schedule.flights:
+        arrivals = Arrivals()
+        self.buffer = []
+        while len(self.buffer) < self.buffer_size and self.schedule.flights:
             needed = self.schedule.must_train()
             if needed:
                 self.train(needed)
@@ -180,29 +204,53 @@ class BufferedRounds:
             flight = self.schedule.next_arrival()
             loop.sim_time = max(loop.sim_time, float(flight.arrival))
             reply = self.replies.pop(flight.seq)
-            arrivals += 1
-            if reply.error is None:
-                up += records_bytes(reply.arrays.values())
-            collected = loop.validator.collect([reply], reply_arrays,
-                                               method.reply_metrics(TRAIN))
-            for name in ("failed", "timed_out", "rejected"):
-                setattr(totals, name, getattr(totals, name) + getattr(collected, name))
-            for metrics, arrays in collected.good:
-                buffer.append((Update(client=int(metrics[PARTITION_ID]),
-                                      num_examples=metrics[NUM_EXAMPLES], metrics=metrics,
-                                      model=arrays.get(MODEL),
-                                      arrays={k: v for k, v in arrays.items() if k != MODEL}),
-                               flight.version))
-            if len(buffer) < self.buffer_size:
+            self.arrive(reply, flight.version, arrivals,
+                        records_bytes(reply.arrays.values()) if reply.error is None else 0)
+            if len(self.buffer) < self.buffer_size:
                 down += self.fill(server_round)
-        updates, staleness = self.rebased(buffer)
+        row = self.aggregate(server_round, arrivals)
+        if server_round < loop.server.rounds:  # the arrival that filled the buffer is replaced
+            down += self.fill(server_round + 1)
+        row.update({"sim-seconds": loop.sim_time - begun, "sim-time": loop.sim_time,
+                    "in-flight": len(self.schedule.flights)})
+        return row, down, arrivals.bytes_up
+
+    def busy(self) -> set[int]:
+        """Clients an evaluation leaves out (none: in simulation a client in flight has
+        trained, and is evaluated as it is after its training)."""
+        return set()
+
+    def arrive(self, reply: Reply, version: int, arrivals: Arrivals, up: int) -> None:
+        """Take an arrived reply of a client that trained from ``version``: validated as a
+        synchronous reply is, and into the buffer when usable; counted in ``arrivals``."""
+        loop, server, method = self.loop, self.loop.server, self.loop.method
+        reply_arrays = ({MODEL: server.flat, **method.reply_arrays(server)}
+                        if method.uploads_model else {})
+        collected = loop.validator.collect([reply], reply_arrays, method.reply_metrics(TRAIN))
+        arrivals.count += 1
+        arrivals.bytes_up += up
+        arrivals.failed += collected.failed
+        arrivals.timed_out += collected.timed_out
+        arrivals.rejected += collected.rejected
+        for metrics, arrays in collected.good:
+            self.buffer.append((Update(client=int(metrics[PARTITION_ID]),
+                                       num_examples=metrics[NUM_EXAMPLES], metrics=metrics,
+                                       model=arrays.get(MODEL),
+                                       arrays={k: v for k, v in arrays.items() if k != MODEL}),
+                                version))
+
+    def aggregate(self, server_round: int, arrivals: Arrivals) -> dict:
+        """Aggregate the buffer (rebased, bounded, the method's rule with ``async-lr``) into the
+        next version; returns the row's entries."""
+        loop = self.loop
+        updates, staleness = self.rebased(self.buffer)
         self.buffer = []
         updates.sort(key=lambda u: u.client)  # the order a synchronous round aggregates in
         updates, too_large = loop.validator.bound_updates(updates, loop.state.model)
         loop.note_processes(u.metrics for u in updates)
-        row: dict = {"clients-trained": len(updates), "arrivals": arrivals,
-                     "failures": totals.failed, "timeouts": totals.timed_out,
-                     "rejected": totals.rejected + too_large}
+        row: dict = {"clients-trained": len(updates), "arrivals": arrivals.count,
+                     "failures": arrivals.failed, "timeouts": arrivals.timed_out,
+                     "rejected": arrivals.rejected + too_large}
         if staleness:
             row.update({"staleness-mean": float(np.mean(staleness)),
                         "staleness-max": int(max(staleness))})
@@ -211,10 +259,7 @@ class BufferedRounds:
         row = loop.aggregate_updates(server_round, updates, row, self.lr)
         self.version = server_round
         self.forget_bases()
-        down += self.fill(server_round + 1)  # the arrival that filled the buffer is replaced
-        row.update({"sim-seconds": loop.sim_time - begun, "sim-time": loop.sim_time,
-                    "in-flight": len(self.schedule.flights)})
-        return row, down, up
+        return row
 
     def rebased(self, buffer: Sequence[tuple[Update, int]]) -> tuple[list[Update], list[int]]:
         """The buffer's updates rebased onto the current model with their staleness weights,
@@ -294,3 +339,77 @@ class BufferedRounds:
                             error=entry["error"], timed_out=entry["timed-out"],
                             refused=entry["refused"])
             for seq, entry in meta["replies"].items()}
+
+
+class RealTimeRounds(BufferedRounds):
+    """``mode = async`` in real time, on an engine that can submit messages and poll for their
+    replies (the Flower engine, without device profiles): the server pushes a message to each
+    client it dispatches (Flower's ``Grid.push_messages``) and takes the replies in the order
+    they are pulled (``Grid.pull_messages``), aggregating every ``buffer-size`` usable ones, so
+    that a slow or silent client holds up only its own slot (until ``round-timeout``, when it is
+    counted as timed out and replaced). Dispatch draws, staleness, rebasing and the method's
+    rule are :class:`BufferedRounds`'; the order of arrivals is the network's, so such a run is
+    not reproducible. An evaluation leaves out the clients in flight (they are busy training;
+    the row's ``eval-busy``), and no checkpoint is written (the replies in flight cannot be
+    kept)."""
+
+    def __init__(self, loop: RoundLoop):
+        super().__init__(loop)
+        #: the clients in flight, with the version each trains from
+        self.flights: dict[int, int] = {}
+        self.draws = 0
+        #: replies pulled and not yet taken (the buffer filled before them)
+        self.pulled: list[tuple[int, Reply, int]] = []
+
+    def busy(self) -> set[int]:
+        return set(self.flights)
+
+    def fill(self, server_round: int) -> int:
+        """Dispatch clients until ``concurrency`` are in flight, and push their messages."""
+        pool = self.loop.server.training_clients()
+        messages = []
+        while len(self.flights) < self.concurrency:
+            candidates = self.candidates(pool, set(self.flights))
+            if not candidates:
+                break
+            client = draw_client(candidates, self.loop.server.seed, self.draws)
+            self.draws += 1
+            message, _ = self.dispatched(client, server_round)
+            self.flights[client] = self.version
+            messages.append(message)
+        if not messages:
+            return 0
+        return self.loop.engine.submit(TRAIN, self.loop.prepared(TRAIN, messages))
+
+    def train_all(self) -> None:
+        """Nothing: a real client trains when its message reaches it."""
+
+    def round(self, server_round: int) -> tuple[dict, int, int]:
+        loop = self.loop
+        down = self.fill(server_round)
+        arrivals = Arrivals()
+        self.buffer = []
+        while len(self.buffer) < self.buffer_size and self.flights:
+            check_stop()
+            if not self.pulled:
+                self.pulled = [entry for entry in loop.engine.poll()
+                               if entry[0] in self.flights]
+                if not self.pulled:
+                    time.sleep(POLL_SECONDS)
+                continue
+            client, reply, up = self.pulled.pop(0)
+            loop.delivered([reply])
+            if reply.error is None:
+                loop.check_kept_state([Update(client, 0, reply.metrics, None)])
+            self.arrive(reply, self.flights.pop(client), arrivals, up)
+            if len(self.buffer) < self.buffer_size:
+                down += self.fill(server_round)
+        row = self.aggregate(server_round, arrivals)
+        if server_round < loop.server.rounds:
+            down += self.fill(server_round + 1)
+        row["in-flight"] = len(self.flights)
+        return row, down, arrivals.bytes_up
+
+    def forget_bases(self) -> None:
+        used = set(self.flights.values())
+        self.bases = {v: b for v, b in self.bases.items() if v in used}

@@ -41,7 +41,7 @@ from pflalign.models.language import is_language_model
 from pflalign.outputs.results import Reporter
 from pflalign.process.interrupt import check_stop
 from pflalign.process.memory import host_id, peak_rss_mb
-from pflalign.run.asynchronous import BufferedRounds
+from pflalign.run.asynchronous import BufferedRounds, RealTimeRounds
 from pflalign.run.audit import Audit
 from pflalign.run.checkpoint import Checkpoint, Snapshot, capture_rng, nonempty, restore_rng
 from pflalign.server.aggregation import mean_cosine
@@ -59,7 +59,7 @@ from pflalign.server.validation import (
 )
 from pflalign.settings.options import ConfigError
 from pflalign.training.loops import num_local_steps
-from pflalign.wire.messages import ClientInfo, Exchange, Outgoing, Payload, Update
+from pflalign.wire.messages import ClientInfo, Exchange, Outgoing, Payload, Reply, Update
 from pflalign.wire.protocol import (
     ARRAY_HEADER,
     CLIENT_SECONDS,
@@ -176,8 +176,9 @@ class RoundLoop:
             f"model {run.model} ({server.flat.size:,} values)")
         server.clients = self.engine.discover()
         self.state = self.method.init_server(server, initial_model)
-        if run.mode == "async":
-            self.buffered = BufferedRounds(self)
+        if run.mode == "async":  # on the simulated clock, or in real time without profiles
+            self.buffered = (BufferedRounds(self) if self.profiles is not None
+                             else RealTimeRounds(self))
             self.reporter.info(f"[{self.label}] asynchronous: {self.buffered.concurrency} clients "
                                f"in flight, aggregating every {self.buffered.buffer_size} "
                                "arrivals")
@@ -280,6 +281,11 @@ class RoundLoop:
                 return
             hooks.append(hook.state_dict())
         buffered: tuple[dict, State] = ({}, {})
+        if isinstance(self.buffered, RealTimeRounds):
+            if server_round == checkpoint.every:
+                self.warn("no checkpoints are written in real-time asynchronous rounds (the "
+                          "replies in flight cannot be kept); a killed run starts over.")
+            return
         if self.buffered is not None:  # replies in flight are kept, never messages
             self.buffered.train_all()
             buffered = self.buffered.state_dict()
@@ -373,25 +379,34 @@ class RoundLoop:
         return None
 
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
-        """The engine's exchange, each message carrying the :meth:`reply_limits` of its action,
-        and each pending restored state attached to its client's
-        train or evaluate message (as the record :data:`~pflalign.wire.protocol.RESTORE`); a client
-        that replies (even with a reply that is then rejected) has it, and it is not sent again.
-        A client that failed or timed out gets it again with its next message."""
+        """The engine's exchange of the :meth:`prepared` messages; each client that replies (even
+        with a reply that is then rejected) has its pending restored state, which is not sent
+        again (:meth:`delivered`). A client that failed or timed out gets it again with its next
+        message."""
+        exchange = self.engine.exchange(action, self.prepared(action, messages))
+        self.delivered(exchange.replies)
+        return exchange
+
+    def prepared(self, action: str, messages: Sequence[Outgoing]) -> list[Outgoing]:
+        """``messages``, each carrying the :meth:`reply_limits` of its action, and each pending
+        restored state attached to its client's train or evaluate message (as the record
+        :data:`~pflalign.wire.protocol.RESTORE`)."""
         limits = self.reply_limits(action)
         if limits is not None:
             messages = [replace(m, limits=limits) for m in messages]
         if not self.pending_restore or action not in (TRAIN, EVALUATE):
-            return self.engine.exchange(action, messages)
-        messages = [Outgoing(m.client, Payload({**m.payload.arrays,
-                                                RESTORE: self.pending_restore[m.client]},
-                                               m.payload.config), m.config, m.limits)
-                    if m.client in self.pending_restore else m for m in messages]
-        exchange = self.engine.exchange(action, messages)
-        for reply in exchange.replies:
-            if reply.error is None and reply.sender is not None:
-                self.pending_restore.pop(reply.sender, None)
-        return exchange
+            return list(messages)
+        return [Outgoing(m.client, Payload({**m.payload.arrays,
+                                            RESTORE: self.pending_restore[m.client]},
+                                           m.payload.config), m.config, m.limits)
+                if m.client in self.pending_restore else m for m in messages]
+
+    def delivered(self, replies: Iterable[Reply]) -> None:
+        """Forget the pending restored state of each client that replied."""
+        if self.pending_restore:
+            for reply in replies:
+                if reply.error is None and reply.sender is not None:
+                    self.pending_restore.pop(reply.sender, None)
 
     def train_round(self, server_round: int) -> tuple[dict, int, int]:
         """One training round: the round's metrics, and the bytes sent down and up."""
@@ -576,7 +591,7 @@ class RoundLoop:
         report a non-finite loss right after an aggregation, that aggregation is rolled back
         and the round evaluated again."""
         metrics, down, up, collected = self._evaluate(server_round)
-        answered = metrics["eval-clients"] - collected.failed
+        answered = metrics["eval-clients"] - metrics.get("eval-busy", 0) - collected.failed
         if self.before_aggregation is not None and 2 * collected.nonfinite_loss > answered > 0:
             self.warn(f"round {server_round}: {collected.nonfinite_loss} of {answered} clients "
                       "report a non-finite loss for the new model; the round's aggregation is "
@@ -589,10 +604,12 @@ class RoundLoop:
 
     def _evaluate(self, server_round: int) -> tuple[dict, int, int, Collected]:
         server, method = self.server, self.method
+        wanted = server.largest_first(server.eval_sample(method.eval_clients(server),
+                                                         server_round))
+        busy = self.buffered.busy() & set(wanted) if self.buffered is not None else set()
         messages = [self.message(cid, method.eval_payload(server, self.state, cid, server_round),
                                  server_round)
-                    for cid in server.largest_first(
-                        server.eval_sample(method.eval_clients(server), server_round))]
+                    for cid in wanted if cid not in busy]  # in real time, in flight: training
         exchange = self.exchange(EVALUATE, messages)
         collected = self.validator.collect(exchange.replies, {}, method.reply_metrics(EVALUATE))
         audit = self.audit.check_evaluation(server_round, messages, collected, self.exchange,
@@ -603,8 +620,10 @@ class RoundLoop:
         rejected = collected.rejected + audit.rejected
         metrics: dict = {"eval-failures": collected.failed + rejected,
                          "eval-rejected": rejected, "evaluated": len(rows),
-                         "eval-clients": len(messages), "eval-audited": audit.audited,
+                         "eval-clients": len(wanted), "eval-audited": audit.audited,
                          "eval-audit-rejected": audit.rejected}
+        if busy:
+            metrics["eval-busy"] = len(busy)
         info = {int(m[PARTITION_ID]): server.clients[int(m[PARTITION_ID])] for m in rows}
         seen = [m for m in rows if not info[int(m[PARTITION_ID])].unseen]
         unseen = [m for m in rows if info[int(m[PARTITION_ID])].unseen]
