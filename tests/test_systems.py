@@ -21,6 +21,7 @@ from pflalign.server.clock import (
     close_round,
     drawn_profiles,
     read_trace,
+    read_windows,
     sample_available,
 )
 from pflalign.server.sampling import sample_clients
@@ -272,3 +273,69 @@ def test_each_method_is_reported_at_the_time_budget(tmp_path):
     assert "fedavg: no evaluation within the budget" in comparison_table(early["methods"])
     with pytest.raises(ConfigError, match="time-budget = 5 .* needs device profiles"):
         build_settings({"time-budget": 5})
+
+
+# --- availability windows from a trace file ------------------------------------------------------
+WINDOWED = ("client,compute,upload,download,windows\n"
+            "0,100,1,5,0-8\n1,100,1,5,6-10;20-24\n2,100,1,5,12-13\n")
+
+
+def test_trace_windows_say_who_can_be_reached_each_hour_of_the_day(tmp_path):
+    windows = read_windows(_trace(tmp_path, WINDOWED), 3)
+    hour = 3600.0
+    assert windows.available([0, 1, 2], 0.0) == [0]
+    assert windows.available([2, 1, 0], 7 * hour) == [1, 0]  # in the order asked
+    assert windows.available([0, 1, 2], 11 * hour) == []
+    assert windows.available([0, 1, 2], (24 + 12.5) * hour) == [2]  # every day again
+    # at 11 h nobody: client 2 opens at 12 h; client 0 alone opens at 24 h
+    assert windows.next_opening([0, 1, 2], 11 * hour) == 12 * hour
+    assert windows.next_opening([0], 11 * hour) == 24 * hour
+    assert windows.next_opening([1], 21 * hour) == 21 * hour
+    as_json = [{"client": c, "compute": 100, "upload": 1, "download": 5, "windows": w}
+               for c, w in enumerate([[[0, 8]], [[6, 10], [20, 24]], [[12, 13]]])]
+    again = read_windows(_trace(tmp_path, json.dumps(as_json), "t.json"), 3)
+    assert np.array_equal(again.start, windows.start) and np.array_equal(again.end, windows.end)
+    assert read_windows(_trace(tmp_path, "client,compute,upload,download\n0,1,1,1\n"), 1) is None
+
+
+@pytest.mark.parametrize(("window", "message"), [
+    ("8-4", r"client 1's window 8-4 is not within the day"),
+    ("0-25", r"window 0-25 is not within the day"),
+    ("6-10;2-4", r"client 1's windows are out of order or overlap \(one starts at 2 h, before "
+                 r"10 h\)"),
+    ("6-10;9-12", r"out of order or overlap"),
+    ("", r"client 1 has no availability window"),
+    ("morning", r"client 1's windows 'morning' are not start-end pairs"),
+])
+def test_bad_windows_are_one_sentence_before_any_data_is_read(tmp_path, window, message):
+    path = _trace(tmp_path, f"client,compute,upload,download,windows\n0,1,1,1,0-24\n"
+                            f"1,1,1,1,{window}\n")
+    with pytest.raises(ConfigError, match=message):
+        build_settings({"device-profiles": path, "num-clients": 2, "availability": "trace"})
+
+
+def test_trace_availability_needs_a_trace_with_windows_and_windows_need_it(tmp_path):
+    with pytest.raises(ConfigError, match="availability = 'trace' reads the windows column of a "
+                                          "trace file, and device-profiles = 'lognormal'"):
+        build_settings({"device-profiles": "lognormal", "availability": "trace"})
+    plain = _trace(tmp_path, "client,compute,upload,download\n0,1,1,1\n1,1,1,1\n")
+    with pytest.raises(ConfigError, match="has none: add one"):
+        build_settings({"device-profiles": plain, "num-clients": 2, "availability": "trace"})
+    windowed = _trace(tmp_path, WINDOWED, "w.csv")
+    with pytest.raises(ConfigError, match="has availability windows, and availability = "
+                                          "'always': set availability = 'trace'"):
+        build_settings({"device-profiles": windowed, "num-clients": 3})
+
+
+@needs_fashion_mnist
+def test_rounds_train_only_the_clients_their_trace_windows_open(tmp_path):
+    """Clients 0-2 open 0-12 h, clients 3-5 12-24 h: the first rounds (hours 0..) sample only
+    among 0-2 (each round's 3 of them), and every row says 3 were reachable."""
+    rows = "".join(f"{c},50,1,5,{'0-12' if c < 3 else '12-24'}\n" for c in range(6))
+    path = _trace(tmp_path, "client,compute,upload,download,windows\n" + rows)
+    results = simulate(build_settings({**RUN, "methods": "fedavg", "device-profiles": path,
+                                       "availability": "trace",
+                                       "out-dir": str(tmp_path / "run")}))
+    for row in results["methods"]["fedavg"]["rounds"]:
+        assert row["sim-time"] < 12 * 3600 and row["available"] == 3
+        assert row["clients-trained"] == 3

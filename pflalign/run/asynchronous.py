@@ -1,4 +1,4 @@
-"""``mode = async`` on the simulated clock: FedBuff's rounds for one :class:`RoundLoop`.
+"""``mode = async``: FedBuff's rounds for one round loop, on the simulated clock or in real time.
 
 A round is one aggregation. The loop keeps ``concurrency`` clients in flight
 (:class:`~pflalign.server.buffered.Schedule`): a client is dispatched with the model version
@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from pflalign.engines.base import Engine
 from pflalign.engines.sequential import records_bytes, sent_bytes
+from pflalign.methods.base import Method
 from pflalign.process.interrupt import check_stop
 from pflalign.server.buffered import (
     Flight,
@@ -52,12 +54,44 @@ from pflalign.server.buffered import (
     rebase,
     staleness_weight,
 )
-from pflalign.wire.messages import Outgoing, Reply, Stale, Update
+from pflalign.server.clock import Availability, DeviceProfiles, WindowAvailability
+from pflalign.server.runtime import ServerRuntime
+from pflalign.server.validation import ReplyValidator
+from pflalign.wire.messages import ClientInfo, Exchange, Outgoing, Payload, Reply, Stale, Update
 from pflalign.wire.protocol import MODEL, NUM_EXAMPLES, PARTITION_ID, TRAIN
-from pflalign.wire.state import State
+from pflalign.wire.state import ServerState, State
 
-if TYPE_CHECKING:
-    from pflalign.run.rounds import RoundLoop
+
+class Loop(Protocol):
+    """What asynchronous rounds use of their round loop (:class:`pflalign.run.rounds.RoundLoop`,
+    which owns them)."""
+
+    server: ServerRuntime
+    method: Method
+    engine: Engine
+    state: ServerState
+    validator: ReplyValidator
+    profiles: DeviceProfiles | None
+    availability: Availability | WindowAvailability | None
+    sim_time: float
+    saved_state: set[int]
+
+    def message(self, client: int, payload: Payload, server_round: int) -> Outgoing: ...
+
+    def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange: ...
+
+    def prepared(self, action: str, messages: Sequence[Outgoing]) -> list[Outgoing]: ...
+
+    def delivered(self, replies: Iterable[Reply]) -> None: ...
+
+    def charged_samples(self, info: ClientInfo) -> int: ...
+
+    def check_kept_state(self, updates: Sequence[Update]) -> None: ...
+
+    def note_processes(self, replies: Iterable[Mapping[str, float]]) -> None: ...
+
+    def aggregate_updates(self, server_round: int, updates: Sequence[Update], row: dict,
+                          lr: float = 1.0) -> dict: ...
 
 #: seconds between two polls for replies in real time
 POLL_SECONDS = 0.05
@@ -92,7 +126,7 @@ class BufferedRounds:
     """The asynchronous rounds of one :class:`~pflalign.run.rounds.RoundLoop` on the simulated
     clock (see the module docstring)."""
 
-    def __init__(self, loop: RoundLoop):
+    def __init__(self, loop: Loop):
         self.loop = loop
         run = loop.server.settings.run
         pool = loop.server.training_clients()
@@ -353,7 +387,7 @@ class RealTimeRounds(BufferedRounds):
     the row's ``eval-busy``), and no checkpoint is written (the replies in flight cannot be
     kept)."""
 
-    def __init__(self, loop: RoundLoop):
+    def __init__(self, loop: Loop):
         super().__init__(loop)
         #: the clients in flight, with the version each trains from
         self.flights: dict[int, int] = {}

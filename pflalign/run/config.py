@@ -41,7 +41,7 @@ from pflalign.models.registry import MODELS
 from pflalign.models.user import is_user_model
 from pflalign.outputs.tracking import parse_tracking
 from pflalign.server.buffered import async_sizes
-from pflalign.server.clock import LOGNORMAL, check_profiles_key, read_trace
+from pflalign.server.clock import LOGNORMAL, TRACE, check_profiles_key, read_trace, read_windows
 from pflalign.server.clock import NONE as NONE_PROFILES
 from pflalign.settings.options import ConfigError, Option, Value
 from pflalign.settings.schema import (
@@ -368,10 +368,23 @@ def _check_systems(values: dict[str, Value]) -> None:
     _check_mode(values)
     kind = str(values["device-profiles"])
     check_profiles_key(kind)
+    clients = int(values["num-clients"]) + int(values["num-unseen-clients"])
     if kind not in (NONE_PROFILES, LOGNORMAL):
         path = Path(kind).expanduser().resolve()
         values["device-profiles"] = str(path)
-        read_trace(path, int(values["num-clients"]) + int(values["num-unseen-clients"]))
+        read_trace(path, clients)
+        windows = read_windows(path, clients)
+        if windows is None and values["availability"] == TRACE:
+            raise ConfigError(f"availability = 'trace' reads the windows column of the trace "
+                              f"file, and '{path}' has none: add one (hours of the day, e.g. "
+                              "0-8;20-24) or choose availability = 'diurnal' or 'always'.")
+        if windows is not None and values["availability"] != TRACE:
+            raise ConfigError(f"The trace file '{path}' has availability windows, and "
+                              f"availability = {values['availability']!r}: set availability = "
+                              "'trace' to use them, or remove the windows column.")
+    elif values["availability"] == TRACE:
+        raise ConfigError(f"availability = 'trace' reads the windows column of a trace file, and "
+                          f"device-profiles = {kind!r}: give a trace file with windows.")
     if kind == NONE_PROFILES:
         for key, idle in (("round-deadline", 0.0), ("over-selection", 1.0)):
             if values[key] != idle:

@@ -211,10 +211,98 @@ class Availability:
         return float(time + wait.min())
 
 
-def availability_of(run: object, num_clients: int) -> Availability | None:
+#: a trace file's optional column of availability windows (``availability = trace``)
+WINDOWS = "windows"
+TRACE = "trace"
+
+
+@dataclass(frozen=True)
+class WindowAvailability:
+    """When each client can be reached, from a trace file's windows: intervals of the day
+    (seconds from midnight, repeating every simulated day), each ``[start, end)``, flattened
+    over the clients (``owner[k]`` is the client of window ``k``)."""
+
+    owner: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+    def _open(self, clients: Sequence[int], time: float) -> tuple[np.ndarray, np.ndarray]:
+        mine = np.isin(self.owner, np.asarray(clients, dtype=np.int64))
+        clock = float(np.mod(time, DAY))
+        return mine, mine & (self.start <= clock) & (clock < self.end)
+
+    def available(self, clients: Sequence[int], time: float) -> list[int]:
+        """The clients of ``clients`` reachable at ``time``, in the order given."""
+        _, inside = self._open(clients, time)
+        reachable = set(self.owner[inside].tolist())
+        return [int(c) for c in clients if int(c) in reachable]
+
+    def next_opening(self, clients: Sequence[int], time: float) -> float:
+        """The first time at or after ``time`` when one of ``clients`` is reachable."""
+        mine, inside = self._open(clients, time)
+        if inside.any():
+            return float(time)
+        wait = np.mod(self.start[mine] - np.mod(time, DAY), DAY)
+        return float(time + wait.min())
+
+
+def _windows(value: object, where: str, client: int) -> list[tuple[float, float]]:
+    """One trace row's windows: ``"0-8;20-24"`` (hours of the day) in CSV, ``[[0, 8], [20,
+    24]]`` in JSON; each start before its end, within 0..24, in increasing order and not
+    overlapping."""
+    try:
+        if isinstance(value, str):
+            pairs = [part.split("-") for part in value.replace(" ", "").split(";") if part]
+        else:
+            pairs = list(value)  # type: ignore[call-overload]
+        windows = [(float(a), float(b)) for a, b in pairs]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: client {client}'s windows {value!r} are not start-end pairs "
+                          "of hours of the day, e.g. '0-8;20-24' (JSON: [[0, 8], [20, 24]]).") \
+            from None
+    if not windows:
+        raise ConfigError(f"{where}: client {client} has no availability window; give at least "
+                          "one, e.g. '0-24' for always.")
+    previous = 0.0
+    for start, end in windows:
+        if not (math.isfinite(start) and math.isfinite(end) and 0 <= start < end <= 24):
+            raise ConfigError(f"{where}: client {client}'s window {start:g}-{end:g} is not "
+                              "within the day: 0 <= start < end <= 24 (hours).")
+        if start < previous:
+            raise ConfigError(f"{where}: client {client}'s windows are out of order or overlap "
+                              f"(one starts at {start:g} h, before {previous:g} h); list them "
+                              "in increasing order.")
+        previous = end
+    return windows
+
+
+def read_windows(path: str | Path, num_clients: int) -> WindowAvailability | None:
+    """The availability windows of a trace file's ``windows`` column, one entry per client
+    (None when the file has no such column)."""
+    path = Path(path)
+    rows = _trace_rows(path)
+    if not any(WINDOWS in row for row in rows):
+        return None
+    is_json = path.suffix.lower() == ".json"
+    owner, start, end = [], [], []
+    for line, row in enumerate(rows, start=1 if is_json else 2):
+        where = f"device-profiles = {str(path)!r}, {'entry' if is_json else 'line'} {line}"
+        client = int(str(row["client"]).strip())  # checked by read_trace
+        for a, b in _windows(row.get(WINDOWS), where, client):
+            owner.append(client)
+            start.append(a * 3600.0)
+            end.append(b * 3600.0)
+    return WindowAvailability(np.asarray(owner, np.int64), np.asarray(start),
+                              np.asarray(end))
+
+
+def availability_of(run: object, num_clients: int) -> Availability | WindowAvailability | None:
     """The run's availability (None for ``availability = always``)."""
     if run.availability == ALWAYS:  # type: ignore[attr-defined]
         return None
+    if run.availability == TRACE:  # type: ignore[attr-defined]
+        return read_windows(Path(run.device_profiles).expanduser(),  # type: ignore
+                            num_clients)
     phase = np.random.default_rng([run.seed, PHASE_STREAM]).uniform(  # type: ignore
         0.0, 24.0, num_clients)
     return Availability(phase=phase, hours=float(run.available_hours))  # type: ignore

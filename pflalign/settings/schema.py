@@ -443,10 +443,12 @@ class RunConfig(Params):
         minimum=0.0, group='systems', scope='run')
     availability: str = param(
         'always',
-        'When clients can be reached (with device-profiles, on the simulated clock): always, or '
+        'When clients can be reached (with device-profiles, on the simulated clock): always, '
         'diurnal (each client for available-hours a day, from a phase of its own drawn from '
-        'the seed; a round samples only among the clients reachable when it starts).',
-        choices=('always', 'diurnal'), group='systems', scope='run')
+        'the seed; a round samples only among the clients reachable when it starts), or trace '
+        '(the windows column of the device-profiles trace file: hours of the day, e.g. '
+        '0-8;20-24).',
+        choices=('always', 'diurnal', 'trace'), group='systems', scope='run')
     available_hours: float = param(
         8.0,
         'availability = diurnal: the hours a day each client can be reached.',
