@@ -207,12 +207,12 @@ def test_async_runs_give_the_same_metrics_and_clock_on_every_engine(tmp_path):
     """Sequential, batched in this process, batched on two Ray workers and a real Flower
     simulation: the same rows (clock, staleness, bytes) and metrics bit for bit, with diurnal
     availability and a server learning rate."""
-    values = {**ASYNC, "methods": "fedrep,pflalign(pflalign-state=server)",
+    values = {**ASYNC, "methods": "pflalign(pflalign-state=server)",
               "availability": "diurnal", "available-hours": 16.0, "async-lr": 0.8}
-    results = three_engines(values, tmp_path, compared_at_least=150)
+    results = three_engines(values, tmp_path, compared_at_least=80)
     workers = simulate(build_settings({**values, "engine": "batched", "batched-workers": "2",
                                        "out-dir": str(tmp_path / "w")}))
     differences, compared = compare(results, workers)
-    assert differences == [] and compared >= 150
+    assert differences == [] and compared >= 80
     rows = [r for entry in results["methods"].values() for r in entry["rounds"]]
     assert max(r["staleness-max"] for r in rows) >= 1

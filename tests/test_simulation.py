@@ -125,8 +125,11 @@ def test_no_ray_process_outlives_the_run(first_run):
 
 
 def test_same_seed_gives_the_same_metrics(first_run, tmp_path):
+    """A second run of the same config and seed, through the same command (on the sequential
+    engine, which needs no Ray start: every engine gives the same metrics), repeats the first's
+    partition, rows and per-client results."""
     _, first, _ = first_run
-    _simulate(tmp_path)
+    _simulate(tmp_path, "--set", "engine=sequential")
     second = json.loads((tmp_path / "results.json").read_text())
     assert second["partition"] == first["partition"]
     timing = {"round-seconds", "train-seconds", "eval-seconds", "client-seconds",

@@ -142,8 +142,8 @@ class Method(Generic[P, C, S]):
                 raise ConfigError(f"{cls.name} cannot run mode = 'async': its server update is "
                                   "not an average of uploaded models that an update from an "
                                   "older model can be rebased into (docs/systems.md lists the "
-                                  "methods that can); use mode = 'sync' for it, e.g. "
-                                  f"'{cls.name}(mode=sync)'.")
+                                  "methods that can); run it with mode = 'sync', or leave "
+                                  "it out of this run.")
             if settings.gga.enabled:
                 raise ConfigError("gga = true anneals the global model before each synchronous "
                                   "round's training, and mode = 'async' has no such rounds: "
