@@ -120,7 +120,8 @@ def three_engines(values: Mapping[str, object], out, compared_at_least: int) -> 
     flags = [arg for k, v in values.items()
              for arg in ("--set", f"{k}={json.dumps(v) if isinstance(v, str) else v}")]
     result = subprocess.run([sys.executable, str(ROOT / "simulate.py"), *flags, "--quiet",
-                             "--set", "engine=flower", "--out", str(out / "f")],
+                             "--set", "engine=flower", "--set", "report=false",
+                             "--out", str(out / "f")],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     flower = json.loads((out / "f" / "results.json").read_text())

@@ -180,6 +180,10 @@ def test_the_first_aggregation_waits_for_the_second_arrival_computed_by_hand(tmp
     assert [r["in-flight"] for r in rows] == [4, 4, 4, 3]
     assert all(b["sim-time"] >= a["sim-time"] for a, b in zip(rows, rows[1:], strict=False))
     assert max(r["staleness-max"] for r in rows) >= 1  # later rounds take stale updates
+    usage = results["methods"]["fedavg"]["usage"]
+    assert sum(u["used"] for u in usage) == 2 * len(rows)  # every aggregated update
+    # four first dispatches, a replacement per arrival except after the last aggregation
+    assert sum(u["dispatched"] for u in usage) == 4 + sum(r["arrivals"] for r in rows) - 1
 
 
 @needs_fashion_mnist

@@ -126,11 +126,14 @@ def test_no_ray_process_outlives_the_run(first_run):
 
 def test_same_seed_gives_the_same_metrics(first_run, tmp_path):
     """A second run of the same config and seed, through the same command (on the sequential
-    engine, which needs no Ray start: every engine gives the same metrics), repeats the first's
-    partition, rows and per-client results."""
+    engine, which needs no Ray start: every engine gives the same metrics; and without its
+    report), repeats the first's partition, rows and per-client results."""
     _, first, _ = first_run
-    _simulate(tmp_path, "--set", "engine=sequential")
+    _simulate(tmp_path, "--set", "engine=sequential", "--set", "report=false")
     second = json.loads((tmp_path / "results.json").read_text())
+    # report = false: results.json and results.csv, no report.md or plots
+    assert (tmp_path / "results.csv").is_file()
+    assert not (tmp_path / "report.md").exists() and not (tmp_path / "plots").exists()
     assert second["partition"] == first["partition"]
     timing = {"round-seconds", "train-seconds", "eval-seconds", "client-seconds",
               "seconds-per-round", "total-seconds"}

@@ -185,6 +185,11 @@ def test_a_deadline_drops_the_late_and_over_selection_keeps_the_first(tmp_path):
                                      "out-dir": str(tmp_path / "deadline")}))
     rows = timed["methods"]["fedavg"]["rounds"]
     assert all(r["late"] >= 1 and r["clients-trained"] == 3 - r["late"] for r in rows)
+    # usage: every sampled client was sent a training, and only those on time were aggregated
+    usage = timed["methods"]["fedavg"]["usage"]
+    assert sum(u["dispatched"] for u in usage) == 3 * len(rows)
+    assert sum(u["used"] for u in usage) == sum(r["clients-trained"] for r in rows)
+    assert any(u["used"] < u["dispatched"] for u in usage)
     assert all(r["sim-seconds"] == deadline for r in rows)
     over = simulate(build_settings({**base, "over-selection": 1.5,
                                     "out-dir": str(tmp_path / "over")}))

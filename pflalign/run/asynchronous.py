@@ -86,6 +86,8 @@ class Loop(Protocol):
 
     def charged_samples(self, info: ClientInfo) -> int: ...
 
+    def dispatched(self, clients: Iterable[int]) -> None: ...
+
     def check_kept_state(self, updates: Sequence[Update]) -> None: ...
 
     def note_processes(self, replies: Iterable[Mapping[str, float]]) -> None: ...
@@ -170,6 +172,7 @@ class BufferedRounds:
             samples = loop.charged_samples(server.clients[client])
             earliest = start + loop.profiles.seconds(client, down, samples, 0)
             flight = self.schedule.dispatch(client, self.version, start, earliest, down, samples)
+            loop.dispatched([client])
             self.messages[flight.seq] = message
             sent += down
         return sent
@@ -410,6 +413,7 @@ class RealTimeRounds(BufferedRounds):
             self.draws += 1
             message, _ = self.dispatched(client, server_round)
             self.flights[client] = self.version
+            self.loop.dispatched([client])
             messages.append(message)
         if not messages:
             return 0

@@ -46,6 +46,7 @@ from pflalign.run.study import (
     parse_sweep,
     scenario_names,
     scenario_values,
+    wants_report,
 )
 from pflalign.settings.options import ConfigError
 from pflalign.settings.schema import Settings
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 reporter.close()
         if doc.get("kind") == "study":
             reporter.result("\n" + leaderboard_text(doc))
-        reporter.result(f"Report: {Path(plan.out_dir, 'report.md').resolve()}")
+        if wants_report(doc):
+            reporter.result(f"Report: {Path(plan.out_dir, 'report.md').resolve()}")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -150,6 +150,9 @@ class RoundLoop:
         #: per client process (host id, pid) that sent an accepted reply in this run: the
         #: largest peak memory it reported (MiB) and how many such replies it sent
         self.client_processes: dict[tuple[int, int], tuple[float, int]] = {}
+        #: per training client: how many trainings it was sent, and how many of its updates were
+        #: aggregated (the result's ``usage``: who a deadline or staleness leaves out)
+        self.usage: dict[int, list[int]] = {}
 
     @property
     def label(self) -> str:
@@ -223,7 +226,14 @@ class RoundLoop:
             if checkpoint is not None and checkpoint.due(server_round):
                 self.write_checkpoint(checkpoint, server_round, last_eval)
         return {"rounds": self.rounds, "final": self.final_metrics(last_eval),
-                "clients": self.client_results, "processes": self.processes()}
+                "clients": self.client_results, "processes": self.processes(),
+                "usage": [{"id": cid, "dispatched": sent, "used": used}
+                          for cid, (sent, used) in sorted(self.usage.items())]}
+
+    def dispatched(self, clients: Iterable[int]) -> None:
+        """Count a training sent to each of ``clients`` (:attr:`usage`)."""
+        for cid in clients:
+            self.usage.setdefault(cid, [0, 0])[0] += 1
 
     def check_deadline(self) -> None:
         """Refuse, before any training, a ``round-deadline`` that no training client can meet
@@ -296,6 +306,7 @@ class RoundLoop:
                                 else self.before_aggregation.to_arrays()),
             clients={}, rounds=self.rounds, client_results=self.client_results,
             saved_state=sorted(self.saved_state), last_eval=dict(last_eval), hooks=hooks,
+            usage={str(cid): counts for cid, counts in self.usage.items()},
             rng_arrays=rng_arrays, rng_meta=rng_meta,
             norms={part: [list(kept) for kept in rounds]
                    for part, rounds in self.validator.norm_history.items()},
@@ -353,6 +364,7 @@ class RoundLoop:
         self.rounds = list(snapshot.rounds)
         self.client_results = list(snapshot.client_results)
         self.saved_state = set(snapshot.saved_state)
+        self.usage = {int(cid): list(counts) for cid, counts in snapshot.usage.items()}
         self.pending_restore = nonempty(snapshot.clients)  # each read when it is sent
         self.validator.norm_history = {part: [[float(n) for n in kept] for kept in rounds]
                                        for part, rounds in snapshot.norms.items()}
@@ -422,6 +434,7 @@ class RoundLoop:
         messages = [self.message(cid, method.train_payload(server, self.state, cid, server_round),
                                  server_round)
                     for cid in server.largest_first(sampled)]
+        self.dispatched(m.client for m in messages)
         states, audit = self.audit.training_states(
             server_round, [m.client for m in messages], self.pending_restore, self.exchange,
             lambda cid: self.message(cid, Payload(), server_round))
@@ -485,6 +498,8 @@ class RoundLoop:
             row.update({"clients-trained": 0, "rolled-back": 1})
             return row
         self.before_aggregation = previous
+        for update in updates:
+            self.usage.setdefault(update.client, [0, 0])[1] += 1
         if method.uploads_model:
             row["update-cosine"] = self.update_cosine(previous.model, self.state.model, updates)
         for key in method.client_diagnostics:

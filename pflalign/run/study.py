@@ -546,4 +546,11 @@ def write_outputs(out: Path, doc: Mapping) -> None:
     from pflalign.outputs.report import write_csv, write_report
 
     write_csv(out / "results.csv", doc)
-    write_report(out, doc)
+    if wants_report(doc):
+        write_report(out, doc)
+
+
+def wants_report(doc: Mapping) -> bool:
+    """Whether the run's ``report`` key asks for report.md and its plots."""
+    config = doc.get("config") or next(iter(doc.get("runs") or []), {}).get("config") or {}
+    return bool(config.get("report", True))

@@ -107,6 +107,11 @@ class RunConfig(Params):
         'results',
         'Directory for results.json (created if missing).',
         group='run', scope='output')
+    report: bool = param(
+        True,
+        'Write report.md and its plots beside results.json and results.csv (false: skip them, '
+        'e.g. for many quick runs; `python -m pflalign.outputs.report` writes them later).',
+        group='run', scope='output')
     dataset: str = param(
         'fashion-mnist',
         'Dataset: fashion-mnist (embedded default, read from '
