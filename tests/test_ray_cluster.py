@@ -17,7 +17,7 @@ from conftest import ROOT, needs_fashion_mnist
 from processes import listening_addresses, session_processes, stop_session
 
 TINY = ["--set", "num-clients=3", "--set", "max-samples=1200", "--set", "rounds=2",
-        "--set", "eval-every=1", "--methods", "fedavg", "--quiet"]
+        "--set", "eval-every=1", "--set", "report=false", "--methods", "fedavg", "--quiet"]
 
 
 def _free_port() -> int:

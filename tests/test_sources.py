@@ -76,12 +76,14 @@ def test_images_from_an_npz_file(tmp_path):
 
 
 def test_feature_vectors_with_natural_clients(tmp_path):
+    """The sequential and batched engines (an npz file read by the Flower engine's nodes is
+    test_user_model's three-engine test; feature vectors on Flower, test_synthetic's)."""
     path = tmp_path / "features.npz"
     write_features(path)
     assert dataset_kind(f"npz:{path}") == "features"
     results = three_engines({**RUN, "dataset": f"npz:{path}", "model": "mlp",
                              "methods": "fedavg,local", "partition": "natural"}, tmp_path,
-                            compared_at_least=40)
+                            compared_at_least=40, flower=False)
     with np.load(path) as data:
         sizes = Counter(data["client"].tolist())
     clients = results["partition"]["clients"]
