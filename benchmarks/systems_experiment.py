@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from pflalign.data.federated import federated_dataset  # noqa: E402
 from pflalign.engines.sequential import records_bytes  # noqa: E402
+from pflalign.outputs.plots import per_time  # noqa: E402
 from pflalign.outputs.report import study_runs  # noqa: E402
 from pflalign.outputs.stats import mean_ci  # noqa: E402
 from pflalign.run.config import build_settings, load_toml  # noqa: E402
@@ -208,7 +209,8 @@ def main() -> None:
 
 
 def plot(data: dict, path: Path) -> None:
-    """Mean personal accuracy against simulated hours, one panel per scenario and setting."""
+    """Personal accuracy at equal simulated time (mean over seeds), one panel per scenario and
+    setting."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -220,10 +222,13 @@ def plot(data: dict, path: Path) -> None:
         for j, name in enumerate(SETTINGS):
             ax = axes[i][j]
             for label, curves in data[scenario][name].items():
-                length = min(len(c) for c in curves)
-                hours = np.mean([[p[0] for p in c[:length]] for c in curves], axis=0)
-                acc = np.mean([[p[1] for p in c[:length]] for c in curves], axis=0)
-                ax.plot(hours, 100 * acc, label=label)
+                # at each simulated time, every seed's last evaluation by then (the report's
+                # simtime plot), mean over seeds
+                runs = {seed: {"methods": {label: {"rounds": [
+                    {"sim-time": 3600 * hours, "personal-acc": acc} for hours, acc in curve]}}}
+                    for seed, curve in enumerate(curves)}
+                series = per_time(runs, label, "personal-acc")
+                ax.plot([h for h, _ in series], [100 * ci[0] for _, ci in series], label=label)
             ax.set_title(f"{scenario} / {name}", fontsize=9)
             ax.set_xlabel("simulated hours")
             ax.set_ylabel("personal-acc (%)")

@@ -328,3 +328,29 @@ def test_real_study_report_reads_only_results_json(real_study, tmp_path):
     assert names == {f"{kind}-dir-0.1.png" for kind in PLOT_KINDS}
     for name in sorted(names):
         _check_png(tmp_path / "plots" / name)
+
+
+def test_accuracy_at_equal_simulated_time_reads_each_seed_as_time_budget_does(tmp_path):
+    """The simulated-time plot's points: at each time some seed evaluated (within the span every
+    seed covers), each seed's last evaluation by then, averaged over seeds."""
+    from pflalign.outputs import plots
+
+    def run(points):
+        return {"methods": {"fedavg": {"rounds": [
+            {"round": i + 1, "sim-time": t, "personal-acc": a} for i, (t, a) in
+            enumerate(points)] + [{"round": 99, "sim-time": 1.0}]}}}  # a row without accuracy
+
+    runs = {0: run([(3600.0, 0.5), (7200.0, 0.7)]),
+            1: run([(1800.0, 0.4), (5400.0, 0.6), (9000.0, 0.8)])}
+    series = plots.per_time(runs, "fedavg", "personal-acc")
+    assert [hours for hours, _ in series] == [1.0, 1.5, 2.0]
+    assert [ci[0] for _, ci in series] == pytest.approx([0.45, 0.55, 0.65])
+    path = plots.plot_accuracy_time(tmp_path / "simtime.png", runs, ["fedavg"],
+                                    {"fedavg": "C0"}, "t")
+    _check_png(path)
+    for rows in (runs[0]["methods"]["fedavg"]["rounds"], runs[1]["methods"]["fedavg"]["rounds"]):
+        for row in rows:
+            row.pop("sim-time")
+    assert plots.per_time(runs, "fedavg", "personal-acc") == []
+    assert plots.plot_accuracy_time(tmp_path / "none.png", runs, ["fedavg"],
+                                    {"fedavg": "C0"}, "t") is None

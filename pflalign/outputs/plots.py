@@ -77,6 +77,32 @@ def _per_round(runs: Mapping[int, Mapping], label: str, key: str) -> list[tuple[
     return [(r, stats.mean_ci(v)) for r, v in sorted(by_round.items())]
 
 
+def per_time(runs: Mapping[int, Mapping], label: str,
+              key: str) -> list[tuple[float, tuple]]:
+    """``[(simulated hours, mean_ci over seeds)]`` at equal simulated time: at each time some
+    seed evaluated, every seed's last evaluation of ``key`` whose round ended by then (as
+    ``time-budget`` reads a run), over the span where every seed has one. Empty without a
+    clock (no ``sim-time`` in the rows)."""
+    timelines = []
+    for run in runs.values():
+        rows = run.get("methods", {}).get(label, {}).get("rounds", [])
+        points = sorted((float(r["sim-time"]), float(r[key])) for r in rows
+                        if _finite(r.get(key)) and _finite(r.get("sim-time")))
+        if not points:
+            return []
+        timelines.append(points)
+    if not timelines:
+        return []
+    start = max(t[0][0] for t in timelines)
+    end = min(t[-1][0] for t in timelines)
+    grid = sorted({time for t in timelines for time, _ in t if start <= time <= end})
+    out = []
+    for time in grid:
+        values = [next(v for s, v in reversed(t) if s <= time) for t in timelines]
+        out.append((time / 3600.0, stats.mean_ci(values)))
+    return out
+
+
 def _clip_percent(ax: Axes) -> None:
     """Keep an accuracy axis within [-5, 105] % (t bands over few seeds can run far past)."""
     low, high = ax.get_ylim()
@@ -87,7 +113,7 @@ def _round_axis(ax: Axes) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _draw_band(ax: Axes, series: list[tuple[int, tuple]], scale: float, color: str,
+def _draw_band(ax: Axes, series: list[tuple[float, tuple]], scale: float, color: str,
                label: str) -> None:
     x = np.array([r for r, _ in series], dtype=float)
     mean = np.array([ci[0] for _, ci in series]) * scale
@@ -105,10 +131,9 @@ def _seed_note(runs: Mapping) -> str:
     return f"{n} seed{'s' if n != 1 else ''}"
 
 
-def plot_accuracy_rounds(path: Path, runs: Mapping[int, Mapping], labels: Sequence[str],
-                         colors: Mapping[str, str], title: str) -> Path | None:
-    """Personal accuracy per evaluated round per method: mean over seeds, 95% t band."""
-    series = {lb: _per_round(runs, lb, "personal-acc") for lb in labels}
+def _plot_accuracy(path: Path, series: Mapping[str, list], colors: Mapping[str, str],
+                   xlabel: str, title: str) -> Path | None:
+    """Personal accuracy, one band per method with data; ``None`` when none has."""
     series = {lb: s for lb, s in series.items() if s}
     if not series:
         return None
@@ -116,16 +141,34 @@ def plot_accuracy_rounds(path: Path, runs: Mapping[int, Mapping], labels: Sequen
     ax = fig.add_subplot()
     for lb, s in series.items():
         _draw_band(ax, s, 100, colors[lb], lb)
-    ax.set_xlabel("round")
-    _round_axis(ax)
+    ax.set_xlabel(xlabel)
+    if xlabel == "round":
+        _round_axis(ax)
     _clip_percent(ax)
     ax.set_ylabel("personal accuracy (%)")
-    ax.set_title(f"{title}: personal accuracy per round\n(mean over {_seed_note(runs)}, 95% CI "
-                 "band)", fontsize=10)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def plot_accuracy_rounds(path: Path, runs: Mapping[int, Mapping], labels: Sequence[str],
+                         colors: Mapping[str, str], title: str) -> Path | None:
+    """Personal accuracy per evaluated round per method: mean over seeds, 95% t band."""
+    return _plot_accuracy(
+        path, {lb: _per_round(runs, lb, "personal-acc") for lb in labels}, colors, "round",
+        f"{title}: personal accuracy per round\n(mean over {_seed_note(runs)}, 95% CI band)")
+
+
+def plot_accuracy_time(path: Path, runs: Mapping[int, Mapping], labels: Sequence[str],
+                       colors: Mapping[str, str], title: str) -> Path | None:
+    """Personal accuracy against the simulated clock (runs with device profiles): at each
+    simulated hour, every seed's last evaluation by then, mean over seeds with a 95% t band."""
+    return _plot_accuracy(
+        path, {lb: per_time(runs, lb, "personal-acc") for lb in labels}, colors,
+        "simulated time (hours)", f"{title}: personal accuracy at equal simulated time\n(each "
+        f"seed's last evaluation by then, mean over {_seed_note(runs)}, 95% CI band)")
 
 
 def plot_client_distribution(path: Path, runs: Mapping[int, Mapping], labels: Sequence[str],
@@ -327,6 +370,8 @@ def write_group_plots(plot_dir: Path, name: str, runs: Mapping[int, Mapping], gr
     made = [
         ("Personal accuracy per round", plot_accuracy_rounds(file("accuracy"), runs, labels,
                                                              colors, title)),
+        ("Personal accuracy by simulated time", plot_accuracy_time(
+            file("simtime"), runs, labels, colors, title)),
         ("Per-client accuracy", plot_client_distribution(file("clients"), runs, labels, colors,
                                                          title)),
         (f"Paired differences vs {reference}", plot_forest(
