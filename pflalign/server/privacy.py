@@ -1,0 +1,189 @@
+"""User-level differential privacy for the uploads: the pieces that involve no engine.
+
+DP-FedAvg (McMahan et al., "Learning Differentially Private Recurrent Language Models", ICLR
+2018). A client's contribution to a round is its update ``delta_i`` (what it uploads minus the
+model it received), clipped to the L2 norm ``C``:
+
+    clip(delta_i) = delta_i * min(1, C / ||delta_i||)
+
+and the server releases the noised sum, divided by a denominator fixed before the round (the
+expected number of clients a round samples, ``m``), never by the count that replied:
+
+    Delta = (sum_i clip(delta_i) + N(0, (z C)^2 I)) / m
+
+Adding or removing one client changes the sum by at most ``C`` in L2 norm, so each round is the
+Gaussian mechanism with noise multiplier ``z`` on a sensitivity-``C`` query; a round that samples
+each client independently with probability ``q`` (Poisson sampling) is the sampled Gaussian
+mechanism, whose privacy the Renyi-DP accountant tracks (:class:`Accountant`).
+
+Adaptive clipping (Andrew et al., "Differentially Private Learning with Adaptive Clipping",
+NeurIPS 2021): ``C`` follows a target quantile ``gamma`` of the clients' update norms. Each client
+also reports whether its norm was within ``C`` (``b_i`` in {0, 1}); the server releases the noised
+fraction ``b = (sum_i (b_i - 1/2) + N(0, sigma_b^2)) / m + 1/2`` and moves the bound
+geometrically, ``C <- C exp(-eta (b - gamma))``. The count has sensitivity 1/2, so for the two
+releases together to cost what one Gaussian release at multiplier ``z`` does, the updates' sum
+gets the multiplier ``z_delta = (z^-2 - (2 sigma_b)^-2)^-1/2`` (:func:`update_noise_multiplier`).
+
+Noise is drawn from a generator keyed by (seed, round, stream), so a resumed run draws what the
+uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pflalign.settings.options import ConfigError
+
+#: the random stream of the noise added to a round's sum of updates (and to its clip count)
+NOISE_STREAM = 31
+#: the random stream of a round's Poisson draw of clients (``sampling = poisson``)
+POISSON_STREAM = 32
+#: the random stream of a client's own noise (``dp = local``), keyed also by the client
+LOCAL_NOISE_STREAM = 33
+
+
+def clip(vector: np.ndarray, bound: float) -> tuple[np.ndarray, float]:
+    """``vector`` scaled to an L2 norm of at most ``bound`` (float64), and its norm before. A
+    vector already within the bound is returned unscaled."""
+    if not bound > 0:
+        raise ValueError(f"a clipping bound must be positive, got {bound}")
+    vector = np.asarray(vector, dtype=np.float64)
+    norm = float(np.linalg.norm(vector))
+    if norm <= bound:
+        return vector, norm
+    return vector * (bound / norm), norm
+
+
+def noise_rng(seed: int, server_round: int, stream: int = NOISE_STREAM,
+              client: int | None = None) -> np.random.Generator:
+    """The generator of round ``server_round``'s noise (and ``client``'s own, for local DP)."""
+    key = [seed, server_round, stream] + ([] if client is None else [client])
+    return np.random.default_rng(key)
+
+
+def gaussian_noise(size: int, std: float, rng: np.random.Generator) -> np.ndarray:
+    """``size`` draws of N(0, std^2) in float64 (zeros when ``std`` is 0)."""
+    if std < 0:
+        raise ValueError(f"a noise standard deviation cannot be negative, got {std}")
+    return rng.normal(0.0, std, size) if std > 0 else np.zeros(size)
+
+
+def noised_mean(deltas: Sequence[np.ndarray], bound: float, std: float, denominator: float,
+                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """DP-FedAvg's release: ``(sum_i clip(delta_i) + N(0, std^2 I)) / denominator`` and the
+    clients' norms before clipping. ``std`` is ``z_delta * bound``; an empty round releases the
+    noise alone."""
+    if not denominator > 0:
+        raise ValueError(f"the denominator must be positive, got {denominator}")
+    if not deltas:
+        raise ValueError("noised_mean needs the size of the update: pass at least one delta")
+    total = np.zeros(np.shape(deltas[0]), dtype=np.float64)
+    norms = np.empty(len(deltas))
+    for i, delta in enumerate(deltas):
+        clipped, norms[i] = clip(delta, bound)
+        total += clipped
+    total += gaussian_noise(total.size, std, rng).reshape(total.shape)
+    return total / denominator, norms
+
+
+def update_noise_multiplier(noise_multiplier: float, count_std: float) -> float:
+    """The updates' noise multiplier ``z_delta`` when a clip count with noise ``count_std``
+    (sigma_b) is released beside them, so that both together cost one release at
+    ``noise_multiplier`` (Andrew et al. 2021, Theorem 1): ``(z^-2 - (2 sigma_b)^-2)^-1/2``.
+    Without a count (``count_std`` = 0: a fixed clip) it is ``z`` itself."""
+    if noise_multiplier == 0 or count_std == 0:
+        return noise_multiplier
+    rest = noise_multiplier ** -2 - (2 * count_std) ** -2
+    if rest <= 0:
+        raise ValueError(f"the clip count's noise ({count_std:g}) must exceed 1 / (2 z) = "
+                         f"{1 / (2 * noise_multiplier):g} for the updates to get any of the "
+                         f"noise budget (z = {noise_multiplier:g})")
+    return rest ** -0.5
+
+
+def adapt_clip(bound: float, norms: Sequence[float], quantile: float, lr: float,
+               count_std: float, denominator: float, rng: np.random.Generator) -> float:
+    """The next round's bound (Andrew et al. 2021, geometric update):
+    ``C exp(-lr (b - quantile))`` with ``b`` the noised fraction of clients whose update norm was
+    within ``C``, ``(sum_i (1[norm_i <= C] - 1/2) + N(0, count_std^2)) / denominator + 1/2``."""
+    centred = sum((1.0 if n <= bound else 0.0) - 0.5 for n in norms)
+    fraction = (centred + float(gaussian_noise(1, count_std, rng)[0])) / denominator + 0.5
+    return float(bound * math.exp(-lr * (fraction - quantile)))
+
+
+def poisson_sample(pool: Sequence[int], rate: float, seed: int, server_round: int) -> list[int]:
+    """Each client of ``pool`` independently with probability ``rate`` (possibly none), sorted;
+    reproducible from (seed, round) and the same for every method."""
+    ordered = sorted(pool)
+    rng = np.random.default_rng([seed, server_round, POISSON_STREAM])
+    keep = rng.random(len(ordered)) < rate
+    return [int(c) for c, k in zip(ordered, keep, strict=True) if k]
+
+
+@dataclass
+class Accountant:
+    """The run's privacy loss so far, by Opacus's Renyi-DP accountant of the sampled Gaussian
+    mechanism (Mironov, Talwar and Zhang, "Renyi Differential Privacy of the Sampled Gaussian
+    Mechanism", 2019), converted to (epsilon, delta) by Balle et al. (AISTATS 2020, Theorem 21).
+
+    ``sample_rate`` is the probability that a round includes a given client: ``q`` under Poisson
+    sampling; 1 under fixed-size sampling, whose rounds are then composed without amplification
+    by sampling (a valid bound for any way of choosing the clients, and a loose one)."""
+
+    delta: float
+    sample_rate: float
+    #: (noise multiplier, sample rate, rounds) runs, as Opacus keeps them
+    history: list[tuple[float, float, int]] = field(default_factory=list)
+
+    def step(self, noise_multiplier: float, rounds: int = 1) -> None:
+        """Account ``rounds`` more releases at ``noise_multiplier``."""
+        if self.history and self.history[-1][:2] == (noise_multiplier, self.sample_rate):
+            z, q, n = self.history[-1]
+            self.history[-1] = (z, q, n + rounds)
+        else:
+            self.history.append((noise_multiplier, self.sample_rate, rounds))
+
+    def epsilon(self) -> float:
+        """Epsilon spent so far at the run's delta (0 before any release; inf without noise)."""
+        return epsilon_of(self.history, self.delta)
+
+    def state_dict(self) -> dict:
+        return {"history": [list(h) for h in self.history]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = [(float(z), float(q), int(n)) for z, q, n in state["history"]]
+
+
+def epsilon_of(history: Sequence[tuple[float, float, int]], delta: float) -> float:
+    """Epsilon at ``delta`` of the composed ``(noise multiplier, sample rate, rounds)`` runs."""
+    if not history:
+        return 0.0
+    if any(z == 0 for z, _, n in history if n):
+        return math.inf
+    from opacus.accountants import RDPAccountant  # imported only for a run with dp
+
+    accountant = RDPAccountant()
+    accountant.history = [tuple(h) for h in history]
+    return float(accountant.get_epsilon(delta=delta))
+
+
+def calibrate(target_epsilon: float, delta: float, sample_rate: float, rounds: int,
+              tolerance: float = 0.01) -> float:
+    """The smallest noise multiplier (within ``tolerance`` of the target in epsilon) whose
+    ``rounds`` releases at ``sample_rate`` spend at most ``target_epsilon`` at ``delta``
+    (Opacus's search); a target no noise reaches is one sentence."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    try:
+        return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta,
+                                          sample_rate=sample_rate, steps=rounds,
+                                          accountant="rdp", epsilon_tolerance=tolerance))
+    except ValueError as error:
+        raise ConfigError(f"dp-epsilon = {target_epsilon:g} cannot be reached at dp-delta = "
+                          f"{delta:g} in {rounds} rounds at a sample rate of {sample_rate:g} "
+                          f"with any noise multiplier up to 1e6 ({error}); raise dp-epsilon or "
+                          "dp-delta, or run fewer rounds.") from None

@@ -1,0 +1,145 @@
+"""pflalign.server.privacy: clipping, the Gaussian release, adaptive clipping, Poisson sampling
+and the accountant, against values computed by hand and published figures."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pflalign.server import privacy
+from pflalign.settings.options import ConfigError
+
+
+def test_clip_scales_to_the_bound_and_leaves_short_vectors_alone():
+    clipped, norm = privacy.clip(np.array([3.0, 4.0]), 2.5)
+    assert norm == 5.0
+    np.testing.assert_array_equal(clipped, [1.5, 2.0])
+    assert np.linalg.norm(clipped) == pytest.approx(2.5, abs=1e-15)
+    short = np.array([0.3, -0.4], dtype=np.float32)
+    same, norm = privacy.clip(short, 0.6)
+    assert norm == pytest.approx(0.5) and same.dtype == np.float64
+    np.testing.assert_array_equal(same, short.astype(np.float64))
+    zero, norm = privacy.clip(np.zeros(3), 1.0)
+    assert norm == 0.0 and not zero.any()
+    with pytest.raises(ValueError, match="positive"):
+        privacy.clip(np.ones(2), 0.0)
+
+
+def test_without_noise_and_a_clip_nobody_reaches_the_release_is_the_uniform_mean():
+    """z = 0 and a bound above every norm: (sum of the deltas) / m, the uniform average when m
+    is the number of updates (docs/privacy.md: DP's weights are uniform, its denominator fixed)."""
+    rng = np.random.default_rng(0)
+    deltas = [rng.normal(size=7) for _ in range(4)]
+    mean, norms = privacy.noised_mean(deltas, bound=100.0, std=0.0, denominator=4,
+                                      rng=privacy.noise_rng(0, 1))
+    np.testing.assert_allclose(mean, np.mean(deltas, axis=0), rtol=0, atol=1e-15)
+    np.testing.assert_allclose(norms, [np.linalg.norm(d) for d in deltas])
+    # a fixed denominator above the count that replied shrinks the step, as DP-FedAvg's does
+    smaller, _ = privacy.noised_mean(deltas[:2], 100.0, 0.0, 4, privacy.noise_rng(0, 1))
+    np.testing.assert_allclose(smaller, (deltas[0] + deltas[1]) / 4, atol=1e-15)
+    # one clipped delta: its share is the clipped vector
+    big = [np.array([6.0, 8.0]), np.array([0.1, 0.0])]
+    mean, _ = privacy.noised_mean(big, 1.0, 0.0, 2, privacy.noise_rng(0, 1))
+    np.testing.assert_allclose(mean, [(0.6 + 0.1) / 2, 0.8 / 2], atol=1e-15)
+
+
+def test_the_noise_has_the_stated_standard_deviation():
+    """200,000 draws at std 2.5 on a zero sum: the sample mean within 5 standard errors of 0 and
+    the sample standard deviation within 5 of its standard errors (std / sqrt(2 n)) of 2.5."""
+    n, std = 200_000, 2.5
+    mean, _ = privacy.noised_mean([np.zeros(n)], bound=1.0, std=std, denominator=1.0,
+                                  rng=privacy.noise_rng(3, 7))
+    assert abs(mean.mean()) < 5 * std / math.sqrt(n)
+    assert abs(mean.std() - std) < 5 * std / math.sqrt(2 * n)
+    again, _ = privacy.noised_mean([np.zeros(n)], 1.0, std, 1.0, privacy.noise_rng(3, 7))
+    np.testing.assert_array_equal(mean, again)  # keyed by (seed, round): a resume redraws it
+    other, _ = privacy.noised_mean([np.zeros(n)], 1.0, std, 1.0, privacy.noise_rng(3, 8))
+    assert not np.array_equal(mean, other)
+
+
+def test_adaptive_clip_moves_geometrically_towards_the_quantile():
+    # norms 0.5, 2.0, 0.8 at C = 1: two within, b = (0.5 - 0.5 + 0.5) / 3 + 0.5 = 2/3
+    new = privacy.adapt_clip(1.0, [0.5, 2.0, 0.8], quantile=0.5, lr=0.2, count_std=0.0,
+                             denominator=3, rng=privacy.noise_rng(0, 1))
+    assert new == pytest.approx(math.exp(-0.2 * (2 / 3 - 0.5)), rel=1e-15)
+    # every norm above: b = 0, the bound grows by exp(lr * quantile)
+    grown = privacy.adapt_clip(2.0, [5.0, 6.0], 0.5, 0.2, 0.0, 2, privacy.noise_rng(0, 1))
+    assert grown == pytest.approx(2.0 * math.exp(0.1), rel=1e-15)
+
+
+def test_the_updates_noise_multiplier_leaves_the_count_its_share():
+    assert privacy.update_noise_multiplier(1.0, 5.0) == pytest.approx((1 - 1 / 100) ** -0.5)
+    assert privacy.update_noise_multiplier(1.3, 0.0) == 1.3
+    assert privacy.update_noise_multiplier(0.0, 5.0) == 0.0
+    with pytest.raises(ValueError, match="must exceed"):
+        privacy.update_noise_multiplier(1.0, 0.5)
+
+
+def test_poisson_sampling_is_reproducible_and_has_the_expected_size():
+    pool = list(range(200))
+    assert privacy.poisson_sample(pool, 0.1, 0, 3) == privacy.poisson_sample(pool[::-1], 0.1, 0, 3)
+    assert privacy.poisson_sample(pool, 0.0, 0, 3) == []
+    assert privacy.poisson_sample(pool, 1.0, 0, 3) == pool
+    sizes = [len(privacy.poisson_sample(pool, 0.1, 0, r)) for r in range(1, 401)]
+    # 400 rounds of Binomial(200, 0.1): mean 20, standard error sqrt(18 / 400)
+    assert abs(np.mean(sizes) - 20) < 5 * math.sqrt(18 / 400)
+    assert len(set(sizes)) > 5
+
+
+def test_the_accountant_reproduces_the_published_dp_sgd_mnist_figures():
+    """TensorFlow Privacy's MNIST DP-SGD tutorial (tutorials/README.md, "Select Parameters"):
+    60,000 examples, batches of 256 (q = 256 / 60000), delta = 1e-5, by the RDP accountant with
+    the classic conversion eps = min_a RDP(a) + log(1 / delta) / (a - 1) (Mironov 2017): noise
+    1.12 for 60 epochs, 2.92; 0.6 for 30 epochs, 9.74; 1.2 for 10 epochs, 1.20. The run reports
+    the tighter conversion of Balle et al. (2020, Theorem 21), below it. (Opacus's RDP gives
+    2.922, 9.753 and 1.198: the table's figures to its last digit but the second's.)"""
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    orders = np.array([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+    q = 256 / 60000
+    for z, epochs, published in ((1.12, 60, 2.92), (0.6, 30, 9.74), (1.2, 10, 1.20)):
+        steps = epochs * 60000 // 256
+        rdp = compute_rdp(q=q, noise_multiplier=z, steps=steps, orders=orders)
+        classic = float(np.min(rdp + np.log(1 / 1e-5) / (orders - 1)))
+        assert classic == pytest.approx(published, abs=0.015)
+        accountant = privacy.Accountant(delta=1e-5, sample_rate=q)
+        accountant.step(z, steps)
+        balle = float(np.min(rdp + np.log((orders - 1) / orders)
+                             - (np.log(1e-5) + np.log(orders)) / (orders - 1)))
+        assert accountant.epsilon() == pytest.approx(balle, rel=1e-12)
+        assert accountant.epsilon() < classic
+
+
+def test_without_sampling_the_accountant_composes_the_gaussian_mechanism():
+    """q = 1 (fixed-size sampling, no amplification): RDP(a) = T a / (2 z^2), converted by
+    Balle et al.'s Theorem 21 over the accountant's orders, computed here by hand."""
+    z, rounds, delta = 2.0, 50, 1e-5
+    accountant = privacy.Accountant(delta=delta, sample_rate=1.0)
+    for _ in range(rounds):
+        accountant.step(z)
+    assert accountant.history == [(z, 1.0, rounds)]
+    orders = np.array([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+    by_hand = np.min(rounds * orders / (2 * z * z) + np.log((orders - 1) / orders)
+                     - (np.log(delta) + np.log(orders)) / (orders - 1))
+    assert accountant.epsilon() == pytest.approx(float(by_hand), rel=1e-12)
+    restored = privacy.Accountant(delta=delta, sample_rate=1.0)
+    restored.load_state_dict(accountant.state_dict())
+    assert restored.epsilon() == accountant.epsilon()
+    assert privacy.Accountant(delta, 1.0).epsilon() == 0.0
+    silent = privacy.Accountant(delta, 1.0)
+    silent.step(0.0)
+    assert silent.epsilon() == math.inf
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha:UserWarning")
+def test_calibration_spends_the_target_within_its_tolerance():
+    q, rounds, delta = 0.1, 100, 1e-5
+    for target in (1.0, 8.0):
+        z = privacy.calibrate(target, delta, q, rounds)
+        spent = privacy.epsilon_of([(z, q, rounds)], delta)
+        assert target - 0.01 <= spent <= target
+        assert privacy.epsilon_of([(z * 0.97, q, rounds)], delta) > spent
+    with pytest.raises(ConfigError, match="cannot be reached"):
+        privacy.calibrate(1e-9, delta, 1.0, rounds)
