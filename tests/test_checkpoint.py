@@ -337,6 +337,22 @@ def test_a_checkpoint_streams_client_states_and_a_resume_reads_them_one_by_one(t
     assert comparable(resumed["methods"]) == comparable(reference["methods"])
 
 
+def _reference_and_resumed(values: dict, label: str, tmp_path: Path) -> tuple[dict, dict]:
+    """The entry ``label`` of an uninterrupted in-process run of ``values``, and of the same run
+    in a process SIGKILLed once its first checkpoint is written and then resumed."""
+    values = {**values, "out-dir": str(tmp_path / "k")}
+    reference = run_methods(build_settings({**values, "checkpoint-every": 0,
+                                            "out-dir": str(tmp_path / "ref")}),
+                            SequentialEngine, Reporter(quiet=True))
+    proc = _start(values, resume=False, log=tmp_path / "run.log")
+    _kill_once_written(proc, checkpoint_path(values["out-dir"], label), tmp_path / "run.log")
+    proc = _start(values, resume=True, log=tmp_path / "last.log")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "last.log").read_text()[-3000:]
+    assert f"[{label}] resumed from round" in (tmp_path / "last.log").read_text()
+    resumed = json.loads((tmp_path / "k" / "results.json").read_text())
+    return reference["methods"][label], resumed["methods"][label]
+
+
 @needs_fashion_mnist
 def test_a_run_on_the_simulated_clock_killed_and_resumed_gives_the_uninterrupted_results(
         tmp_path):
@@ -345,22 +361,11 @@ def test_a_run_on_the_simulated_clock_killed_and_resumed_gives_the_uninterrupted
     those of the uninterrupted run."""
     systems = {**TINY, "methods": "pflalign", "rounds": 5, "checkpoint-every": 2,
                "device-profiles": "lognormal", "availability": "diurnal",
-               "available-hours": 12.0, "round-deadline": 9.0, "over-selection": 1.5,
-               "out-dir": str(tmp_path / "k")}
-    reference = run_methods(build_settings({**systems, "checkpoint-every": 0,
-                                            "out-dir": str(tmp_path / "ref")}),
-                            SequentialEngine, Reporter(quiet=True))
-    rows = reference["methods"]["pflalign"]["rounds"]
-    assert rows[-1]["sim-time"] > 0 and all("available" in r for r in rows)
-    proc = _start(systems, resume=False, log=tmp_path / "run.log")
-    _kill_once_written(proc, checkpoint_path(systems["out-dir"], "pflalign"),
-                       tmp_path / "run.log")
-    proc = _start(systems, resume=True, log=tmp_path / "last.log")
-    assert proc.wait(timeout=300) == 0, (tmp_path / "last.log").read_text()[-3000:]
-    assert "[pflalign] resumed from round" in (tmp_path / "last.log").read_text()
-    resumed = json.loads((tmp_path / "k" / "results.json").read_text())
-    assert comparable(resumed["methods"]["pflalign"]) == comparable(
-        reference["methods"]["pflalign"])
+               "available-hours": 12.0, "round-deadline": 9.0, "over-selection": 1.5}
+    reference, resumed = _reference_and_resumed(systems, "pflalign", tmp_path)
+    assert reference["rounds"][-1]["sim-time"] > 0
+    assert all("available" in r for r in reference["rounds"])
+    assert comparable(resumed) == comparable(reference)
 
 
 @needs_fashion_mnist
@@ -371,17 +376,23 @@ def test_an_asynchronous_run_killed_and_resumed_gives_the_uninterrupted_results(
     server's state holds them too)."""
     systems = {**TINY, "methods": 'pflalign(pflalign-state="server")', "rounds": 5,
                "checkpoint-every": 2, "mode": "async", "device-profiles": "lognormal",
-               "concurrency": 4, "buffer-size": 2, "fraction-train": 0.5,
-               "out-dir": str(tmp_path / "k")}
-    reference = run_methods(build_settings({**systems, "checkpoint-every": 0,
-                                            "out-dir": str(tmp_path / "ref")}),
-                            SequentialEngine, Reporter(quiet=True))
-    label = 'pflalign(pflalign-state="server")'
-    assert max(r["staleness-max"] for r in reference["methods"][label]["rounds"]) >= 1
-    proc = _start(systems, resume=False, log=tmp_path / "run.log")
-    _kill_once_written(proc, checkpoint_path(systems["out-dir"], label), tmp_path / "run.log")
-    proc = _start(systems, resume=True, log=tmp_path / "last.log")
-    assert proc.wait(timeout=300) == 0, (tmp_path / "last.log").read_text()[-3000:]
-    assert f"[{label}] resumed from round" in (tmp_path / "last.log").read_text()
-    resumed = json.loads((tmp_path / "k" / "results.json").read_text())
-    assert comparable(resumed["methods"][label]) == comparable(reference["methods"][label])
+               "concurrency": 4, "buffer-size": 2, "fraction-train": 0.5}
+    reference, resumed = _reference_and_resumed(systems, 'pflalign(pflalign-state="server")',
+                                                tmp_path)
+    assert max(r["staleness-max"] for r in reference["rounds"]) >= 1
+    assert comparable(resumed) == comparable(reference)
+
+
+@needs_fashion_mnist
+def test_a_run_with_central_dp_killed_and_resumed_gives_the_uninterrupted_results(tmp_path):
+    """dp = central with an adaptive clip under Poisson sampling: the clip and the accountant's
+    history are in the checkpoint and the noise is keyed by (seed, round), so the resumed run
+    draws the same clients and noise, moves the clip the same way and reports the same epsilon."""
+    private = {**TINY, "methods": "pflalign", "rounds": 5, "checkpoint-every": 2, "seed": 4,
+               "sampling": "poisson", "dp": "central", "dp-clipping": "adaptive",
+               "dp-clip": 0.5, "dp-noise-multiplier": 0.002}
+    reference, resumed = _reference_and_resumed(private, "pflalign", tmp_path)
+    rows = reference["rounds"]
+    assert len({r["dp-clip"] for r in rows}) == 5
+    assert rows[-1]["dp-epsilon"] > rows[0]["dp-epsilon"]
+    assert comparable(resumed) == comparable(reference)

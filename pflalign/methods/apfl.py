@@ -106,6 +106,7 @@ class APFLClientState(ArrayState):
 
 class APFL(Method):
     asynchronous = True  # its server update is a sample-weighted average of uploads
+    private = True  # it uploads its global model, which the server only averages
     name = "apfl"
     summary = ("Each client mixes a personal model v with the global model w as "
                "alpha v + (1 - alpha) w, learning alpha by gradient descent.")

@@ -77,6 +77,11 @@ class Method(Generic[P, C, S]):
     #: rebased onto the current one and weighted by its staleness (false for server rules that
     #: keep running corrections, mix, or learn from the round's cohort as a whole)
     asynchronous: ClassVar[bool] = False
+    #: the method can run under ``dp`` (docs/privacy.md): everything its clients upload is the
+    #: exchanged model, and its server rule uses the uploads only through their average, which
+    #: DP-FedAvg's clipped, noised mean then replaces; else :attr:`not_private` says why not
+    private: ClassVar[bool] = False
+    not_private: ClassVar[str] = "its server rule is not an average of uploaded models"
     #: shared local-training keys (:class:`~pflalign.training.loops.LocalTraining`) whose search
     #: spaces ``--tune`` adds to the method's own Params' (empty for a method with its own step
     #: size)
@@ -148,6 +153,18 @@ class Method(Generic[P, C, S]):
                 raise ConfigError("gga = true anneals the global model before each synchronous "
                                   "round's training, and mode = 'async' has no such rounds: "
                                   "set gga = false or mode = 'sync'.")
+        if settings.run.dp != "off":
+            if not cls.private:
+                raise ConfigError(f"{cls.name} cannot run dp = {settings.run.dp!r}: "
+                                  f"{cls.not_private}, so no clipped, noised mean can stand for "
+                                  "its uploads (docs/privacy.md lists the methods that can); "
+                                  "leave it out of this run.")
+            if aggregation != "mean":
+                raise ConfigError(f"aggregation = {aggregation!r} cannot run under dp = "
+                                  f"{settings.run.dp!r}: DP-FedAvg releases a noised sum of "
+                                  "clipped updates, and a per-coordinate trimmed mean or median "
+                                  "is no sum (the clip bounds each client's influence instead); "
+                                  "use aggregation = 'mean'.")
         optimizer = settings.training.local_optimizer
         if not cls.local_optimizer and optimizer != "sgd":
             raise ConfigError(f"local-optimizer = {optimizer!r} does not apply to {cls.name} "

@@ -141,6 +141,7 @@ class FedALAClientState(ArrayState):
 
 class FedALA(Method):
     asynchronous = True  # its server update is a sample-weighted average of uploads
+    private = True  # it uploads its global model, which the server only averages
     needs_head = True
     name = "fedala"
     summary = ("Adaptive local aggregation: element-wise learned weights merge the global model "

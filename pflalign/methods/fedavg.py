@@ -25,6 +25,7 @@ def trained_upload(result: RunResult, **metrics: float | int) -> Upload:
 
 class FedAvg(Method):
     asynchronous = True  # its server update is a sample-weighted average of uploads
+    private = True  # it uploads its model, which the server only averages
     name = "fedavg"
     summary = ("Sample-weighted averaging of locally trained models; every client uses the "
                "global model.")

@@ -223,6 +223,8 @@ class FedCP(Method):
     paper = ("Zhang et al., FedCP: Separating Feature Information for Personalized Federated "
              "Learning via Conditional Policy, KDD 2023")
     Params = FedCPParams
+    not_private = ("its clients upload a policy network beside the model, which the server "
+                   "averages as a separate record outside DP-FedAvg's one clipped update")
     #: the MMD between the global and personalized features (>= 0)
     train_metrics = {"mmd": Metric()}
     ClientState = FedCPClientState

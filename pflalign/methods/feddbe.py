@@ -141,6 +141,9 @@ class FedDBEServerState(ServerState):
 
 class FedDBE(FedAvg):
     asynchronous = False  # its server update is not a plain average of uploads
+    private = False
+    not_private = ("its clients upload their mean representation beside the model, which the "
+                   "server keeps as a global mean")
     name = "feddbe"
     feature_head = True
     summary = ("FedAvg with a personal representation bias added to the features before the head, "

@@ -115,6 +115,9 @@ class FedDyn(FedAvg):
     ClientState = FedDynClientState
     ServerState = FedDynServerState
     robust_aggregation = False  # its server step is corrected by the running h
+    private = False
+    not_private = ("its server step corrects the average by h, a running sum of the updates "
+                   "over every client (divided by the federation's size, not a round's)")
 
     def train(self, client: ClientRuntime, received: Received, state: FedDynClientState,
               ) -> Rule:

@@ -237,6 +237,9 @@ class GPFL(Method):
     paper = ("Zhang et al., GPFL: Simultaneously Learning Global and Personalized Feature "
              "Information for Personalized Federated Learning, ICCV 2023")
     Params = GPFLParams
+    not_private = ("its clients upload the conditional valves and category embeddings beside "
+                   "the model, which the server averages as separate records outside "
+                   "DP-FedAvg's one clipped update")
     ClientState = GPFLClientState
     ServerState = GPFLServerState
     has_global_model = False

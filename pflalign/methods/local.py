@@ -43,6 +43,7 @@ class Local(Method):
     ServerState = LocalServerState
     has_global_model = False
     uploads_model = False
+    private = True  # it uploads nothing: nothing of its training leaves a client
 
     def train(self, client: ClientRuntime, received: Received, state: LocalClientState) -> Rule:
         result = yield LocalRun(state.model or received.model)

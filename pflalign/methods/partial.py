@@ -55,6 +55,7 @@ class PartialClientState(ArrayState):
 class PartialModel(Method):
     """Shared entries from the server, personal entries from the client's state."""
     asynchronous = True  # its server update is a sample-weighted average of uploads
+    private = True  # it uploads its shared entries, which the server only averages
 
     Params = PartialParams
     ClientState = PartialClientState

@@ -75,6 +75,7 @@ class PerFedAvgParams(Params):
 
 class PerFedAvg(Method):
     asynchronous = True  # its server update is a sample-weighted average of uploads
+    private = True  # it uploads its global model, which the server only averages
     name = "perfedavg"
     summary = ("First-order MAML: the global model is trained to adapt well in one step; clients "
                "personalize by a few SGD steps from it.")

@@ -91,6 +91,7 @@ class PFedMe(Method):
     Params = PFedMeParams
     ClientState = PFedMeClientState
     local_optimizer = False
+    private = True  # its server mixes the average of the uploaded models with beta
 
     def _solve(self, client: ClientRuntime, received: Received, stream: int,
                epochs: int | None, correction: Proximal) -> LocalRun:

@@ -47,9 +47,9 @@ import torch
 from pflalign.methods.base import Method
 from pflalign.server.aggregation import l2_norm
 from pflalign.server.runtime import ServerRuntime
-from pflalign.settings.options import Value
+from pflalign.settings.options import ConfigError, Value
 from pflalign.settings.params import Params, param
-from pflalign.settings.schema import LocalTraining
+from pflalign.settings.schema import LocalTraining, Settings
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Entries
 from pflalign.training.loops import EvalStats, num_local_steps
@@ -260,6 +260,7 @@ class PFLAlignServerState(ServerState):
 
 class PFLAlignMethod(Method):
     asynchronous = True  # its server update is a sample-weighted average of uploads
+    private = True  # it uploads its global model, which the server only averages
     name = "pflalign"
     summary = ("pFLAlign: clients start from global + their offset Delta and train with a "
                "persistent multiplicative preconditioner P and a gamma-weighted removal of "
@@ -284,6 +285,16 @@ class PFLAlignMethod(Method):
     train_metrics = {"mean-P": Metric(diagnostic=True), "mean-gamma": Metric(0, 1, diagnostic=True)}
     #: the accuracy of the next round's starting point theta_g + Delta_i
     eval_metrics = {NEXT_CORRECT: COUNT}
+
+    @classmethod
+    def check(cls, settings: Settings) -> None:
+        super().check(settings)
+        if settings.run.dp != "off" and settings["pflalign-state"] == "server":
+            raise ConfigError(f"pflalign-state = 'server' cannot run under dp = "
+                              f"{settings.run.dp!r}: the server would keep each client's "
+                              "offset, computed from its unclipped upload, and send it back in "
+                              "messages outside the private release; use pflalign-state = "
+                              "'client', where the offset never leaves the client.")
 
     def reply_metrics(self, action: str) -> dict[str, Metric]:
         metrics = super().reply_metrics(action)

@@ -114,6 +114,9 @@ class Scaffold(FedAvg):
     ServerState = ScaffoldServerState
     local_optimizer = False
     robust_aggregation = False  # its server step is a control-variate-corrected mean update
+    private = False
+    not_private = ("its clients upload a control-variate change beside the model, and its server "
+                   "step corrects the mean update with their running sum")
 
     def __init__(self, params: ScaffoldParams):
         super().__init__(params)

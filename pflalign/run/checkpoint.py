@@ -95,6 +95,8 @@ class Snapshot:
     buffered: dict = field(default_factory=dict)
     #: per client id (a string): trainings sent and updates aggregated (RoundLoop.usage)
     usage: dict = field(default_factory=dict)
+    #: ``dp = central``: the clip and the accountant's history (CentralPrivacy.state_dict)
+    privacy: dict = field(default_factory=dict)
     buffered_arrays: State = field(default_factory=dict)
 
 
@@ -223,7 +225,8 @@ class Checkpoint:
                 "rounds": snapshot.rounds, "client-results": snapshot.client_results,
                 "saved-state": sorted(snapshot.saved_state), "last-eval": snapshot.last_eval,
                 "hooks": snapshot.hooks, "rng": snapshot.rng_meta, "norms": snapshot.norms,
-                "buffered": snapshot.buffered, "usage": snapshot.usage}
+                "buffered": snapshot.buffered, "usage": snapshot.usage,
+                "privacy": snapshot.privacy}
         atomic_write(self.path, lambda handle: _write_archive(handle, meta, groups()))
         return self.path
 
@@ -271,7 +274,7 @@ class Checkpoint:
             saved_state=[int(c) for c in meta["saved-state"]], last_eval=meta["last-eval"],
             hooks=meta["hooks"], rng_arrays=groups.get((RNG, None), {}), rng_meta=meta["rng"],
             norms=meta.get("norms", {}), buffered=meta.get("buffered", {}),
-            usage=meta.get("usage", {}),
+            usage=meta.get("usage", {}), privacy=meta.get("privacy", {}),
             buffered_arrays=groups.get((BUFFERED, None), {}))
 
     def remove(self) -> None:

@@ -43,6 +43,7 @@ from pflalign.outputs.tracking import parse_tracking
 from pflalign.server.buffered import async_sizes
 from pflalign.server.clock import LOGNORMAL, TRACE, check_profiles_key, read_trace, read_windows
 from pflalign.server.clock import NONE as NONE_PROFILES
+from pflalign.server.privacy import count_noise, run_noise_multiplier
 from pflalign.settings.options import ConfigError, Option, Value
 from pflalign.settings.schema import (
     FEATURES,
@@ -220,6 +221,7 @@ def build_settings(values: Mapping[str, object] | None = None,
         merged[key] = coerce(key, value, source)
     _resolve_dataset(merged)
     _check_systems(merged)
+    _check_privacy(merged)
     if is_user_model(str(merged["model"])):
         merged["model"] = user.resolved(str(merged["model"]))
     _check_model_name(str(merged["model"]), "model")
@@ -399,6 +401,62 @@ def _check_systems(values: dict[str, Value]) -> None:
             raise ConfigError(f"availability = {values['availability']!r} follows the clients "
                               "on the simulated clock, which needs device profiles: set "
                               "device-profiles = lognormal or a trace file.")
+
+
+#: the keys of ``dp`` and their defaults (set only with dp on)
+DP_KEYS = ("dp-clip", "dp-clipping", "dp-noise-multiplier", "dp-epsilon", "dp-delta",
+           "dp-clip-quantile", "dp-clip-lr", "dp-count-noise")
+
+
+def _check_privacy(values: Mapping[str, Value]) -> None:
+    """``sampling = poisson`` draws from every training client, each round on its own (no
+    over-selection, availability windows or asynchronous dispatch); ``dp`` keys only with dp on,
+    and a run with dp that its accountant can bound: synchronous, without gga's extra uploads,
+    its dp-epsilon reachable and its adaptive clip's count noise within the budget
+    (docs/privacy.md)."""
+    if values["sampling"] == "poisson":
+        for key, idle, why in (
+                ("mode", "sync", "dispatches a client whenever one arrives"),
+                ("over-selection", 1.0, "samples more clients than a round wants"),
+                ("availability", "always", "samples only among the reachable clients")):
+            if values[key] != idle:
+                raise ConfigError(f"sampling = 'poisson' includes each training client with "
+                                  f"probability fraction-train, and {key} = {values[key]!r} "
+                                  f"{why}: set {key} = {idle!r} or sampling = 'fixed'.")
+    default = defaults()
+    if values["dp"] == "off":
+        for key in DP_KEYS:
+            if values[key] != default[key]:
+                raise ConfigError(f"{key} = {values[key]!r} applies to differential privacy, and "
+                                  "dp = 'off': set dp = 'central' or remove it.")
+        return
+    if values["mode"] == "async":
+        raise ConfigError(f"dp = {values['dp']!r} accounts one release per synchronous round, "
+                          "and mode = 'async' aggregates buffers of stale updates: set mode = "
+                          "'sync'.")
+    if values["gga"]:
+        raise ConfigError(f"gga = true sends the clients' gradients to the server outside the "
+                          f"clipped, noised release of dp = {values['dp']!r}: set gga = false.")
+    if values["dp-clipping"] == "fixed":
+        for key in ("dp-clip-quantile", "dp-clip-lr", "dp-count-noise"):
+            if values[key] != default[key]:
+                raise ConfigError(f"{key} = {values[key]!r} applies to dp-clipping = "
+                                  "'adaptive', and dp-clipping = 'fixed': set dp-clipping = "
+                                  "'adaptive' or remove it.")
+    if values["dp-epsilon"] and values["dp-noise-multiplier"] != default["dp-noise-multiplier"]:
+        raise ConfigError(f"dp-epsilon = {values['dp-epsilon']:g} sets the noise multiplier, and "
+                          f"dp-noise-multiplier = {values['dp-noise-multiplier']:g} sets it too: "
+                          "give one of them.")
+    run = RunConfig.from_settings(values)
+    multiplier = run_noise_multiplier(run)  # an unreachable dp-epsilon is one sentence here
+    expected = (run.fraction_train * run.num_clients if run.sampling == "poisson"
+                else max(1, round(run.fraction_train * run.num_clients)))
+    count = count_noise(run, expected, multiplier)
+    if count and not count > multiplier / 2:
+        raise ConfigError(f"dp-count-noise = {count:g} is the noise of the adaptive clip's count, "
+                          f"which must exceed half the noise multiplier ({multiplier:.4g} / 2) "
+                          "for the updates to keep any of the noise budget: raise it, or leave "
+                          "it 0 for the default.")
 
 
 #: the keys of ``mode = async`` and their values when unused

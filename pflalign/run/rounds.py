@@ -44,10 +44,11 @@ from pflalign.process.memory import host_id, peak_rss_mb
 from pflalign.run.asynchronous import BufferedRounds, RealTimeRounds
 from pflalign.run.audit import Audit
 from pflalign.run.checkpoint import Checkpoint, Snapshot, capture_rng, nonempty, restore_rng
-from pflalign.server.aggregation import mean_cosine
+from pflalign.server.aggregation import FlatSpec, mean_cosine
 from pflalign.server.buffered import server_step
 from pflalign.server.clock import availability_of, close_round, profiles_of, sample_available
 from pflalign.server.metrics import accuracy_summary
+from pflalign.server.privacy import CentralPrivacy
 from pflalign.server.runtime import ServerRuntime
 from pflalign.server.validation import (
     ClientFailure,
@@ -153,6 +154,8 @@ class RoundLoop:
         #: per training client: how many trainings it was sent, and how many of its updates were
         #: aggregated (the result's ``usage``: who a deadline or staleness leaves out)
         self.usage: dict[int, list[int]] = {}
+        #: ``dp = central``: the clip, noise and accountant (None: no differential privacy)
+        self.privacy: CentralPrivacy | None = None
 
     @property
     def label(self) -> str:
@@ -186,6 +189,8 @@ class RoundLoop:
                                f"in flight, aggregating every {self.buffered.buffer_size} "
                                "arrivals")
         self.check_deadline()
+        if run.dp == "central" and self.method.uploads_model:
+            self.privacy = self.central_privacy()
         last_eval: dict[str, float] = {}
         first = 1
         snapshot = checkpoint.read() if checkpoint is not None else None
@@ -208,6 +213,10 @@ class RoundLoop:
                                              if self.buffered is None
                                              else self.buffered.round(server_round))
             row.update(entries)
+            if self.privacy is not None:
+                row.update(self.privacy.account())
+            elif run.dp != "off":  # a method that uploads nothing releases nothing of it
+                row["dp-epsilon"] = 0.0
             down, up = down + train_down, up + train_up
             row["train-seconds"] = time.perf_counter() - started
             row.update(self.method.round_diagnostics(server, self.state))
@@ -229,6 +238,26 @@ class RoundLoop:
                 "clients": self.client_results, "processes": self.processes(),
                 "usage": [{"id": cid, "dispatched": sent, "used": used}
                           for cid, (sent, used) in sorted(self.usage.items())]}
+
+    def central_privacy(self) -> CentralPrivacy:
+        """``dp = central``'s clip, noise and accountant for this run: the released entries are
+        the exchanged floating-point arrays, the denominator the expected clients a round."""
+        server, run = self.server, self.server.settings.run
+        shared = server.shared_model(self.state)
+        spec = FlatSpec.of({k: v for k, v in shared.items() if np.asarray(v).dtype.kind == "f"})
+        expected = (run.fraction_train * len(server.training_clients())
+                    if run.sampling == "poisson" else len(server.sample(1)))
+        privacy = CentralPrivacy(run, server.seed, spec, expected)
+        self.reporter.info(
+            f"[{self.label}] dp = central: each update clipped to "
+            f"{run.dp_clip:g}{' (adaptive)' if privacy.adaptive else ''}, noise multiplier "
+            f"{privacy.noise_multiplier:.4g}{' (from dp-epsilon)' if run.dp_epsilon else ''}, "
+            f"sum over {expected:g} expected clients, sample rate "
+            f"{privacy.accountant.sample_rate:g}; the clip replaces the update-norm bound")
+        if privacy.noise_multiplier == 0:
+            self.warn("dp = central with dp-noise-multiplier = 0 clips the updates and adds no "
+                      "noise: there is no privacy guarantee, and no epsilon is reported.")
+        return privacy
 
     def dispatched(self, clients: Iterable[int]) -> None:
         """Count a training sent to each of ``clients`` (:attr:`usage`)."""
@@ -310,7 +339,8 @@ class RoundLoop:
             rng_arrays=rng_arrays, rng_meta=rng_meta,
             norms={part: [list(kept) for kept in rounds]
                    for part, rounds in self.validator.norm_history.items()},
-            buffered=buffered[0], buffered_arrays=buffered[1])
+            buffered=buffered[0], buffered_arrays=buffered[1],
+            privacy={} if self.privacy is None else self.privacy.state_dict())
         try:
             checkpoint.write(snapshot, self.client_states(server_round))
         except _NoCheckpoint as reason:
@@ -371,6 +401,8 @@ class RoundLoop:
         restore_rng(snapshot.rng_arrays, snapshot.rng_meta)
         if self.buffered is not None:
             self.buffered.load_state_dict(snapshot.buffered, snapshot.buffered_arrays)
+        if self.privacy is not None:
+            self.privacy.load_state_dict(snapshot.privacy)
         return dict(snapshot.last_eval)
 
     def reply_limits(self, action: str) -> dict[str, int] | None:
@@ -431,6 +463,8 @@ class RoundLoop:
         else:
             sampled = (server.sample(server_round, over) if over > 1
                        else server.sample(server_round))
+        if not sampled:  # sampling = poisson drew no client
+            return self.empty_round(server_round, clock), 0, 0
         messages = [self.message(cid, method.train_payload(server, self.state, cid, server_round),
                                  server_round)
                     for cid in server.largest_first(sampled)]
@@ -451,7 +485,10 @@ class RoundLoop:
                           model=arrays.get(MODEL),
                           arrays={k: v for k, v in arrays.items() if k != MODEL})
                    for m, arrays in audit.good]
-        updates, too_large = self.validator.bound_updates(updates, self.state.model)
+        # under dp, the clip bounds every update (and a reference drawn from the other clients'
+        # norms would make one client's acceptance depend on their data)
+        updates, too_large = ((updates, 0) if self.privacy is not None
+                              else self.validator.bound_updates(updates, self.state.model))
         self.note_processes(u.metrics for u in updates)
         self.check_kept_state(updates)
         row: dict = {"clients-trained": len(updates), "failures": collected.failed,
@@ -479,12 +516,15 @@ class RoundLoop:
         keeping the previous state when none is usable or the aggregate is not finite; returns
         ``row`` with the aggregation's diagnostics."""
         server, method = self.server, self.method
-        if not updates:
+        released = updates
+        if self.privacy is not None and method.uploads_model:
+            released = [self.private_release(server_round, updates, row)]
+        if not released:
             self.warn(f"round {server_round}: no usable training reply; the global model is kept "
                       "unchanged.")
             return row
         previous = self.state
-        self.state, diagnostics = method.aggregate(server, self.state, server_round, updates)
+        self.state, diagnostics = method.aggregate(server, self.state, server_round, released)
         if lr != 1.0 and method.uploads_model:
             self.state = server.with_model(self.state, server_step(
                 server.shared_model(previous), server.shared_model(self.state), lr))
@@ -500,7 +540,7 @@ class RoundLoop:
         self.before_aggregation = previous
         for update in updates:
             self.usage.setdefault(update.client, [0, 0])[1] += 1
-        if method.uploads_model:
+        if method.uploads_model and updates:
             row["update-cosine"] = self.update_cosine(previous.model, self.state.model, updates)
         for key in method.client_diagnostics:
             values = [u.metrics[key] for u in updates if key in u.metrics]
@@ -509,12 +549,32 @@ class RoundLoop:
                 row[f"{key}-median"] = float(np.median(values))  # one client cannot drag it
         row.update(diagnostics)
         row[CLIENT_SECONDS] = float(sum(u.metrics.get(CLIENT_SECONDS, 0.0) for u in updates))
-        if all(TRAIN_LOSS in u.metrics for u in updates):
+        if updates and all(TRAIN_LOSS in u.metrics for u in updates):
             row[TRAIN_LOSS] = float(np.average([u.metrics[TRAIN_LOSS] for u in updates],
                                                weights=[u.num_examples for u in updates]))
             row[f"{TRAIN_LOSS}-median"] = float(np.median([u.metrics[TRAIN_LOSS]
                                                            for u in updates]))
         return row
+
+    def empty_round(self, server_round: int, clock: dict) -> dict:
+        """A round that drew no client (``sampling = poisson``): nothing is trained or sent; under
+        ``dp`` the noise alone is released, as in any round."""
+        self.warn(f"round {server_round}: sampling = poisson drew none of the "
+                  f"{len(self.server.training_clients())} training clients; nothing is trained.")
+        row = {"clients-trained": 0, **clock}
+        if self.profiles is not None:
+            row.update({"sim-seconds": 0.0, "sim-time": self.sim_time})
+        return self.aggregate_updates(server_round, [], row) if self.privacy is not None else row
+
+    def private_release(self, server_round: int, updates: Sequence[Update], row: dict,
+                        ) -> Update:
+        """``dp = central``: the round's updates as the one update the method's server rule
+        aggregates: the model the round started from plus the clipped updates' noised sum over
+        the expected clients (:class:`~pflalign.server.privacy.CentralPrivacy`)."""
+        shared = self.server.shared_model(self.state)
+        release = self.privacy.release(shared, [u.model for u in updates], server_round)
+        row.update(release.entries)
+        return Update(client=-1, num_examples=1, metrics={}, model={**shared, **release.model})
 
     def available_sample(self, server_round: int, wanted: int, over: float,
                          ) -> tuple[list[int], int, dict]:

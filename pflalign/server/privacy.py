@@ -31,7 +31,9 @@ uninterrupted one did.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,9 +101,9 @@ def update_noise_multiplier(noise_multiplier: float, count_std: float) -> float:
         return noise_multiplier
     rest = noise_multiplier ** -2 - (2 * count_std) ** -2
     if rest <= 0:
-        raise ValueError(f"the clip count's noise ({count_std:g}) must exceed 1 / (2 z) = "
-                         f"{1 / (2 * noise_multiplier):g} for the updates to get any of the "
-                         f"noise budget (z = {noise_multiplier:g})")
+        raise ValueError(f"the clip count's noise ({count_std:g}) must exceed z / 2 = "
+                         f"{noise_multiplier / 2:g} for the updates to get any of the noise "
+                         f"budget (z = {noise_multiplier:g})")
     return rest ** -0.5
 
 
@@ -168,7 +170,28 @@ def epsilon_of(history: Sequence[tuple[float, float, int]], delta: float) -> flo
 
     accountant = RDPAccountant()
     accountant.history = [tuple(h) for h in history]
-    return float(accountant.get_epsilon(delta=delta))
+    with _quiet():
+        return float(accountant.get_epsilon(delta=delta, alphas=alphas()))
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Without Opacus's warning that the best Renyi order is the largest or smallest tried:
+    :func:`alphas` goes far enough for a useful bound, :func:`calibrate`'s search tries noises
+    far past any that a run takes, and a noise so small that the smallest order is best spends
+    an epsilon far beyond any useful one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Optimal order is the (largest|smallest) alpha")
+        yield
+
+
+def alphas() -> list[float]:
+    """The Renyi orders the accountant minimises over: Opacus's defaults (1.1 to 63) and larger
+    ones, which the few, heavily noised releases of a federated run (sample rate 1 under
+    fixed-size sampling) need for a tight bound."""
+    from opacus.accountants.rdp import RDPAccountant
+
+    return [*RDPAccountant.DEFAULT_ALPHAS, 80, 96, 128, 192, 256, 384, 512, 1024]
 
 
 def calibrate(target_epsilon: float, delta: float, sample_rate: float, rounds: int,
@@ -179,11 +202,111 @@ def calibrate(target_epsilon: float, delta: float, sample_rate: float, rounds: i
     from opacus.accountants.utils import get_noise_multiplier
 
     try:
-        return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta,
-                                          sample_rate=sample_rate, steps=rounds,
-                                          accountant="rdp", epsilon_tolerance=tolerance))
+        with _quiet():
+            return float(get_noise_multiplier(
+                target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate,
+                steps=rounds, accountant="rdp", epsilon_tolerance=tolerance, alphas=alphas()))
     except ValueError as error:
         raise ConfigError(f"dp-epsilon = {target_epsilon:g} cannot be reached at dp-delta = "
                           f"{delta:g} in {rounds} rounds at a sample rate of {sample_rate:g} "
                           f"with any noise multiplier up to 1e6 ({error}); raise dp-epsilon or "
                           "dp-delta, or run fewer rounds.") from None
+
+
+def sample_rate(run: object) -> float:
+    """The probability that a round includes a given training client, as the accountant takes
+    it: ``fraction-train`` under ``sampling = poisson``; 1 under fixed-size sampling (no
+    amplification by sampling is claimed for a draw of a fixed number of clients)."""
+    return float(run.fraction_train) if run.sampling == "poisson" else 1.0
+
+
+def run_noise_multiplier(run: object) -> float:
+    """The run's noise multiplier ``z``: ``dp-noise-multiplier``, or, with ``dp-epsilon`` > 0,
+    the smallest that spends at most that epsilon in the run's rounds (:func:`calibrate`)."""
+    if run.dp_epsilon > 0:
+        return calibrate(run.dp_epsilon, run.dp_delta, sample_rate(run), run.rounds)
+    return float(run.dp_noise_multiplier)
+
+
+def count_noise(run: object, expected_clients: float, noise_multiplier: float) -> float:
+    """The clip count's noise ``sigma_b`` (adaptive clipping with noise only, else 0):
+    ``dp-count-noise``, or the larger of the expected clients a round / 20 (Andrew et al.'s
+    choice) and the noise multiplier ``z`` (with few clients a round, m / 20 would leave the
+    updates no budget: ``sigma_b`` must exceed ``z / 2``; at ``z`` the updates' multiplier is
+    ``z / sqrt(3/4)``, 15% more)."""
+    if run.dp_clipping != "adaptive" or noise_multiplier == 0:
+        return 0.0
+    if run.dp_count_noise > 0:
+        return float(run.dp_count_noise)
+    return max(expected_clients / 20, noise_multiplier)
+
+
+@dataclass
+class Released:
+    """One round's private release: the new values of the released entries (the clipped, noised
+    mean update added to the model the round started from), and the round row's entries."""
+
+    model: dict[str, np.ndarray]
+    entries: dict[str, float]
+
+
+class CentralPrivacy:
+    """``dp = central`` for one run: the server clips each client's update, releases their noised
+    sum over a fixed denominator (:func:`noised_mean`), adapts the clip (``dp-clipping =
+    adaptive``) and accounts for every training round.
+
+    ``spec`` packs the released entries (the exchanged floating-point arrays: every array a
+    client uploads that is averaged; integer counters keep the server's value);
+    ``expected_clients`` is the denominator ``m``: the fixed round size, or ``q`` times the
+    training clients under Poisson sampling."""
+
+    def __init__(self, run: object, seed: int, spec: object, expected_clients: float):
+        self.seed = seed
+        self.spec = spec
+        self.expected_clients = float(expected_clients)
+        self.noise_multiplier = run_noise_multiplier(run)
+        self.count_std = count_noise(run, self.expected_clients, self.noise_multiplier)
+        #: the updates' share of the noise (all of it with a fixed clip)
+        self.update_multiplier = update_noise_multiplier(self.noise_multiplier, self.count_std)
+        self.adaptive = run.dp_clipping == "adaptive"
+        self.quantile = run.dp_clip_quantile
+        self.lr = run.dp_clip_lr
+        #: the clip of the next round
+        self.bound = float(run.dp_clip)
+        self.accountant = Accountant(run.dp_delta, sample_rate(run))
+
+    def release(self, base: dict[str, np.ndarray], uploads: Sequence[dict[str, np.ndarray]],
+                server_round: int) -> Released:
+        """The round's release from the clients' uploaded models (each update over ``base``
+        clipped to the round's bound, noise added to their sum, divided by the expected clients),
+        then the next round's clip. With no upload, the noise alone is released (the round
+        happened; who took part is private)."""
+        start = self.spec.flatten(base, np.float64)
+        deltas = [self.spec.flatten(u, np.float64) - start for u in uploads] or \
+            [np.zeros(self.spec.size)]
+        rng = noise_rng(self.seed, server_round)
+        bound = self.bound
+        mean, norms = noised_mean(deltas, bound, self.update_multiplier * bound,
+                                  self.expected_clients, rng)
+        if not uploads:
+            norms = norms[:0]
+        if self.adaptive:  # the count's noise comes after the sum's, from the same stream
+            self.bound = adapt_clip(bound, norms, self.quantile, self.lr, self.count_std,
+                                    self.expected_clients, rng)
+        return Released(self.spec.unflatten(start + mean), {"dp-clip": bound})
+
+    def account(self) -> dict[str, float]:
+        """Account one training round (whether or not any client's update was used: who took
+        part is not released) and return the row's epsilon spent so far; without noise, no
+        epsilon is reported (there is no guarantee)."""
+        self.accountant.step(self.noise_multiplier)
+        if self.noise_multiplier == 0:
+            return {}
+        return {"dp-epsilon": self.accountant.epsilon()}
+
+    def state_dict(self) -> dict:
+        return {"clip": self.bound, **self.accountant.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.bound = float(state["clip"])
+        self.accountant.load_state_dict(state)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from pflalign.server.aggregation import FlatSpec, combine, fedavg
+from pflalign.server.privacy import poisson_sample
 from pflalign.server.sampling import EVAL_SAMPLING_STREAM, sample_clients
 from pflalign.settings.schema import Settings
 from pflalign.wire.messages import ClientInfo
@@ -130,8 +131,12 @@ class ServerRuntime:
     def sample(self, server_round: int, over: float = 1.0) -> list[int]:
         """This round's training clients: reproducible from (seed, round), the same for every
         method; ``over`` > 1 samples that factor more (``over-selection``: a draw of
-        ``min(1, fraction-train * over)`` of the clients)."""
+        ``min(1, fraction-train * over)`` of the clients). Under ``sampling = poisson``, each
+        training client independently with probability ``fraction-train`` (possibly none)."""
         key = server_round if over == 1.0 else (server_round, over)
+        if key not in self._samples and self.settings.run.sampling == "poisson":
+            self._samples[key] = poisson_sample(self.training_clients(), self.fraction_train,
+                                                self.seed, server_round)
         if key not in self._samples:
             self._samples[key] = sample_clients(
                 self.training_clients(), min(1.0, self.fraction_train * over), self.seed,

@@ -504,6 +504,62 @@ class RunConfig(Params):
         'mode = async: the server learning rate: the model moves this factor of the buffer\'s '
         'weighted mean update (FedBuff\'s eta_g).',
         minimum=0.0, exclusive_minimum=True, group='systems', scope='run')
+    sampling: str = param(
+        'fixed',
+        'How a training round picks its clients: fixed (fraction-train of the training clients, '
+        'at least one, drawn reproducibly from seed) or poisson (each training client '
+        'independently with probability fraction-train, possibly none: the sampling that '
+        "differential privacy's amplification by sampling assumes, docs/privacy.md).",
+        choices=('fixed', 'poisson'), group='federation', scope='run')
+    dp: str = param(
+        'off',
+        'User-level differential privacy (docs/privacy.md): off, or central (DP-FedAvg, '
+        'McMahan et al. 2018: the server clips each client\'s update to dp-clip, adds Gaussian '
+        'noise of dp-noise-multiplier x dp-clip to their sum and divides by the expected '
+        'clients a round; every round row reports the epsilon spent, dp-epsilon).',
+        choices=('off', 'central'), group='privacy', scope='run')
+    dp_clip: float = param(
+        1.0,
+        'dp: the L2 bound on each client\'s update (its uploaded arrays minus what it '
+        'received); with dp-clipping = adaptive, the bound of the first round.',
+        minimum=0.0, exclusive_minimum=True, group='privacy', scope='run')
+    dp_clipping: str = param(
+        'fixed',
+        'dp: fixed (dp-clip throughout) or adaptive (Andrew et al. 2021: the bound follows '
+        'dp-clip-quantile of the update norms, learnt from a noised count at dp-clip-lr; its '
+        'noise is taken from the same budget).',
+        choices=('fixed', 'adaptive'), group='privacy', scope='run')
+    dp_noise_multiplier: float = param(
+        1.0,
+        'dp: the Gaussian noise\'s standard deviation over the clip (z); ignored when '
+        'dp-epsilon is set.',
+        minimum=0.0, group='privacy', scope='run')
+    dp_epsilon: float = param(
+        0.0,
+        'dp: the whole run\'s privacy budget; > 0 sets the noise multiplier before the run '
+        'so that its rounds spend at most this epsilon at dp-delta (0: dp-noise-multiplier '
+        'as given).',
+        minimum=0.0, group='privacy', scope='run')
+    dp_delta: float = param(
+        1e-5,
+        'dp: the delta of the (epsilon, delta) guarantee reported.',
+        minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True,
+        group='privacy', scope='run')
+    dp_clip_quantile: float = param(
+        0.5,
+        'dp-clipping = adaptive: the quantile of the update norms the bound follows.',
+        minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True,
+        group='privacy', scope='run')
+    dp_clip_lr: float = param(
+        0.2,
+        'dp-clipping = adaptive: the geometric learning rate of the bound.',
+        minimum=0.0, exclusive_minimum=True, group='privacy', scope='run')
+    dp_count_noise: float = param(
+        0.0,
+        'dp-clipping = adaptive: the standard deviation of the noise on the count of clipped '
+        'updates (more than half the noise multiplier); 0: the larger of the expected clients '
+        'a round / 20 (Andrew et al.) and the noise multiplier.',
+        minimum=0.0, group='privacy', scope='run')
     attack_scale: float = param(
         10.0,
         'The factor of attack=scale, noise, inflate-count and fake-eval.',
