@@ -485,3 +485,36 @@ def test_a_language_model_deployment_loads_the_base_once_per_node(tmp_path):
     reference = _reference_run(run_config, tmp_path / "reference", set())
     differences, compared = _compare(reference, results)
     assert compared > 30 and not differences, differences
+
+
+@needs_fashion_mnist
+@pytest.mark.slow
+def test_local_dp_on_supernodes_sends_the_server_only_clipped_noised_updates(tmp_path):
+    """``dp = local`` on three real SuperNodes: every training reply that reaches the ServerApp
+    (``record-uploads``, written as it arrives, before any check) is the model the server sent
+    plus an update of norm at most ``dp-clip`` plus that client's own noise for that round,
+    regenerated here from (seed, round, client): the ClientApp privatized it before it left the
+    node. About a minute."""
+    from test_privacy import assert_uploads_clipped_and_noised
+
+    work = tmp_path / "deploy"
+    out = tmp_path / "out"
+    port = _free_ports(4)
+    env = _environment()
+    try:
+        _script(work, env, "start", "--nodes", "3", "--port", str(port), "--node-port",
+                str(port + 1), *CONFIG, timeout=180)
+        result = subprocess.run(
+            ["bash", str(SCRIPT), "run", "--workdir", str(work), "--rounds", "2", "--methods",
+             "fedavg", "--set", "dp=local", "--set", "dp-clip=0.05", "--set", "fraction-train=1",
+             "--set", "dp-noise-multiplier=0.5", "--set", "eval-audit-fraction=0",
+             "--set", "record-uploads=true", "--set", "report=false", "--out", str(out)],
+            capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        rows = json.loads((out / "results.json").read_text())["methods"]["fedavg"]["rounds"]
+        assert [r["clients-trained"] for r in rows] == [3, 3] and rows[-1]["dp-epsilon"] > 0
+        assert assert_uploads_clipped_and_noised(out / "uploads", seed=1, clip=0.05,
+                                                 z=0.5) == 6
+    finally:
+        _stop(work, env)
+    _nothing_left(work, port)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from harness import three_engines
 
 from pflalign.server import privacy
 from pflalign.settings.options import ConfigError
+from pflalign.wire.protocol import MODEL
 
 
 def test_clip_scales_to_the_bound_and_leaves_short_vectors_alone():
@@ -257,6 +259,14 @@ POISSON_DP = {"num-clients": 6, "max-samples": 1500, "rounds": 4, "eval-every": 
               "dp-clip": 0.5, "dp-noise-multiplier": 0.002}
 
 
+#: dp = local on the same clients, with a server rule that post-processes the noised uploads as
+#: it likes (server-held offsets, a median)
+LOCAL_DP = {"num-clients": 6, "max-samples": 1500, "rounds": 3, "eval-every": 3,
+            "fraction-train": 0.5, "local-steps": 2, "seed": 2, "dp": "local", "dp-clip": 0.5,
+            "dp-noise-multiplier": 0.002, "eval-audit-fraction": 0.0,
+            "methods": "fedavg,pflalign(pflalign-state=server,aggregation=median)"}
+
+
 @needs_fashion_mnist
 def test_central_dp_runs_identically_on_both_in_process_engines_with_epsilon_in_every_row(
         tmp_path):
@@ -272,3 +282,92 @@ def test_central_dp_runs_identically_on_both_in_process_engines_with_epsilon_in_
             [privacy.epsilon_of([(z, 0.3, n)], 1e-5) for n in range(1, 5)], rel=1e-12), label
         assert rows[3]["clients-trained"] == 0 and all(r["clients-trained"] for r in rows[:3])
         assert rows[0]["dp-clip"] == 0.5 and len({r["dp-clip"] for r in rows}) == 4
+
+
+@needs_fashion_mnist
+def test_local_dp_runs_identically_on_both_in_process_engines_with_each_clients_epsilon(
+        tmp_path):
+    """Each client noises its own upload from its own generator, so the engines agree; a row's
+    epsilon is that of the client that trained most often so far, each upload a Gaussian
+    release at z / 2 (sensitivity: the clip ball's diameter), without amplification."""
+    result = three_engines(LOCAL_DP, tmp_path, compared_at_least=40)
+    for label, entry in result["methods"].items():
+        usage = {u["id"]: u["dispatched"] for u in entry["usage"]}
+        most = max(usage.values())
+        assert entry["rounds"][-1]["dp-epsilon"] == privacy.epsilon_of(
+            [(0.001, 1.0, most)], 1e-5), label
+        assert all(r["clients-trained"] == 3 for r in entry["rounds"])
+
+
+def test_a_local_release_clips_the_clients_update_as_one_vector_and_adds_its_noise():
+    received = {"w": np.ones((2, 2), np.float32), "b": np.zeros(2, np.float32)}
+    upload = {"w": np.array([[4, 1], [1, 1]], np.float32), "b": np.array([4, 0], np.float32),
+              "count": np.array(7)}
+    out = privacy.local_release(upload, received, bound=2.5, std=0.0, rng=privacy.noise_rng(0, 1))
+    # the update (3, 0, 0, 0 | 4, 0) has norm 5: halved to the clip; integers as uploaded
+    np.testing.assert_array_equal(out["w"], [[2.5, 1], [1, 1]])
+    np.testing.assert_array_equal(out["b"], [2, 0])
+    assert out["w"].dtype == np.float32 and out["count"] == 7
+    noised = privacy.local_release(upload, received, 2.5, 0.1,
+                                   privacy.noise_rng(0, 1, privacy.LOCAL_NOISE_STREAM, 5))
+    noise = privacy.noise_rng(0, 1, privacy.LOCAL_NOISE_STREAM, 5).normal(0.0, 0.1, 6)
+    np.testing.assert_array_equal(noised["b"], (np.array([2.0, 0.0]) + noise[4:]).astype(
+        np.float32))
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"dp": "local", "methods": "fedavg"}, "eval-audit-fraction = 0.2 has clients send"),
+    ({"dp": "local", "methods": "fedavg", "eval-audit-fraction": 0.0,
+      "dp-clipping": "adaptive"}, "dp-clipping = 'adaptive' has the server count"),
+    ({"dp": "local", "methods": "feddyn", "eval-audit-fraction": 0.0},
+     "feddyn cannot run dp = 'local'"),
+])
+def test_local_dp_refuses_what_would_send_a_clients_own_data_in_one_sentence(values, message):
+    from pflalign.run.config import build_settings
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_settings(values)
+
+
+def assert_uploads_clipped_and_noised(uploads: Path, seed: int, clip: float, z: float) -> int:
+    """Every training reply recorded in ``uploads`` (``record-uploads``) is, to float32's
+    precision, what the server sent plus an update of norm at most ``clip`` plus the client's
+    own noise for its round: nothing unclipped or un-noised reached the server. Returns how many
+    replies were checked."""
+    checked = 0
+    for path in sorted(uploads.glob("*/round-*/client-*.npz")):
+        server_round = int(path.parent.name.split("-")[1])
+        client = int(path.stem.split("-")[1])
+        with np.load(path) as record:
+            keys = [k.split("/", 2)[2] for k in record.files
+                    if k.startswith(f"upload/{MODEL}/")]
+            assert keys and all(k.startswith((f"upload/{MODEL}/", f"sent/{MODEL}/"))
+                                for k in record.files), record.files
+            upload = {k: record[f"upload/{MODEL}/{k}"] for k in keys}
+            sent = {k: record[f"sent/{MODEL}/{k}"] for k in keys}
+        order = [k for k in upload if upload[k].dtype.kind == "f"]  # the client's packing order
+        arrived = np.concatenate([upload[k].reshape(-1).astype(np.float64) for k in order])
+        base = np.concatenate([sent[k].reshape(-1).astype(np.float64) for k in order])
+        noise = privacy.noise_rng(seed, server_round, privacy.LOCAL_NOISE_STREAM, client).normal(
+            0.0, z * clip, base.size)
+        assert np.linalg.norm(arrived - base) > 10 * clip  # the noise is there...
+        update = arrived - base - noise
+        assert np.linalg.norm(update) <= clip * (1 + 1e-3), (path, np.linalg.norm(update))
+        checked += 1
+    return checked
+
+
+@needs_fashion_mnist
+def test_under_local_dp_the_server_receives_only_clipped_noised_updates(tmp_path):
+    """What reaches the server (``record-uploads``, read before any check) is the sent model
+    plus a clipped update plus the client's own noise: the update within 0.05 once the
+    client's noise is taken off, which a trained update (norm far above) never is unclipped."""
+    from pflalign.outputs.results import Reporter
+    from pflalign.run.config import build_settings
+    from pflalign.run.driver import simulate
+
+    values = {**LOCAL_DP, "methods": "fedavg", "rounds": 2, "dp-clip": 0.05,
+              "dp-noise-multiplier": 0.5, "record-uploads": True, "engine": "sequential",
+              "out-dir": str(tmp_path)}
+    simulate(build_settings(values), Reporter(quiet=True))
+    assert assert_uploads_clipped_and_noised(tmp_path / "uploads", 2, 0.05, 0.5) == 6

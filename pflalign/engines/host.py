@@ -32,8 +32,14 @@ from pflalign.methods.base import Method
 from pflalign.methods.registry import METHODS
 from pflalign.process.caches import cached
 from pflalign.process.memory import process_metrics
+from pflalign.server.privacy import (
+    LOCAL_NOISE_STREAM,
+    local_release,
+    noise_rng,
+    run_noise_multiplier,
+)
 from pflalign.settings.options import Value
-from pflalign.settings.schema import Settings
+from pflalign.settings.schema import RunConfig, Settings
 from pflalign.training.client import ClientRuntime
 from pflalign.training.gga_client import GGA_ACTION, client_answer
 from pflalign.training.loops import configure_threads, pick_device
@@ -189,9 +195,28 @@ def finish(call: Call, result: object) -> tuple[Metrics, ReplyArrays, State | No
     upload, new_state = result  # type: ignore[misc]
     kept = state_to_keep(new_state, call.restored)
     upload = counted(upload, call.client.data.num_train)
+    if call.client.run.dp == "local":
+        upload = privatized(upload, call.received, call.client.run, client_id)
     metrics, reply = train_reply(client_id, upload, call.saved, kept,
                                  time.perf_counter() - call.started)
     return metrics, reply, kept
+
+
+def privatized(upload: Upload, received: Received, run: RunConfig, client_id: int) -> Upload:
+    """``dp = local``: the upload as it leaves the client, its model's update over the model it
+    received clipped to ``dp-clip`` and noised with ``dp-noise-multiplier x dp-clip``
+    (:func:`~pflalign.server.privacy.local_release`), from the client's own generator for the
+    round (the same on every engine). Nothing else of the upload may leave: a method that
+    uploads other records cannot run under dp (:attr:`~pflalign.methods.base.Method.private`)."""
+    if upload.model is None:
+        return upload
+    rng = noise_rng(run.seed, received.server_round, LOCAL_NOISE_STREAM, client_id)
+    std = run_noise_multiplier(run) * run.dp_clip
+    model = {k: v.detach().cpu().numpy() for k, v in upload.model.items()}
+    base = {k: v.detach().cpu().numpy() for k, v in (received.model or {}).items()}
+    released = local_release(model, base, run.dp_clip, std, rng)
+    return replace(upload, model={k: torch.from_numpy(np.ascontiguousarray(v))
+                                  for k, v in released.items()})
 
 
 def state_to_keep(new_state: ArrayState, fallback: State | None) -> State | None:

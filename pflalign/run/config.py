@@ -437,6 +437,8 @@ def _check_privacy(values: Mapping[str, Value]) -> None:
     if values["gga"]:
         raise ConfigError(f"gga = true sends the clients' gradients to the server outside the "
                           f"clipped, noised release of dp = {values['dp']!r}: set gga = false.")
+    if values["dp"] == "local":
+        _check_local_privacy(values)
     if values["dp-clipping"] == "fixed":
         for key in ("dp-clip-quantile", "dp-clip-lr", "dp-count-noise"):
             if values[key] != default[key]:
@@ -457,6 +459,22 @@ def _check_privacy(values: Mapping[str, Value]) -> None:
                           f"which must exceed half the noise multiplier ({multiplier:.4g} / 2) "
                           "for the updates to keep any of the noise budget: raise it, or leave "
                           "it 0 for the default.")
+
+
+def _check_local_privacy(values: Mapping[str, Value]) -> None:
+    """``dp = local``: nothing of a client's own may reach the server outside its noised
+    upload (the audits send its saved state; on the Flower engine no checkpoint asks for it,
+    :meth:`~pflalign.run.rounds.RoundLoop.write_checkpoint`), and the clip is each client's own
+    (no adaptive clip, which needs the server to count)."""
+    for key in ("eval-audit-fraction", "train-audit-fraction"):
+        if float(values[key]) > 0:
+            raise ConfigError(f"{key} = {values[key]:g} has clients send their saved state to "
+                              "the server to recompute their replies, which dp = 'local' "
+                              f"forbids (the server is not trusted): set {key} = 0.")
+    if values["dp-clipping"] == "adaptive":
+        raise ConfigError("dp-clipping = 'adaptive' has the server count the clipped updates, "
+                          "and under dp = 'local' it never sees one unnoised: each client clips "
+                          "to dp-clip; set dp-clipping = 'fixed'.")
 
 
 #: the keys of ``mode = async`` and their values when unused

@@ -30,6 +30,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -38,7 +39,7 @@ from pflalign.engines.base import Engine
 from pflalign.engines.sequential import records_bytes, sent_bytes
 from pflalign.methods.base import Method
 from pflalign.models.language import is_language_model
-from pflalign.outputs.results import Reporter
+from pflalign.outputs.results import Reporter, slug
 from pflalign.process.interrupt import check_stop
 from pflalign.process.memory import host_id, peak_rss_mb
 from pflalign.run.asynchronous import BufferedRounds, RealTimeRounds
@@ -48,7 +49,12 @@ from pflalign.server.aggregation import FlatSpec, mean_cosine
 from pflalign.server.buffered import server_step
 from pflalign.server.clock import availability_of, close_round, profiles_of, sample_available
 from pflalign.server.metrics import accuracy_summary
-from pflalign.server.privacy import CentralPrivacy
+from pflalign.server.privacy import (
+    CentralPrivacy,
+    epsilon_of,
+    local_multiplier,
+    run_noise_multiplier,
+)
 from pflalign.server.runtime import ServerRuntime
 from pflalign.server.validation import (
     ClientFailure,
@@ -191,6 +197,13 @@ class RoundLoop:
         self.check_deadline()
         if run.dp == "central" and self.method.uploads_model:
             self.privacy = self.central_privacy()
+        elif run.dp == "local":
+            self.reporter.info(
+                f"[{self.label}] dp = local: each client clips its update to {run.dp_clip:g} "
+                f"and adds noise of multiplier {run_noise_multiplier(run):.4g} before it leaves")
+            if run_noise_multiplier(run) == 0:
+                self.warn("dp = local with dp-noise-multiplier = 0 clips the updates and adds "
+                          "no noise: there is no privacy guarantee, and no epsilon is reported.")
         last_eval: dict[str, float] = {}
         first = 1
         snapshot = checkpoint.read() if checkpoint is not None else None
@@ -215,8 +228,8 @@ class RoundLoop:
             row.update(entries)
             if self.privacy is not None:
                 row.update(self.privacy.account())
-            elif run.dp != "off":  # a method that uploads nothing releases nothing of it
-                row["dp-epsilon"] = 0.0
+            elif run.dp != "off":
+                row.update(self.local_epsilon())
             down, up = down + train_down, up + train_up
             row["train-seconds"] = time.perf_counter() - started
             row.update(self.method.round_diagnostics(server, self.state))
@@ -258,6 +271,21 @@ class RoundLoop:
             self.warn("dp = central with dp-noise-multiplier = 0 clips the updates and adds no "
                       "noise: there is no privacy guarantee, and no epsilon is reported.")
         return privacy
+
+    def local_epsilon(self) -> dict[str, float]:
+        """The row's epsilon under ``dp = local`` (or for a method that uploads nothing, 0): what
+        the client that trained most often so far has spent, each of its uploads a Gaussian
+        release at :func:`~pflalign.server.privacy.local_multiplier` (no amplification: a
+        client knows when it takes part); without noise, none (there is no guarantee)."""
+        run = self.server.settings.run
+        if not self.method.uploads_model:
+            return {"dp-epsilon": 0.0}
+        multiplier = run_noise_multiplier(run)
+        if multiplier == 0:
+            return {}
+        trainings = max((sent for sent, _ in self.usage.values()), default=0)
+        return {"dp-epsilon": epsilon_of([(local_multiplier(multiplier), 1.0, trainings)],
+                                         run.dp_delta)}
 
     def dispatched(self, clients: Iterable[int]) -> None:
         """Count a training sent to each of ``clients`` (:attr:`usage`)."""
@@ -320,6 +348,13 @@ class RoundLoop:
                 return
             hooks.append(hook.state_dict())
         buffered: tuple[dict, State] = ({}, {})
+        run = self.server.settings.run
+        if run.dp == "local" and run.engine == "flower" and self.saved_state:
+            if server_round == checkpoint.every:
+                self.warn("no checkpoints are written under dp = 'local' on the Flower engine: "
+                          "they would ask the clients for their saved state, which must not "
+                          "leave them; a killed run starts over.")
+            return
         if isinstance(self.buffered, RealTimeRounds):
             if server_round == checkpoint.every:
                 self.warn("no checkpoints are written in real-time asynchronous rounds (the "
@@ -473,6 +508,8 @@ class RoundLoop:
             server_round, [m.client for m in messages], self.pending_restore, self.exchange,
             lambda cid: self.message(cid, Payload(), server_round))
         exchange = self.exchange(TRAIN, messages)
+        if server.settings.run.record_uploads:
+            self.record_uploads(server_round, messages, exchange)
         if self.profiles is not None:
             exchange, closed = self.close_round(server_round, messages, exchange, wanted)
             clock.update(closed)
@@ -649,6 +686,23 @@ class RoundLoop:
                       f"reply after round-deadline = {self.server.settings.run.round_deadline:g} "
                       "simulated s; their updates are not used.")
         return Exchange(replies, exchange.bytes_down, exchange.bytes_up), clock
+
+    def record_uploads(self, server_round: int, messages: Sequence[Outgoing],
+                       exchange: Exchange) -> None:
+        """``record-uploads``: each training reply's array records as they reached the server,
+        before any check, with the records the server sent that client, one ``.npz`` a client."""
+        folder = (Path(self.server.settings.run.out_dir) / "uploads" / slug(self.label)
+                  / f"round-{server_round}")
+        folder.mkdir(parents=True, exist_ok=True)
+        sent = {m.client: m.payload.arrays for m in messages}
+        for reply in exchange.replies:
+            if reply.error is not None or reply.sender not in sent:
+                continue
+            arrays = {f"{side}/{record}/{key}": np.asarray(value)
+                      for side, records in (("upload", reply.arrays),
+                                            ("sent", sent[reply.sender]))
+                      for record, entries in records.items() for key, value in entries.items()}
+            np.savez(folder / f"client-{reply.sender}.npz", **arrays)
 
     def check_kept_state(self, updates: Sequence[Update]) -> None:
         """Warn when a client that saved method state in an earlier round comes back without it

@@ -30,9 +30,10 @@ uninterrupted one did.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -222,10 +223,50 @@ def sample_rate(run: object) -> float:
 
 def run_noise_multiplier(run: object) -> float:
     """The run's noise multiplier ``z``: ``dp-noise-multiplier``, or, with ``dp-epsilon`` > 0,
-    the smallest that spends at most that epsilon in the run's rounds (:func:`calibrate`)."""
+    the smallest that spends at most that epsilon in the run's rounds (:func:`calibrate`; under
+    ``dp = local``, twice the multiplier found for one client taking part in every round, as
+    its release's sensitivity is the clip ball's diameter, :func:`local_multiplier`)."""
     if run.dp_epsilon > 0:
-        return calibrate(run.dp_epsilon, run.dp_delta, sample_rate(run), run.rounds)
+        if run.dp == "local":
+            return 2 * _calibrated(run.dp_epsilon, run.dp_delta, 1.0, run.rounds)
+        return _calibrated(run.dp_epsilon, run.dp_delta, sample_rate(run), run.rounds)
     return float(run.dp_noise_multiplier)
+
+
+@functools.lru_cache(maxsize=32)
+def _calibrated(target_epsilon: float, delta: float, rate: float, rounds: int) -> float:
+    """:func:`calibrate`, once per process for a run (each client of ``dp = local`` needs it)."""
+    return calibrate(target_epsilon, delta, rate, rounds)
+
+
+def local_multiplier(noise_multiplier: float) -> float:
+    """The noise multiplier a ``dp = local`` release is accounted at: a client's noise is
+    ``z C`` and two of its possible updates can differ by ``2 C`` (any two points of the clip
+    ball: local DP protects every input of the client, not its presence), so ``z / 2``."""
+    return noise_multiplier / 2
+
+
+def local_release(upload: Mapping[str, np.ndarray], received: Mapping[str, np.ndarray],
+                  bound: float, std: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """``dp = local``: a client's upload as it leaves the client: its floating-point entries'
+    update over what it ``received`` (zero for an entry it did not receive) clipped to ``bound``
+    as one vector and noised with N(0, std^2) per value; other entries as they are."""
+    keys = [k for k in upload if np.asarray(upload[k]).dtype.kind == "f"]
+    if not keys:
+        return dict(upload)
+    flats = [np.asarray(upload[k], np.float64).reshape(-1) for k in keys]
+    bases = [np.asarray(received[k], np.float64).reshape(-1) if k in received
+             else np.zeros(f.size) for k, f in zip(keys, flats, strict=True)]
+    base = np.concatenate(bases)
+    clipped, _ = clip(np.concatenate(flats) - base, bound)
+    released = base + clipped + gaussian_noise(base.size, std, rng)
+    out = dict(upload)
+    start = 0
+    for key, flat in zip(keys, flats, strict=True):
+        value = np.asarray(upload[key])
+        out[key] = released[start:start + flat.size].astype(value.dtype).reshape(value.shape)
+        start += flat.size
+    return out
 
 
 def count_noise(run: object, expected_clients: float, noise_multiplier: float) -> float:

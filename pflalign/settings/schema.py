@@ -107,6 +107,13 @@ class RunConfig(Params):
         'results',
         'Directory for results.json (created if missing).',
         group='run', scope='output')
+    record_uploads: bool = param(
+        False,
+        'Write every training reply as it reached the server, beside what the server sent that '
+        'client, to out-dir/uploads/<method>/round-<r>/client-<id>.npz (arrays upload/<record>/'
+        '<entry> and sent/<record>/<entry>): what the server sees, e.g. to check what dp = local '
+        'lets through, or to attack it. Large: a model per client and round.',
+        group='run', scope='output')
     report: bool = param(
         True,
         'Write report.md and its plots beside results.json and results.csv (false: skip them, '
@@ -513,11 +520,12 @@ class RunConfig(Params):
         choices=('fixed', 'poisson'), group='federation', scope='run')
     dp: str = param(
         'off',
-        'User-level differential privacy (docs/privacy.md): off, or central (DP-FedAvg, '
-        'McMahan et al. 2018: the server clips each client\'s update to dp-clip, adds Gaussian '
-        'noise of dp-noise-multiplier x dp-clip to their sum and divides by the expected '
-        'clients a round; every round row reports the epsilon spent, dp-epsilon).',
-        choices=('off', 'central'), group='privacy', scope='run')
+        'User-level differential privacy (docs/privacy.md): off; central (DP-FedAvg, McMahan '
+        'et al. 2018: the server clips each client\'s update to dp-clip, adds Gaussian noise of '
+        'dp-noise-multiplier x dp-clip to their sum and divides by the expected clients a '
+        'round); or local (each client clips its update to dp-clip and adds that noise to it '
+        'before its reply leaves it). Every round row reports the epsilon spent, dp-epsilon.',
+        choices=('off', 'central', 'local'), group='privacy', scope='run')
     dp_clip: float = param(
         1.0,
         'dp: the L2 bound on each client\'s update (its uploaded arrays minus what it '

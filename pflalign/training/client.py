@@ -67,6 +67,8 @@ class ClientRuntime:
         self.client_id = client_id
         self.device = device
         self.seed = settings.run.seed
+        #: the run-wide settings (dp = local's clip and noise, among others)
+        self.run = settings.run
         self.training: LocalTraining = settings.training
         node = node if node is not None else pooled_node_data(settings, client_id, device)
         self.data = node.data.to(device)
