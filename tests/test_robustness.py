@@ -376,3 +376,49 @@ def test_discovery_takes_sizes_from_the_partition_not_from_what_a_node_declares(
     assert [clients[c].num_train for c in range(3)] == [len(partition.train[c]) for c in range(3)]
     assert len(warnings) == 1 and warnings[0].startswith(
         "client 1 (node 101) declared 1000000000000 train")
+
+
+def test_update_clip_scales_each_update_to_the_rounds_median_and_rejects_none():
+    """Norm bounding by hand: updates of norm 1, 2 and 30 over a zero model, factor 1: the
+    round's median is 2, so the third is scaled to norm 2 along its direction; the others, and
+    any non-trainable entry, are untouched."""
+    from pflalign.server.aggregation import FlatSpec
+    from pflalign.server.validation import ReplyValidator
+    from pflalign.wire.messages import Update
+
+    class Server:  # the validator reads the trainable exchanged spec and the settings
+        trainable_shared = FlatSpec.of({"w": np.zeros(2, np.float32)})
+        settings = build_settings({})
+
+    validator = ReplyValidator(Server(), lambda text: None)
+    zero = {"w": np.zeros(2, np.float32), "count": np.array(3)}
+    updates = [Update(client=c, num_examples=1, metrics={},
+                      model={"w": np.array(w, np.float32), "count": np.array(3)})
+               for c, w in enumerate([[1, 0], [0, 2], [18, 24]])]
+    kept, clipped = validator.clip_updates(updates, zero, factor=1.0)
+    assert clipped == 1 and [u.client for u in kept] == [0, 1, 2]
+    np.testing.assert_array_equal(kept[0].model["w"], [1, 0])
+    np.testing.assert_array_equal(kept[2].model["w"], np.array([1.2, 1.6], np.float32))
+    assert kept[2].model["count"] == 3
+    # factor 20: nobody exceeds 40
+    assert validator.clip_updates(updates, zero, factor=20.0)[1] == 0
+    # two uploads and no history: the smaller is the reference, so a scaled one is cut to it
+    kept, clipped = validator.clip_updates(updates[1:], zero, factor=1.0)
+    assert clipped == 1 and np.linalg.norm(kept[1].model["w"]) == pytest.approx(2.0)
+
+
+@needs_fashion_mnist
+def test_update_clip_bounds_a_scaled_update_that_passes_the_norm_bound():
+    """6 clients, 2 a round, one scaling its update x10 (within update-norm-bound = 30, so never
+    rejected): FedAvg's personal accuracy falls to chance (9.8% measured); clipping every
+    update to the reference (update-clip = 1) rejects nobody and keeps 34.6% (41.6% when the
+    attacker never answers)."""
+    changes = {"fraction-train": 0.4, "rounds": 6, "eval-every": 6, "malicious-clients": 1,
+               "attack": "scale", "attack-scale": 10.0}
+    attacked, _ = _run("fedavg", **changes)
+    clipped, _ = _run("fedavg", **changes, **{"update-clip": 1.0})
+    assert all(r["rejected"] == 0 and r["clients-trained"] == 2
+               for r in attacked["rounds"] + clipped["rounds"])
+    assert all(r["clipped"] >= 1 for r in clipped["rounds"])
+    assert attacked["final"]["personal-acc"] < 0.15
+    assert clipped["final"]["personal-acc"] > attacked["final"]["personal-acc"] + 0.15

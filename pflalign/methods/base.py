@@ -153,6 +153,14 @@ class Method(Generic[P, C, S]):
                 raise ConfigError("gga = true anneals the global model before each synchronous "
                                   "round's training, and mode = 'async' has no such rounds: "
                                   "set gga = false or mode = 'sync'.")
+        clip = settings.run.update_clip
+        if clip > 0 and settings.run.dp != "off":
+            raise ConfigError(f"update-clip = {clip:g} and dp = {settings.run.dp!r} both clip the "
+                              "updates: dp-clip bounds them under dp; remove update-clip.")
+        if clip > 0 and settings.run.mode == "async":
+            raise ConfigError(f"update-clip = {clip:g} clips the updates of a synchronous round "
+                              "against the round's median, and mode = 'async' has no such "
+                              "rounds: remove it or set mode = 'sync'.")
         if settings.run.dp != "off":
             if not cls.private:
                 raise ConfigError(f"{cls.name} cannot run dp = {settings.run.dp!r}: "

@@ -526,6 +526,8 @@ class RoundLoop:
         # norms would make one client's acceptance depend on their data)
         updates, too_large = ((updates, 0) if self.privacy is not None
                               else self.validator.bound_updates(updates, self.state.model))
+        updates, clipped = self.validator.clip_updates(updates, self.state.model,
+                                                       server.settings.run.update_clip)
         self.note_processes(u.metrics for u in updates)
         self.check_kept_state(updates)
         row: dict = {"clients-trained": len(updates), "failures": collected.failed,
@@ -533,6 +535,8 @@ class RoundLoop:
                      "rejected": collected.rejected + audit.rejected + too_large,
                      "train-audited": audit.audited, "train-audit-rejected": audit.rejected,
                      **clock}
+        if server.settings.run.update_clip > 0:
+            row["clipped"] = clipped
         if self.validator.largest_ratio is not None:  # how close the kept updates came
             row["norm-ratio-max"] = float(self.validator.largest_ratio)
         traffic = exchange.bytes_down, exchange.bytes_up

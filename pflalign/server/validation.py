@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -224,6 +224,31 @@ class ReplyValidator:
             kept = [n for u, n in zip(updates, norms, strict=True) if u.client not in refused]
             self.norm_history[part] = [*self.norm_history.get(part, []), kept][-NORM_HISTORY:]
         return [u for u in updates if u.client not in refused], len(refused)
+
+    def clip_updates(self, updates: list[Update], global_model: State, factor: float,
+                     ) -> tuple[list[Update], int]:
+        """Norm bounding (``update-clip``; Sun et al., "Can You Really Backdoor Federated
+        Learning?", 2019): each update of the trainable exchanged entries (uploaded minus
+        global) scaled down to at most ``factor`` times the round's :meth:`reference` norm, so
+        that no client moves the model more than an honest one would, and nobody is rejected.
+        Returns the updates and how many were clipped."""
+        spec = self.server.trainable_shared
+        if factor <= 0 or not updates or not spec.size or any(u.model is None for u in updates):
+            return updates, 0
+        base = spec.flatten(global_model, np.float64)
+        vectors = [spec.flatten(u.model, np.float64) - base for u in updates]
+        norms = [float(np.linalg.norm(v)) for v in vectors]
+        reference, _ = self.reference("update", norms)
+        if reference is None or reference <= 0:
+            return updates, 0
+        bound = factor * reference
+        kept: list[Update] = []
+        for update, vector, norm in zip(updates, vectors, norms, strict=True):
+            if norm > bound:
+                update = replace(update, model={**update.model,
+                                                **spec.unflatten(base + vector * (bound / norm))})
+            kept.append(update)
+        return kept, sum(norm > bound for norm in norms)
 
     def reference(self, part: str, norms: Sequence[float]) -> tuple[float | None, str]:
         """What ``norms`` (one round's, of ``part``) are bounded against, and its name: the

@@ -403,6 +403,14 @@ class RunConfig(Params):
         'above this many times the round\'s median update norm (with fewer than three uploads: '
         'the median of the norms accepted in the last 5 rounds); 0 turns the check off.',
         minimum=0.0, group='robustness')
+    update_clip: float = param(
+        0.0,
+        'Norm bounding (Sun et al. 2019): scale every training update (its trainable shared '
+        'entries minus the global model) down to at most this many times the reference of '
+        'update-norm-bound (the round\'s median update norm, or the recent rounds\'), after '
+        'that check; no reply is rejected for it, and each row counts the clipped ones '
+        '(clipped). Synchronous rounds without dp (whose own clip does this). 0: off.',
+        minimum=0.0, group='robustness')
     client_failure_rate: float = param(
         0.0,
         'Fault injection: probability that a sampled client\'s training call raises (seeded '
