@@ -18,13 +18,13 @@ from pflalign.run.config import build_settings
 # --- the rules, by hand ----------------------------------------------------------------------
 
 
-def test_the_sample_is_seeded_by_round_and_takes_a_ceiling_share():
+def test_the_sample_is_keyed_by_the_secret_and_round_and_takes_a_ceiling_share():
     clients = [4, 1, 9, 7, 3, 8, 2]
-    drawn = audit_sample(clients, 0.2, seed=5, server_round=3)
+    drawn = audit_sample(clients, 0.2, secret=5, server_round=3)
     rng = np.random.default_rng([5, 3, AUDIT_STREAM])
     assert drawn == sorted(int(c) for c in rng.choice(sorted(clients), size=2, replace=False))
     assert len(drawn) == math.ceil(0.2 * 7) == 2
-    assert drawn == audit_sample(list(reversed(clients)), 0.2, seed=5, server_round=3)
+    assert drawn == audit_sample(list(reversed(clients)), 0.2, secret=5, server_round=3)
     assert len(audit_sample(clients, 0.01, 5, 3)) == 1  # at least one client
     assert audit_sample(clients, 0.0, 5, 3) == []
     assert audit_sample(clients, 0.2, 5, 3, everyone=True) == sorted(clients)
@@ -85,11 +85,28 @@ def test_at_the_default_fraction_the_claim_is_caught_exactly_where_it_is_sampled
     attacker = next(iter(malicious_clients(build_settings({**BASE, **changes}))))
     faked, _ = _run("fedavg", **changes)
     caught = [r["eval-audit-rejected"] for r in _eval_rows(faked)]
-    sampled = [int(attacker in audit_sample(range(6), 0.2, BASE["seed"], r, everyone=r == 6))
-               for r in range(1, 7)]
+    sampled = [int(attacker in audit_sample(range(6), 0.2, faked["audit-secret"], r,
+                                            everyone=r == 6)) for r in range(1, 7)]
     assert caught == sampled and caught[-1] == 1 and 0 < sum(caught) < 6
     assert [r["eval-audited"] for r in _eval_rows(faked)] == [2, 2, 2, 2, 2, 6]
     assert all(r["evaluated"] == 6 - c for r, c in zip(_eval_rows(faked), caught, strict=True))
+
+
+@needs_fashion_mnist
+def test_the_draw_is_keyed_by_a_secret_no_client_knows_which_the_results_give_to_repeat_it():
+    """Two runs of one config draw their own keys (a client knowing the config and seed cannot
+    predict the audited rounds); the key in a run's results repeats it exactly."""
+    changes = {**ATTACKER, "rounds": 6, "eval-every": 1}
+    first, _ = _run("fedavg", **changes)
+    second, _ = _run("fedavg", **changes)
+    assert first["audit-secret"] != second["audit-secret"]
+    again, _ = _run("fedavg", **changes, **{"audit-secret": first["audit-secret"]})
+    assert again["audit-secret"] == first["audit-secret"]
+    assert [r["eval-audit-rejected"] for r in _eval_rows(again)] == [
+        r["eval-audit-rejected"] for r in _eval_rows(first)]
+    untimed = [{k: v for k, v in run["final"].items() if "seconds" not in k}
+               for run in (first, again)]
+    assert untimed[0] == untimed[1]
 
 
 @needs_fashion_mnist

@@ -70,6 +70,7 @@ def comparable(value: object) -> object:
     if isinstance(value, dict):
         return {k: comparable(v) for k, v in value.items()
                 if "seconds" not in k and k not in ("started", "engine", "out-dir", "processes",
+                                                    "audit-secret",
                                                     "batched-backend", "memory-budget-gb")}
     if isinstance(value, list):
         return [comparable(v) for v in value]

@@ -2,7 +2,8 @@
 
 A client's evaluation reply is a claim (its correct counts and losses on its test split). Every
 evaluation round, :class:`EvaluationAudit` draws ``eval-audit-fraction`` of the clients that
-replied (at least one; a draw seeded by (seed, round), the same for every method), and every
+replied (at least one; drawn by (round, a secret key the server holds), so that no client can
+predict it; the key is in the results, which repeat it exactly), and every
 client in the last round, whose scores are the run's final metrics. For each, it asks the client
 for the method state it holds (a :data:`~pflalign.wire.protocol.STATE` exchange, as checkpoints do),
 checks that state as a checkpoint would, and runs the method's own evaluation rule here
@@ -31,6 +32,7 @@ report says the accuracies are self-reported.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -91,18 +93,18 @@ class AuditOutcome:
         return self._index[1]
 
 
-def audit_sample(clients: Sequence[int], fraction: float, seed: int, server_round: int,
+def audit_sample(clients: Sequence[int], fraction: float, secret: int, server_round: int,
                  everyone: bool = False, stream: int = AUDIT_STREAM) -> list[int]:
     """The clients audited among ``clients``: ``ceil(fraction * n)`` of them (at least one when
-    ``fraction > 0``), drawn by (seed, round, stream); all of them with ``everyone``; none at
-    0."""
+    ``fraction > 0``), drawn by (secret, round, stream): the server's secret key, which no
+    client knows; all of them with ``everyone``; none at 0."""
     ordered = sorted(clients)
     if fraction <= 0 or not ordered:
         return []
     if everyone:
         return ordered
     k = min(len(ordered), max(1, math.ceil(fraction * len(ordered))))
-    rng = np.random.default_rng([seed, server_round, stream])
+    rng = np.random.default_rng([secret, server_round, stream])
     return sorted(int(c) for c in rng.choice(ordered, size=k, replace=False))
 
 
@@ -162,6 +164,9 @@ class Audit:
         self.method = method
         self.validator = validator
         self.warn = warn
+        #: the key of the draws: the config's audit-secret, or one from the operating system
+        #: (a resumed run takes its checkpoint's)
+        self.secret = server.settings.run.audit_secret or secrets.randbits(62) + 1
         self.eval_fraction = server.settings.run.eval_audit_fraction
         self.train_fraction = server.settings.run.train_audit_fraction
         evaluation, training = method.reply_metrics(EVALUATE), method.reply_metrics(TRAIN)
@@ -176,7 +181,7 @@ class Audit:
         """Recompute the sampled evaluation replies of ``collected`` (answers to
         ``messages``)."""
         replied = [int(m[PARTITION_ID]) for m, _ in collected.good]
-        chosen = audit_sample(replied, self.eval_fraction, self.server.seed, server_round,
+        chosen = audit_sample(replied, self.eval_fraction, self.secret, server_round,
                               everyone=server_round == self.server.rounds)
         outcome = AuditOutcome(good=list(collected.good))
         if not chosen:
@@ -196,7 +201,7 @@ class Audit:
                         message: Callable[[int], Outgoing]) -> tuple[dict, AuditOutcome]:
         """Before a round's training: the sampled clients' states (``pending``: those a resume
         is about to restore, which the clients do not hold yet)."""
-        chosen = audit_sample(clients, self.train_fraction, self.server.seed, server_round,
+        chosen = audit_sample(clients, self.train_fraction, self.secret, server_round,
                               stream=TRAIN_AUDIT_STREAM)
         outcome = AuditOutcome(good=[])
         ask = [cid for cid in chosen if cid not in pending]

@@ -97,6 +97,8 @@ class Snapshot:
     usage: dict = field(default_factory=dict)
     #: ``dp = central``: the clip and the accountant's history (CentralPrivacy.state_dict)
     privacy: dict = field(default_factory=dict)
+    #: the key of the audits' draws (Audit.secret)
+    audit_secret: int = 0
     buffered_arrays: State = field(default_factory=dict)
 
 
@@ -226,7 +228,7 @@ class Checkpoint:
                 "saved-state": sorted(snapshot.saved_state), "last-eval": snapshot.last_eval,
                 "hooks": snapshot.hooks, "rng": snapshot.rng_meta, "norms": snapshot.norms,
                 "buffered": snapshot.buffered, "usage": snapshot.usage,
-                "privacy": snapshot.privacy}
+                "privacy": snapshot.privacy, "audit-secret": snapshot.audit_secret}
         atomic_write(self.path, lambda handle: _write_archive(handle, meta, groups()))
         return self.path
 
@@ -275,6 +277,7 @@ class Checkpoint:
             hooks=meta["hooks"], rng_arrays=groups.get((RNG, None), {}), rng_meta=meta["rng"],
             norms=meta.get("norms", {}), buffered=meta.get("buffered", {}),
             usage=meta.get("usage", {}), privacy=meta.get("privacy", {}),
+            audit_secret=int(meta.get("audit-secret", 0)),
             buffered_arrays=groups.get((BUFFERED, None), {}))
 
     def remove(self) -> None:

@@ -250,7 +250,8 @@ class RoundLoop:
         return {"rounds": self.rounds, "final": self.final_metrics(last_eval),
                 "clients": self.client_results, "processes": self.processes(),
                 "usage": [{"id": cid, "dispatched": sent, "used": used}
-                          for cid, (sent, used) in sorted(self.usage.items())]}
+                          for cid, (sent, used) in sorted(self.usage.items())],
+                "audit-secret": self.audit.secret}
 
     def central_privacy(self) -> CentralPrivacy:
         """``dp = central``'s clip, noise and accountant for this run: the released entries are
@@ -375,7 +376,8 @@ class RoundLoop:
             norms={part: [list(kept) for kept in rounds]
                    for part, rounds in self.validator.norm_history.items()},
             buffered=buffered[0], buffered_arrays=buffered[1],
-            privacy={} if self.privacy is None else self.privacy.state_dict())
+            privacy={} if self.privacy is None else self.privacy.state_dict(),
+            audit_secret=self.audit.secret)
         try:
             checkpoint.write(snapshot, self.client_states(server_round))
         except _NoCheckpoint as reason:
@@ -438,6 +440,8 @@ class RoundLoop:
             self.buffered.load_state_dict(snapshot.buffered, snapshot.buffered_arrays)
         if self.privacy is not None:
             self.privacy.load_state_dict(snapshot.privacy)
+        if snapshot.audit_secret:
+            self.audit.secret = snapshot.audit_secret
         return dict(snapshot.last_eval)
 
     def reply_limits(self, action: str) -> dict[str, int] | None:

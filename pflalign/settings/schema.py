@@ -385,18 +385,26 @@ class RunConfig(Params):
     eval_audit_fraction: float = param(
         0.2,
         'Share of the clients whose evaluation reply the server recomputes each evaluation '
-        'round (a seeded sample, at least one; every client in the last round), from the '
-        'state they hold and their test split; a reply that disagrees is rejected and the '
+        'round (drawn by audit-secret, at least one; every client in the last round), from '
+        'the state they hold and their test split; a reply that disagrees is rejected and the '
         'client named. 0: accuracies are self-reported.',
         minimum=0.0, maximum=1.0, group='robustness', scope='run')
     train_audit_fraction: float = param(
         0.0,
-        'Share of each round\'s training clients whose reply the server recomputes (a seeded '
-        'sample, at least one), from the state they held and their train split; a reply that '
+        'Share of each round\'s training clients whose reply the server recomputes (drawn by '
+        'audit-secret, at least one), from the state they held and their train split; a reply that '
         'disagrees is rejected and the client named. It repeats their local training on the '
         'server, hence off by default; it catches updates no bound can (a sign-flip within '
         'update-norm-bound).',
         minimum=0.0, maximum=1.0, group='robustness', scope='run')
+    audit_secret: int = param(
+        0,
+        'The key of the audits\' draws (eval-audit-fraction, train-audit-fraction): 0 draws one '
+        'from the operating system when a method\'s run starts, so that no client can predict '
+        'which replies are recomputed; results.json gives each method\'s (audit-secret), and '
+        'setting it here repeats those draws exactly. Honest runs give the same metrics '
+        'whatever the key.',
+        minimum=0, group='robustness', scope='output')
     update_norm_bound: float = param(
         30.0,
         'Reject a training reply whose update (its model minus the global model) has a norm '
