@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+from studies import cached_study
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -87,20 +86,12 @@ def setting_args(name: str, scenario: dict, deadline: float) -> list[str]:
 
 def run_setting(scenario_name: str, name: str, args: list[str], out: Path, seeds: str,
                 engine: str) -> dict:
-    path = out / scenario_name / name
-    if (path / "results.json").is_file():
-        return json.loads((path / "results.json").read_text())
     config = ROOT / "configs" / "scenarios" / f"{scenario_name}.toml"
-    command = [sys.executable, str(ROOT / "simulate.py"), "--config", str(config), "--methods",
-               METHODS, "--seeds", seeds, "--set", f"engine={engine}", "--set",
-               f"eval-every={EVAL_EVERY[scenario_name]}", *args, "--quiet", "--out", str(path)]
-    if path.exists():  # a study killed part-way: it continues from its plan and checkpoints
-        command = [sys.executable, str(ROOT / "simulate.py"), "--resume", str(path), "--quiet"]
-    started = time.monotonic()
-    print(f"[{scenario_name} / {name}] {' '.join(command[1:])}", flush=True)
-    subprocess.run(command, check=True, cwd=ROOT)
-    print(f"[{scenario_name} / {name}] {time.monotonic() - started:.0f} s", flush=True)
-    return json.loads((path / "results.json").read_text())
+    return cached_study(out / scenario_name / name,
+                        ["--config", str(config), "--methods", METHODS, "--seeds", seeds,
+                         "--set", f"engine={engine}", "--set",
+                         f"eval-every={EVAL_EVERY[scenario_name]}", *args],
+                        f"{scenario_name} / {name}")
 
 
 def at_time(rows: list[dict], budget: float) -> float | None:
