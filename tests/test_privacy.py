@@ -282,6 +282,12 @@ def test_central_dp_runs_identically_on_both_in_process_engines_with_epsilon_in_
             [privacy.epsilon_of([(z, 0.3, n)], 1e-5) for n in range(1, 5)], rel=1e-12), label
         assert rows[3]["clients-trained"] == 0 and all(r["clients-trained"] for r in rows[:3])
         assert rows[0]["dp-clip"] == 0.5 and len({r["dp-clip"] for r in rows}) == 4
+        assert entry["final"]["dp-epsilon"] == rows[-1]["dp-epsilon"]
+    from pflalign.outputs.results import comparison_table
+
+    assert (f"Differential privacy: fedavg spent epsilon "
+            f"{result['methods']['fedavg']['final']['dp-epsilon']:.3g}; pflalign spent epsilon"
+            in comparison_table(result["methods"]))
 
 
 @needs_fashion_mnist

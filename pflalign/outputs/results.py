@@ -136,7 +136,8 @@ def comparison_table(methods: Mapping[str, Mapping[str, object]]) -> str:
                            "evaluation; its accuracies cover those only.")
         lines.append(f"{name:<{width}}  {cells}  {count:>9}  "
                      f"{final.get('seconds-per-round', 0):8.2f}  {up:8.1f}  {down:8.1f}")
-    return "\n".join(lines + partial + budget_lines(methods) + audit_notes(methods))
+    return "\n".join(lines + partial + budget_lines(methods) + privacy_notes(methods)
+                     + audit_notes(methods))
 
 
 def budget_lines(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
@@ -156,6 +157,18 @@ def budget_lines(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
         lines.append(f"  {name}: {accs} (round {value['round']}, sim-time "
                      f"{value['sim-time']:.0f} s)")
     return lines
+
+
+def privacy_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
+    """The privacy each method's run spent (``dp``; docs/privacy.md): its epsilon at the run's
+    delta, from its last round."""
+    spent = {name: result.get("final", {}).get("dp-epsilon") for name, result in methods.items()}
+    spent = {name: value for name, value in spent.items() if value is not None}
+    if not spent:
+        return []
+    return ["Differential privacy: " + "; ".join(
+        f"{name} spent epsilon {value:.3g}" for name, value in spent.items())
+        + " (at the run's dp-delta, user-level)."]
 
 
 def audit_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:

@@ -804,6 +804,8 @@ class RoundLoop:
         final = dict(last_eval)
         if self.rounds and TRAIN_LOSS in self.rounds[-1]:
             final[TRAIN_LOSS] = self.rounds[-1][TRAIN_LOSS]
+        if self.rounds and "dp-epsilon" in self.rounds[-1]:
+            final["dp-epsilon"] = self.rounds[-1]["dp-epsilon"]
         final.update({
             "rounds": len(self.rounds),
             "seconds-per-round": float(np.mean(seconds)) if seconds else 0.0,
