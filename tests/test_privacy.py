@@ -296,7 +296,7 @@ def test_local_dp_runs_identically_on_both_in_process_engines_with_each_clients_
     """Each client noises its own upload from its own generator, so the engines agree; a row's
     epsilon is that of the client that trained most often so far, each upload a Gaussian
     release at z / 2 (sensitivity: the clip ball's diameter), without amplification."""
-    result = three_engines(LOCAL_DP, tmp_path, compared_at_least=40)
+    result = three_engines(LOCAL_DP, tmp_path, compared_at_least=40, flower=False)
     for label, entry in result["methods"].items():
         usage = {u["id"]: u["dispatched"] for u in entry["usage"]}
         most = max(usage.values())
@@ -377,3 +377,12 @@ def test_under_local_dp_the_server_receives_only_clipped_noised_updates(tmp_path
               "out-dir": str(tmp_path)}
     simulate(build_settings(values), Reporter(quiet=True))
     assert assert_uploads_clipped_and_noised(tmp_path / "uploads", 2, 0.05, 0.5) == 6
+
+
+@needs_fashion_mnist
+@pytest.mark.slow
+@pytest.mark.parametrize("values", [POISSON_DP, LOCAL_DP], ids=["central", "local"])
+def test_dp_runs_identically_on_the_flower_engine(values, tmp_path):
+    """The same runs on a real Flower simulation (the noise of dp = local drawn in the
+    ClientApps on Ray) give the in-process engines' metrics bit for bit. About 40 s each."""
+    three_engines(values, tmp_path, compared_at_least=40)
