@@ -246,7 +246,7 @@ def test_flower_engine_counts_injected_failures_and_a_hanging_client_exactly(tmp
     # test processes on 2 cores), so that only the hanging client times out
     changes = {"num-clients": 6, "max-samples": 3000, "fraction-train": 1.0, "rounds": 1,
                "eval-every": 1, "local-steps": 5, "seed": 2, "client-failure-rate": 0.3,
-               "malicious-clients": 1, "attack": "hang", "round-timeout": 20.0}
+               "malicious-clients": 1, "attack": "hang", "round-timeout": 14.0}
     args = [f"--set={k}={v}" for k, v in changes.items()]
     run = subprocess.run([sys.executable, str(ROOT / "simulate.py"), *args, "--methods",
                           "fedavg", "--out", str(tmp_path), "--quiet"],
@@ -262,7 +262,7 @@ def test_flower_engine_counts_injected_failures_and_a_hanging_client_exactly(tmp
         assert row["failures"] == len(failed) + 1
         assert row["clients-trained"] == 6 - len(failed) - 1
         assert row["rejected"] == 0
-    assert "did not reply within round-timeout = 20 s" in run.stderr
+    assert "did not reply within round-timeout = 14 s" in run.stderr
     assert "injected failure (client-failure-rate, round 1)" in run.stderr
     assert result["final"]["evaluated"] == 5
     assert "evaluated 5 of 6" in run.stdout
