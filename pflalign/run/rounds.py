@@ -201,9 +201,9 @@ class RoundLoop:
             self.reporter.info(
                 f"[{self.label}] dp = local: each client clips its update to {run.dp_clip:g} "
                 f"and adds noise of multiplier {run_noise_multiplier(run):.4g} before it leaves")
-            if run_noise_multiplier(run) == 0:
-                self.warn("dp = local with dp-noise-multiplier = 0 clips the updates and adds "
-                          "no noise: there is no privacy guarantee, and no epsilon is reported.")
+        if run.dp != "off" and self.method.uploads_model and run_noise_multiplier(run) == 0:
+            self.warn(f"dp = {run.dp!r} with dp-noise-multiplier = 0 clips the updates and adds "
+                      "no noise: there is no privacy guarantee, and no epsilon is reported.")
         last_eval: dict[str, float] = {}
         first = 1
         snapshot = checkpoint.read() if checkpoint is not None else None
@@ -268,9 +268,6 @@ class RoundLoop:
             f"{privacy.noise_multiplier:.4g}{' (from dp-epsilon)' if run.dp_epsilon else ''}, "
             f"sum over {expected:g} expected clients, sample rate "
             f"{privacy.accountant.sample_rate:g}; the clip replaces the update-norm bound")
-        if privacy.noise_multiplier == 0:
-            self.warn("dp = central with dp-noise-multiplier = 0 clips the updates and adds no "
-                      "noise: there is no privacy guarantee, and no epsilon is reported.")
         return privacy
 
     def local_epsilon(self) -> dict[str, float]:
