@@ -6,14 +6,19 @@ adaptive clip (docs/privacy.md), at epsilon 1, 3 and 8 (delta 1e-5, the whole ru
 multiplier calibrated before the run) and at epsilon infinity: the same clipping and weighting
 without noise, so that the differences between the settings are the noise's alone. Three seeds.
 
-Each setting is one study (``simulate.py --config configs/privacy.toml --seeds 0,1,2``) in
-``OUT/eps-<e>``; a finished one is kept (delete it to run it again), a study killed part-way
-continues from its checkpoints. The report, ``OUT/privacy.md`` with a privacy-utility figure
-(``OUT/privacy.png``), gives for each method and epsilon the personal accuracy (mean and 95%
-t-interval over seeds), its loss from epsilon infinity paired by seed, the global accuracy where
-there is a global model, and the epsilon the runs reported spending.
+Each setting and seed is one run (``simulate.py --config configs/privacy.toml --seeds S``) in
+``OUT/eps-<e>/seed-<s>``; a finished one is kept (delete it to run it again), one killed part-way
+continues from its checkpoints. ``--jobs N`` runs N of them at a time, each a process of its own
+(one torch thread each on the CPU; on a GPU, add ``--set client-resources-num-gpus=0.05`` so that
+they share it); ``--runs-only`` stops after the runs, for a machine that lacks matplotlib (the
+report is then written where the results are read back). The report, ``OUT/privacy.md`` with
+a privacy-utility figure (``OUT/privacy.png``), gives for each method and epsilon the personal
+accuracy (mean and 95% t-interval over seeds), its loss from epsilon infinity paired by seed, the
+global accuracy where there is a global model, and the epsilon the runs reported spending.
 
     python benchmarks/privacy_experiment.py --out results/privacy
+    python benchmarks/privacy_experiment.py --out results/privacy --jobs 12 --runs-only \
+        --set client-resources-num-gpus=0.05            # the GPU machine: benchmarks/privacy_gpu.sh
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -41,12 +47,13 @@ def name_of(epsilon: float | None) -> str:
     return "eps-inf" if epsilon is None else f"eps-{epsilon:g}"
 
 
-def run_setting(epsilon: float | None, out: Path, seeds: str, extra: list[str]) -> dict:
+def run_setting(epsilon: float | None, seed: int, out: Path, extra: list[str]) -> dict:
+    """The results of one setting's run at ``seed`` (run once, then read back)."""
     noise = (["--set", "dp-noise-multiplier=0"] if epsilon is None
              else ["--set", f"dp-epsilon={epsilon:g}"])
-    return cached_study(out / name_of(epsilon),
-                        ["--config", str(CONFIG), "--seeds", seeds, *noise, *extra],
-                        name_of(epsilon))
+    return cached_study(out / name_of(epsilon) / f"seed-{seed}",
+                        ["--config", str(CONFIG), "--seeds", str(seed), *noise, *extra],
+                        f"{name_of(epsilon)} seed {seed}")
 
 
 def interval(values: list[float]) -> str:
@@ -65,14 +72,22 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every setting (e.g. rounds=10 for a trial)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (processes)")
+    parser.add_argument("--runs-only", action="store_true",
+                        help="run (or read back) every run, and stop before the report")
     args = parser.parse_args()
     out = Path(args.out)
     seeds = [int(s) for s in args.seeds.split(",")]
     extra = [arg for item in args.set for arg in ("--set", item)]
-    runs = {}
-    for epsilon in EPSILONS:
-        doc = run_setting(epsilon, out, args.seeds, extra)
-        runs[epsilon] = {r["seed"]: r for r in study_runs(doc)}
+    cells = [(e, s) for e in EPSILONS for s in seeds]
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        docs = list(pool.map(lambda cell: run_setting(*cell, out, extra), cells))
+    if args.runs_only:
+        return
+    runs: dict = {e: {} for e in EPSILONS}
+    for (epsilon, seed), doc in zip(cells, docs, strict=True):
+        (run,) = study_runs(doc)
+        runs[epsilon][seed] = run
     labels = list(next(iter(runs[None].values()))["methods"])
     # a run whose every client's evaluation was rejected (a model the noise broke: its losses
     # beyond any honest one) has no accuracy: nan, left out of the mean and counted

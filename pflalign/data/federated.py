@@ -69,14 +69,16 @@ class FederatedDataset:
         if key not in self._on_device and self.dataset.tokens is not None:
             # a text dataset's windows are views of one token stream: move the stream and
             # take the same windows of it there
-            stream = torch.from_numpy(self.dataset.tokens).to(device)
+            stream = torch.tensor(self.dataset.tokens, device=device)
             length = self.dataset.input_shape[0]
             labels = (stream[1:].long().unfold(0, length, 1) if self.dataset.labels.ndim == 2
-                      else torch.from_numpy(self.dataset.labels).to(device))
+                      else torch.tensor(self.dataset.labels, device=device))
             self._on_device[key] = (stream.unfold(0, length, 1)[:-1], labels)
         if key not in self._on_device:
-            self._on_device[key] = (torch.from_numpy(self.dataset.images).to(device),
-                                    torch.from_numpy(self.dataset.labels).to(device))
+            # torch.tensor copies: the pool may be a read-only (memory-mapped) array, which
+            # torch.from_numpy would share and warn about
+            self._on_device[key] = (torch.tensor(self.dataset.images, device=device),
+                                    torch.tensor(self.dataset.labels, device=device))
         return self._on_device[key]
 
     @property
