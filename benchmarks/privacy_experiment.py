@@ -79,7 +79,8 @@ def main() -> None:
     out = Path(args.out)
     seeds = [int(s) for s in args.seeds.split(",")]
     extra = [arg for item in args.set for arg in ("--set", item)]
-    cells = [(e, s) for e in EPSILONS for s in seeds]
+    # seed by seed: an experiment stopped part-way has every setting of its first seeds
+    cells = [(e, s) for s in seeds for e in EPSILONS]
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         docs = list(pool.map(lambda cell: run_setting(*cell, out, extra), cells))
     if args.runs_only:
