@@ -44,6 +44,7 @@ from pflalign.server.buffered import async_sizes
 from pflalign.server.clock import LOGNORMAL, TRACE, check_profiles_key, read_trace, read_windows
 from pflalign.server.clock import NONE as NONE_PROFILES
 from pflalign.server.privacy import count_noise, run_noise_multiplier
+from pflalign.server.sampling import expected_clients
 from pflalign.settings.options import ConfigError, Option, Value
 from pflalign.settings.schema import (
     FEATURES,
@@ -451,8 +452,7 @@ def _check_privacy(values: Mapping[str, Value]) -> None:
                           "give one of them.")
     run = RunConfig.from_settings(values)
     multiplier = run_noise_multiplier(run)  # an unreachable dp-epsilon is one sentence here
-    expected = (run.fraction_train * run.num_clients if run.sampling == "poisson"
-                else max(1, round(run.fraction_train * run.num_clients)))
+    expected = expected_clients(run.sampling, run.fraction_train, run.num_clients)
     count = count_noise(run, expected, multiplier)
     if count and not count > multiplier / 2:
         raise ConfigError(f"dp-count-noise = {count:g} is the noise of the adaptive clip's count, "

@@ -56,6 +56,7 @@ from pflalign.server.privacy import (
     run_noise_multiplier,
 )
 from pflalign.server.runtime import ServerRuntime
+from pflalign.server.sampling import expected_clients
 from pflalign.server.validation import (
     ClientFailure,
     Collected,
@@ -259,8 +260,8 @@ class RoundLoop:
         server, run = self.server, self.server.settings.run
         shared = server.shared_model(self.state)
         spec = FlatSpec.of({k: v for k, v in shared.items() if np.asarray(v).dtype.kind == "f"})
-        expected = (run.fraction_train * len(server.training_clients())
-                    if run.sampling == "poisson" else len(server.sample(1)))
+        expected = expected_clients(run.sampling, run.fraction_train,
+                                    len(server.training_clients()))
         privacy = CentralPrivacy(run, server.seed, spec, expected)
         self.reporter.info(
             f"[{self.label}] dp = central: each update clipped to "

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pflalign.server.sampling import round_size
 from pflalign.wire.state import State
 
 #: the random stream of the clients drawn to replace those that arrive
@@ -37,7 +38,7 @@ def async_sizes(num_clients: int, fraction_train: float, concurrency: int,
     """The run's clients in flight and buffer size: ``concurrency`` (0: as many as a
     synchronous round samples, ``max(1, round(fraction_train * num_clients))``) and
     ``buffer_size`` (0: half of that, rounded up)."""
-    flying = concurrency or max(1, round(fraction_train * num_clients))
+    flying = concurrency or round_size(fraction_train, num_clients)
     return flying, buffer_size or (flying + 1) // 2
 
 

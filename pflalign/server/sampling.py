@@ -11,6 +11,17 @@ SAMPLING_STREAM = 7
 EVAL_SAMPLING_STREAM = 13
 
 
+def round_size(fraction: float, clients: int) -> int:
+    """The clients a fixed-size round trains: ``max(1, round(fraction * clients))``."""
+    return max(1, round(fraction * clients))
+
+
+def expected_clients(sampling: str, fraction: float, clients: int) -> float:
+    """The clients a round trains on average, of ``clients`` that can train: ``fraction`` of them
+    under ``sampling = poisson``, else the fixed round size (DP-FedAvg's denominator ``m``)."""
+    return fraction * clients if sampling == "poisson" else float(round_size(fraction, clients))
+
+
 def sample_clients(pool: Iterable[int], fraction: float, seed: int, server_round: int,
                    stream: int = SAMPLING_STREAM) -> list[int]:
     """``max(1, round(fraction * |pool|))`` distinct clients of ``pool``, sorted.
@@ -21,6 +32,6 @@ def sample_clients(pool: Iterable[int], fraction: float, seed: int, server_round
     ordered = sorted(pool)
     if not ordered:
         raise ValueError("Cannot sample from an empty pool of clients.")
-    k = max(1, round(fraction * len(ordered)))
+    k = round_size(fraction, len(ordered))
     rng = np.random.default_rng([seed, server_round, stream])
     return sorted(int(c) for c in rng.choice(ordered, size=k, replace=False))
