@@ -46,12 +46,13 @@ def interval(values: list[float]) -> str:
     return f"{100 * mean:.2f} [{100 * low:.2f}, {100 * high:.2f}]"
 
 
-def accuracies(doc: dict) -> dict[tuple[str, str], dict[int, float]]:
-    """(scenario, method) -> seed -> final personal accuracy (nan without one)."""
+def accuracies(doc: dict, scenario: str = "") -> dict[tuple[str, str], dict[int, float]]:
+    """(scenario, method) -> seed -> final personal accuracy (nan without one); ``scenario``
+    names the runs of a ``--config`` study (their own scenario name is empty)."""
     out: dict[tuple[str, str], dict[int, float]] = {}
     for run in study_runs(doc):
         for label, entry in run["methods"].items():
-            out.setdefault((run["scenario"], label), {})[run["seed"]] = \
+            out.setdefault((run["scenario"] or scenario, label), {})[run["seed"]] = \
                 entry["final"].get("personal-acc", math.nan)
     return out
 
@@ -94,14 +95,14 @@ def attack(out: Path, args: argparse.Namespace) -> list[str]:
                   "--set", "malicious-clients=1"]
         folder = out / "attack" / f"{size}-a-round"
         silent = accuracies(cached_study(folder / "silent", [*common, "--set", "attack=hang"],
-                                         f"attack {size} / silent"))
+                                         f"attack {size} / silent"), "dir-0.1")
         scaled = ["--set", "attack=scale", "--set", "attack-scale=10"]
         variants = {"attacked": accuracies(cached_study(folder / "none", [*common, *scaled],
-                                                        f"attack {size} / none"))}
+                                                        f"attack {size} / none"), "dir-0.1")}
         for clip in args.clips:
             variants[f"attacked, update-clip {clip:g}"] = accuracies(cached_study(
                 folder / f"clip-{clip:g}", [*common, *scaled, "--set", f"update-clip={clip:g}"],
-                f"attack {size} / clip {clip:g}"))
+                f"attack {size} / clip {clip:g}"), "dir-0.1")
         lines += [f"### {size} clients a round", "",
                   "'without': the attacker never answers (its replies dropped). Final personal "
                   "accuracy (%) and the change from that reference, paired by seed:", "",
