@@ -13,6 +13,7 @@ from conftest import needs_fashion_mnist
 from harness import three_engines
 
 from pflalign.server import privacy
+from pflalign.server.aggregation import FlatSpec
 from pflalign.settings.options import ConfigError
 from pflalign.wire.protocol import MODEL
 
@@ -241,6 +242,13 @@ def test_the_default_count_noise_leaves_the_updates_most_of_the_budget():
     ({"dp": "central", "methods": "fedavg", "gga": True}, "gga = true sends"),
     ({"sampling": "poisson", "device-profiles": "lognormal", "over-selection": 1.3},
      "sampling = 'poisson'"),
+    ({"dp": "central", "methods": "fedavg", "device-profiles": "lognormal",
+      "over-selection": 1.3}, "over-selection = 1.3 uses the first replies"),
+    ({"dp-secure": True}, "dp-secure = True applies to differential privacy"),
+    # an entry's own round size is checked as the run's: here its count noise is too small
+    ({"dp": "central", "methods": "fedavg,fedprox(fraction-train=1.0)", "sampling": "poisson",
+      "fraction-train": 0.05, "dp-epsilon": 8.0, "dp-clipping": "adaptive",
+      "dp-count-noise": 0.6}, "fedprox(fraction-train=1.0): dp-count-noise = 0.6"),
 ])
 def test_a_run_with_dp_that_cannot_hold_is_refused_in_one_sentence(values, message):
     from pflalign.run.config import build_settings
@@ -310,15 +318,75 @@ def test_a_local_release_clips_the_clients_update_as_one_vector_and_adds_its_noi
     upload = {"w": np.array([[4, 1], [1, 1]], np.float32), "b": np.array([4, 0], np.float32),
               "count": np.array(7)}
     out = privacy.local_release(upload, received, bound=2.5, std=0.0, rng=privacy.noise_rng(0, 1))
-    # the update (3, 0, 0, 0 | 4, 0) has norm 5: halved to the clip; integers as uploaded
+    # the update (3, 0, 0, 0 | 4, 0) has norm 5: halved to the clip; an integer counter (which
+    # would tell the client's steps) leaves as received, or as zero when it was not sent
     np.testing.assert_array_equal(out["w"], [[2.5, 1], [1, 1]])
     np.testing.assert_array_equal(out["b"], [2, 0])
-    assert out["w"].dtype == np.float32 and out["count"] == 7
+    assert out["w"].dtype == np.float32 and out["count"] == 0
+    sent_count = privacy.local_release(upload, {**received, "count": np.array(3)}, 2.5, 0.0,
+                                       privacy.noise_rng(0, 1))
+    assert sent_count["count"] == 3
     noised = privacy.local_release(upload, received, 2.5, 0.1,
                                    privacy.noise_rng(0, 1, privacy.LOCAL_NOISE_STREAM, 5))
     noise = privacy.noise_rng(0, 1, privacy.LOCAL_NOISE_STREAM, 5).normal(0.0, 0.1, 6)
     np.testing.assert_array_equal(noised["b"], (np.array([2.0, 0.0]) + noise[4:]).astype(
         np.float32))
+
+
+def test_under_dp_secure_the_noise_is_not_the_seeds_and_has_its_scale():
+    """dp-secure: a client's noise comes from a key of its own, so the seeded noise taken off
+    what it releases leaves noise of twice the variance (two independent draws), not the clipped
+    update; without dp-secure, the seeded noise is exactly what was added."""
+    import torch
+
+    from pflalign.engines.host import privatized
+    from pflalign.run.config import build_settings
+    from pflalign.wire.messages import Received, Upload
+
+    size, clip, z = 20_000, 1.0, 0.5
+    received = Received(server_round=3, arrays={MODEL: {"w": torch.zeros(size)}})
+    upload = Upload(model={"w": torch.full((size,), 0.1)})  # norm 14.1: clipped to 1
+    clipped = np.full(size, 0.1) * (clip / np.linalg.norm(np.full(size, 0.1)))
+    seeded = privacy.noise_rng(0, 3, privacy.LOCAL_NOISE_STREAM, 7).normal(0.0, z * clip, size)
+    for secure in (False, True):
+        run = build_settings({"dp": "local", "methods": "fedavg", "eval-audit-fraction": 0.0,
+                              "dp-clip": clip, "dp-noise-multiplier": z,
+                              "dp-secure": secure}).run
+        left = privatized(upload, received, run, 7).model["w"].double().numpy() - clipped
+        if not secure:
+            np.testing.assert_allclose(left, seeded, atol=1e-6)
+            continue
+        rest = left - seeded  # N(0, 2 z^2 C^2) per value if the noise is another draw
+        assert abs(rest.std() / (math.sqrt(2) * z * clip) - 1) < 0.03
+        assert abs(np.corrcoef(left, seeded)[0, 1]) < 0.05
+
+
+def test_under_dp_secure_the_server_samples_and_noises_with_a_key_no_output_holds():
+    """Central dp-secure: the Poisson draw and the release's noise are keyed by the runtime's
+    secret (not the seed), the same secret for both, a different one in every run, and the
+    checkpointed privacy state carries it so that a resumed run keeps it."""
+    from pflalign.run.config import build_settings
+    from pflalign.server.runtime import ServerRuntime
+
+    values = {"dp": "central", "methods": "fedavg", "sampling": "poisson", "num-clients": 50,
+              "fraction-train": 0.2, "dp-noise-multiplier": 1.0, "dp-secure": True}
+    settings = build_settings(values)
+    first, second = (ServerRuntime(settings, "fedavg", {"w": np.zeros(2, np.float32)}, ("w",),
+                                   object) for _ in range(2))
+    for runtime in (first, second):
+        runtime.clients = {c: None for c in range(50)}
+        runtime.training_clients = lambda: list(range(50))
+    assert first.private_key not in (second.private_key, settings.run.seed)
+    assert first.sample(4) == privacy.poisson_sample(range(50), 0.2, first.private_key, 4)
+    spec = FlatSpec.of({"w": np.zeros(2)})
+    central = privacy.CentralPrivacy(settings.run, first.private_key, spec, 10.0)
+    state = central.state_dict()
+    resumed = privacy.CentralPrivacy(settings.run, second.private_key, spec, 10.0)
+    resumed.load_state_dict(state)
+    assert resumed.seed == first.private_key
+    base = {"w": np.zeros(2)}
+    assert np.array_equal(central.release(base, [], 2).model["w"],
+                          resumed.release(base, [], 2).model["w"])
 
 
 @pytest.mark.parametrize(("values", "message"), [

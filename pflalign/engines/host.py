@@ -210,7 +210,9 @@ def privatized(upload: Upload, received: Received, run: RunConfig, client_id: in
     uploads other records cannot run under dp (:attr:`~pflalign.methods.base.Method.private`)."""
     if upload.model is None:
         return upload
-    rng = noise_rng(run.seed, received.server_round, LOCAL_NOISE_STREAM, client_id)
+    # dp-secure: the client's own key from the operating system, which nobody else can know
+    rng = (np.random.default_rng() if run.dp_secure
+           else noise_rng(run.seed, received.server_round, LOCAL_NOISE_STREAM, client_id))
     std = run_noise_multiplier(run) * run.dp_clip
     model = {k: v.detach().cpu().numpy() for k, v in upload.model.items()}
     base = {k: v.detach().cpu().numpy() for k, v in (received.model or {}).items()}

@@ -244,6 +244,11 @@ def _check_entry(choice: MethodChoice, merged: Mapping[str, Value],
     spec = METHODS[choice.name]
     overrides = method_overrides(spec, merged, dict(choice.overrides))
     _check_model_fits_data({**merged, **overrides}, choice.label)
+    if overrides:  # an entry's own fraction-train or rounds changes its noise and its budget
+        try:
+            _check_privacy({**merged, **overrides})
+        except ConfigError as refused:
+            raise ConfigError(f"{choice.label}: {refused}") from None
     spec.method.check(settings if settings is not None and not overrides
                       else Settings({**merged, **overrides}, build_settings))
 
@@ -406,7 +411,7 @@ def _check_systems(values: dict[str, Value]) -> None:
 
 #: the keys of ``dp`` and their defaults (set only with dp on)
 DP_KEYS = ("dp-clip", "dp-clipping", "dp-noise-multiplier", "dp-epsilon", "dp-delta",
-           "dp-clip-quantile", "dp-clip-lr", "dp-count-noise")
+           "dp-clip-quantile", "dp-clip-lr", "dp-count-noise", "dp-secure")
 
 
 def _check_privacy(values: Mapping[str, Value]) -> None:
@@ -435,6 +440,11 @@ def _check_privacy(values: Mapping[str, Value]) -> None:
         raise ConfigError(f"dp = {values['dp']!r} accounts one release per synchronous round, "
                           "and mode = 'async' aggregates buffers of stale updates: set mode = "
                           "'sync'.")
+    if float(values["over-selection"]) > 1:
+        raise ConfigError(f"over-selection = {values['over-selection']:g} uses the first replies "
+                          "to arrive, so one client's training time (its data's size) decides "
+                          f"whether another's update counts, which dp = {values['dp']!r} does not "
+                          "account: set over-selection = 1.")
     if values["gga"]:
         raise ConfigError(f"gga = true sends the clients' gradients to the server outside the "
                           f"clipped, noised release of dp = {values['dp']!r}: set gga = false.")

@@ -262,7 +262,7 @@ class RoundLoop:
         spec = FlatSpec.of({k: v for k, v in shared.items() if np.asarray(v).dtype.kind == "f"})
         expected = expected_clients(run.sampling, run.fraction_train,
                                     len(server.training_clients()))
-        privacy = CentralPrivacy(run, server.seed, spec, expected)
+        privacy = CentralPrivacy(run, server.private_key, spec, expected)
         self.reporter.info(
             f"[{self.label}] dp = central: each update clipped to "
             f"{run.dp_clip:g}{' (adaptive)' if privacy.adaptive else ''}, noise multiplier "
@@ -438,6 +438,9 @@ class RoundLoop:
             self.buffered.load_state_dict(snapshot.buffered, snapshot.buffered_arrays)
         if self.privacy is not None:
             self.privacy.load_state_dict(snapshot.privacy)
+            if self.privacy.seed != self.server.private_key:  # dp-secure's key, as it was
+                self.server.private_key = self.privacy.seed
+                self.server.forget_samples()
         if snapshot.audit_secret:
             self.audit.secret = snapshot.audit_secret
         return dict(snapshot.last_eval)
@@ -543,7 +546,10 @@ class RoundLoop:
             row["norm-ratio-max"] = float(self.validator.largest_ratio)
         traffic = exchange.bytes_down, exchange.bytes_up
         answered = len(exchange.replies) - collected.failed
-        if self.before_aggregation is not None and 2 * collected.nonfinite_loss > answered > 0:
+        # under dp = central the rollback is not taken: whether it happens depends on the clients'
+        # losses, which the release does not privatize (one client could tip the majority)
+        if (self.before_aggregation is not None and self.privacy is None
+                and 2 * collected.nonfinite_loss > answered > 0):
             self.warn(f"round {server_round}: {collected.nonfinite_loss} of {answered} clients "
                       "report a non-finite loss when training from the global model; the last "
                       "aggregation is rolled back and this round's updates are not used.")
@@ -727,7 +733,10 @@ class RoundLoop:
         and the round evaluated again."""
         metrics, down, up, collected = self._evaluate(server_round)
         answered = metrics["eval-clients"] - metrics.get("eval-busy", 0) - collected.failed
-        if self.before_aggregation is not None and 2 * collected.nonfinite_loss > answered > 0:
+        # under dp = central the rollback is not taken: whether it happens depends on the clients'
+        # losses, which the release does not privatize (one client could tip the majority)
+        if (self.before_aggregation is not None and self.privacy is None
+                and 2 * collected.nonfinite_loss > answered > 0):
             self.warn(f"round {server_round}: {collected.nonfinite_loss} of {answered} clients "
                       "report a non-finite loss for the new model; the round's aggregation is "
                       "rolled back and the previous model evaluated.")

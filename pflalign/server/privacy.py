@@ -250,7 +250,9 @@ def local_release(upload: Mapping[str, np.ndarray], received: Mapping[str, np.nd
                   bound: float, std: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """``dp = local``: a client's upload as it leaves the client: its floating-point entries'
     update over what it ``received`` (zero for an entry it did not receive) clipped to ``bound``
-    as one vector and noised with N(0, std^2) per value; other entries as they are."""
+    as one vector and noised with N(0, std^2) per value. Other entries (integer counters, such
+    as a batch norm's count of the batches it saw, which would tell the client's number of steps)
+    leave as it received them, or as zeros."""
     keys = [k for k in upload if np.asarray(upload[k]).dtype.kind == "f"]
     if not keys:
         return dict(upload)
@@ -260,7 +262,8 @@ def local_release(upload: Mapping[str, np.ndarray], received: Mapping[str, np.nd
     base = np.concatenate(bases)
     clipped, _ = clip(np.concatenate(flats) - base, bound)
     released = base + clipped + gaussian_noise(base.size, std, rng)
-    out = dict(upload)
+    out = {k: (np.asarray(received[k]).copy() if k in received else np.zeros_like(v))
+           for k, v in upload.items() if k not in keys}
     start = 0
     for key, flat in zip(keys, flats, strict=True):
         value = np.asarray(upload[key])
@@ -346,8 +349,11 @@ class CentralPrivacy:
         return {"dp-epsilon": self.accountant.epsilon()}
 
     def state_dict(self) -> dict:
-        return {"clip": self.bound, **self.accountant.state_dict()}
+        """The clip, the accountant's history and the noise's key (the seed, or dp-secure's
+        secret: a checkpoint is the server's own)."""
+        return {"clip": self.bound, "key": self.seed, **self.accountant.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.bound = float(state["clip"])
+        self.seed = int(state.get("key", self.seed))
         self.accountant.load_state_dict(state)

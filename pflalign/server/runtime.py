@@ -9,6 +9,7 @@ loop (:mod:`pflalign.run.rounds`) owns one per method entry.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -32,6 +33,10 @@ class ServerRuntime:
         self.num_classes = num_classes
         self.label = label
         self.seed = settings.run.seed
+        #: the key of the privacy mechanism's draws (dp's noise and Poisson sampling): the seed, or
+        #: under dp-secure a key from the operating system that no output carries
+        self.private_key = (secrets.randbits(62) + 1
+                            if settings.run.dp != "off" and settings.run.dp_secure else self.seed)
         self.rounds = settings.run.rounds
         self.eval_every = settings.run.eval_every
         self.fraction_train = settings.run.fraction_train
@@ -136,12 +141,16 @@ class ServerRuntime:
         key = server_round if over == 1.0 else (server_round, over)
         if key not in self._samples and self.settings.run.sampling == "poisson":
             self._samples[key] = poisson_sample(self.training_clients(), self.fraction_train,
-                                                self.seed, server_round)
+                                                self.private_key, server_round)
         if key not in self._samples:
             self._samples[key] = sample_clients(
                 self.training_clients(), min(1.0, self.fraction_train * over), self.seed,
                 server_round)
         return self._samples[key]
+
+    def forget_samples(self) -> None:
+        """Drop the drawn samples (a resumed run's key replaced the one they were drawn by)."""
+        self._samples.clear()
 
     def eval_sample(self, clients: Iterable[int], server_round: int) -> list[int]:
         """The clients of ``clients`` evaluated in ``server_round``: all of them in the last

@@ -569,6 +569,15 @@ class RunConfig(Params):
         'dp: the delta of the (epsilon, delta) guarantee reported.',
         minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True,
         group='privacy', scope='run')
+    dp_secure: bool = param(
+        False,
+        'dp: draw the noise (and, with sampling = poisson, the sampled clients) from a key the run '
+        'takes from the operating system and never writes out (the server\'s, kept in its '
+        'checkpoint, under central; each client\'s own under local), not from the run\'s seed: '
+        'what a deployment needs, as anyone who knows the seed can regenerate seeded noise and '
+        'subtract it. Such a run does not repeat, and methods no longer share their sampled '
+        'clients (docs/privacy.md).',
+        group='privacy', scope='run')
     dp_clip_quantile: float = param(
         0.5,
         'dp-clipping = adaptive: the quantile of the update norms the bound follows.',
