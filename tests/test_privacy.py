@@ -452,5 +452,14 @@ def test_under_local_dp_the_server_receives_only_clipped_noised_updates(tmp_path
 @pytest.mark.parametrize("values", [POISSON_DP, LOCAL_DP], ids=["central", "local"])
 def test_dp_runs_identically_on_the_flower_engine(values, tmp_path):
     """The same runs on a real Flower simulation (the noise of dp = local drawn in the
-    ClientApps on Ray) give the in-process engines' metrics bit for bit. About 40 s each."""
-    three_engines(values, tmp_path, compared_at_least=40)
+    ClientApps on Ray) and on the batched engine's two Ray actors give the in-process engines'
+    metrics bit for bit. About 60 s each."""
+    from pflalign.run.config import build_settings
+    from pflalign.run.driver import simulate
+    from scripts.compare_results import compare
+
+    sequential = three_engines(values, tmp_path, compared_at_least=40)
+    workers = simulate(build_settings({**values, "engine": "batched", "batched-workers": "2",
+                                       "out-dir": str(tmp_path / "w")}))
+    differences, compared = compare(sequential, workers)
+    assert differences == [] and compared >= 40
