@@ -210,8 +210,10 @@ def calibrate(target_epsilon: float, delta: float, sample_rate: float, rounds: i
     except ValueError as error:
         raise ConfigError(f"dp-epsilon = {target_epsilon:g} cannot be reached at dp-delta = "
                           f"{delta:g} in {rounds} rounds at a sample rate of {sample_rate:g} "
-                          f"with any noise multiplier up to 1e6 ({error}); raise dp-epsilon or "
-                          "dp-delta, or run fewer rounds.") from None
+                          f"with any noise multiplier up to 1e6, or lies below what the "
+                          "accountant's largest Renyi order (1024) can bound at this delta "
+                          f"({error}); raise dp-epsilon or dp-delta, or run fewer "
+                          "rounds.") from None
 
 
 def sample_rate(run: object) -> float:
