@@ -463,3 +463,17 @@ def test_dp_runs_identically_on_the_flower_engine(values, tmp_path):
                                        "out-dir": str(tmp_path / "w")}))
     differences, compared = compare(sequential, workers)
     assert differences == [] and compared >= 40
+
+
+
+def test_a_dp_run_is_warned_of_no_noise_and_of_a_delta_as_large_as_one_over_the_clients():
+    from pflalign.run.config import build_settings
+
+    def warnings(**values):
+        return privacy.privacy_warnings(build_settings({"methods": "fedavg", **values}).run, 4)
+
+    both = warnings(dp="central", **{"dp-noise-multiplier": 0.0, "dp-delta": 0.25})
+    assert len(both) == 2 and "there is no privacy guarantee" in both[0]
+    assert "dp-delta = 0.25 is at least 1 / 4 (the training clients)" in both[1]
+    assert warnings(dp="central", **{"dp-delta": 0.2}) == []
+    assert warnings() == []

@@ -53,6 +53,7 @@ from pflalign.server.privacy import (
     CentralPrivacy,
     epsilon_of,
     local_multiplier,
+    privacy_warnings,
     run_noise_multiplier,
 )
 from pflalign.server.runtime import ServerRuntime
@@ -202,9 +203,9 @@ class RoundLoop:
             self.reporter.info(
                 f"[{self.label}] dp = local: each client clips its update to {run.dp_clip:g} "
                 f"and adds noise of multiplier {run_noise_multiplier(run):.4g} before it leaves")
-        if run.dp != "off" and self.method.uploads_model and run_noise_multiplier(run) == 0:
-            self.warn(f"dp = {run.dp!r} with dp-noise-multiplier = 0 clips the updates and adds "
-                      "no noise: there is no privacy guarantee, and no epsilon is reported.")
+        if self.method.uploads_model:
+            for text in privacy_warnings(run, len(self.server.training_clients())):
+                self.warn(text)
         last_eval: dict[str, float] = {}
         first = 1
         snapshot = checkpoint.read() if checkpoint is not None else None

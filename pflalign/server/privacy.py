@@ -241,6 +241,24 @@ def _calibrated(target_epsilon: float, delta: float, rate: float, rounds: int) -
     return calibrate(target_epsilon, delta, rate, rounds)
 
 
+def privacy_warnings(run: object, clients: int) -> list[str]:
+    """What a run with ``dp`` and ``clients`` training clients should be warned of: no noise
+    (no guarantee), and a ``dp-delta`` of at least 1 / clients (a guarantee that may fail with
+    that probability allows releasing one client's data whole)."""
+    if run.dp == "off":
+        return []
+    out = []
+    if run_noise_multiplier(run) == 0:
+        out.append(f"dp = {run.dp!r} with dp-noise-multiplier = 0 clips the updates and adds no "
+                   "noise: there is no privacy guarantee, and no epsilon is reported.")
+    if run.dp_delta * clients >= 1:
+        out.append(f"dp-delta = {run.dp_delta:g} is at least 1 / {clients} (the training "
+                   "clients): a guarantee that may fail with that probability allows releasing "
+                   "one client's data whole; set dp-delta well below 1 / the number of clients "
+                   "(1e-5 for 1,000 clients).")
+    return out
+
+
 def local_multiplier(noise_multiplier: float) -> float:
     """The noise multiplier a ``dp = local`` release is accounted at: a client's noise is
     ``z C`` and two of its possible updates can differ by ``2 C`` (any two points of the clip
