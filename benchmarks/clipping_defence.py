@@ -4,7 +4,7 @@ it save against a client that scales its update?
 Two parts, each a set of ``simulate.py`` studies kept in ``OUT`` (a finished one is read back,
 one killed part-way continues):
 
-- ``honest``: the scenario suite (``--suite``: six scenarios, ``--methods``, three seeds) without
+- ``honest``: the scenario suite (``--suite``: eight scenarios, ``--methods``, three seeds) without
   clipping and with ``update-clip`` = each of ``--clips``, on one engine, so that the cost of
   each clip is read paired by scenario, method and seed against the run without it;
 - ``attack``: ``configs/scenarios/dir-0.1.toml`` (20 clients) with one client uploading
@@ -12,9 +12,9 @@ one killed part-way continues):
   2, 3 and 10 clients a round, without clipping and with each clip, and the same federation
   without the attacker's replies (``attack = hang``: the honest reference).
 
-The report, ``OUT/clipping.md``, gives the personal accuracy (mean and 95% t-interval over seeds)
-and each clip's paired change, per method and scenario for ``honest`` and per round size for
-``attack``.
+The report, ``OUT/clipping-PART.md`` (PART as ``--part``), gives the personal accuracy (mean
+and 95% t-interval over seeds) and each clip's paired change, per method and scenario for
+``honest`` and per round size for ``attack``.
 
     python benchmarks/clipping_defence.py --out results/clipping --part attack
     python benchmarks/clipping_defence.py --out results/clipping --part honest
