@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -77,3 +79,20 @@ def stop_session(sid: int, grace: float = 5.0) -> list[int]:
         if not session_processes(sid):
             return []
     return session_processes(sid)
+
+
+def kill_once(proc: subprocess.Popen, ready: Callable[[], bool], log: Path,
+              timeout: float = 120.0) -> None:
+    """SIGKILL ``proc`` as soon as ``ready()`` holds (within ``timeout`` seconds, the process
+    alive until then: else the assertion shows the end of its ``log``)."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL

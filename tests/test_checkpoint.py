@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import ROOT, needs_fashion_mnist
+from processes import kill_once
 
 from pflalign.engines.sequential import SequentialEngine
 from pflalign.outputs.results import Reporter, slug
@@ -163,19 +164,8 @@ def _start(settings: dict, resume: bool, log: Path) -> subprocess.Popen:
 
 
 def _kill_once_written(proc: subprocess.Popen, target: Path, log: Path) -> None:
-    """SIGKILL ``proc`` as soon as the file ``target`` (its checkpoint) exists (within 120 s,
-    the process alive until then)."""
-    try:
-        deadline = time.monotonic() + 120
-        while not target.exists():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    """SIGKILL ``proc`` as soon as the file ``target`` (its checkpoint) exists."""
+    kill_once(proc, target.exists, log)
 
 
 @needs_fashion_mnist

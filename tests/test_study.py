@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from conftest import needs_fashion_mnist
+from conftest import ROOT, needs_fashion_mnist
+from processes import kill_once
 
 from pflalign.data import federated
 from pflalign.data.federated import federated_dataset, validation_partition
@@ -16,6 +19,7 @@ from pflalign.methods.registry import METHODS
 from pflalign.outputs.results import Reporter
 from pflalign.process import caches
 from pflalign.process.interrupt import Interrupted, request_stop, reset
+from pflalign.run import tuning
 from pflalign.run.config import (
     ConfigError,
     MethodChoice,
@@ -30,12 +34,14 @@ from pflalign.run.study import (
     Study,
     entry,
     entry_label,
+    method_budget,
+    method_space,
     parse_seeds,
     parse_sweep,
     scenario_names,
     scenario_values,
-    trials,
 )
+from pflalign.settings.params import choice, log_range
 from pflalign.settings.schema import DATA_KEYS, Settings
 
 TINY = {"engine": "sequential", "num-clients": 4, "max-samples": 800, "rounds": 2,
@@ -100,30 +106,69 @@ def test_tuning_and_evaluation_seeds_must_be_disjoint(tmp_path):
 
 
 # --- trials -------------------------------------------------------------------------------------
-def test_trials_start_at_the_defaults_then_draw_without_replacement():
+def test_a_methods_space_is_its_declared_ranges_less_what_its_entry_fixes():
     settings = build_settings({"methods": "fedprox"})
-    choice = method_choices(settings)[0]
-    space, points = trials(choice, settings, 5, seed=100)
-    assert space == {"lr": (0.005, 0.01, 0.02, 0.05, 0.1, 0.2),
-                     "fedprox-mu": (0.001, 0.01, 0.1, 1.0)}
-    assert points[0] == {"lr": 0.05, "fedprox-mu": 0.01}  # the defaults come first
-    assert len(points) == 5 and len({tuple(p.values()) for p in points}) == 5
-    assert trials(choice, settings, 5, seed=100)[1] == points  # seeded
-    assert trials(choice, settings, 5, seed=101)[1] != points
-    # a grid smaller than the budget is run whole
-    _, whole = trials(method_choices(build_settings({"methods": "fedavg"}))[0], settings, 50,
-                      seed=0)
-    assert sorted(p["lr"] for p in whole) == [0.005, 0.01, 0.02, 0.05, 0.1, 0.2]
+    space, configured = method_space(method_choices(settings)[0], settings)
+    assert space == {"lr": log_range(0.005, 0.2), "fedprox-mu": log_range(0.001, 1.0)}
+    assert configured == {"lr": 0.05, "fedprox-mu": 0.01}
+    assert method_budget(space, 7) == 7
+    fixed = build_settings({"methods": "fedprox(fedprox-mu=0.5),local(lr=0.1)"})
+    (mu_fixed, _), (nothing, _) = (method_space(c, fixed) for c in method_choices(fixed))
+    assert list(mu_fixed) == ["lr"]
+    assert nothing == {} and method_budget(nothing, 7) == 1  # runs once, as configured
+    text = entry(method_choices(fixed)[0], {"lr": 0.0123})
+    assert text == "fedprox(fedprox-mu=0.5,lr=0.0123)"
+    assert parse_methods(text)[0].label == entry_label(method_choices(fixed)[0], {"lr": 0.0123})
 
 
-def test_an_entrys_own_settings_are_not_searched_and_survive_in_its_trials():
-    settings = build_settings({"methods": "fedprox(fedprox-mu=0.5)"})
-    choice = method_choices(settings)[0]
-    space, points = trials(choice, settings, 3, seed=0)
-    assert list(space) == ["lr"]
-    text = entry(choice, points[1])
-    assert text.startswith("fedprox(fedprox-mu=0.5,lr=")
-    assert parse_methods(text)[0].label == entry_label(choice, points[1])
+def test_a_search_is_a_checked_range_or_set():
+    assert log_range(0.01, 1.0).contains(0.01) and not log_range(0.01, 1.0).contains(1.5)
+    assert choice(0.0, 0.1).contains(0.0) and not choice(0.0, 0.1).contains(0.2)
+    assert log_range(0.005, 0.2).describe() == "log-uniform [0.005, 0.2]"
+    assert choice(0.0, 0.1, 1.0).describe() == "{0.0, 0.1, 1.0}"
+    for bad in (lambda: log_range(0.0, 1.0), lambda: log_range(1.0, 1.0),
+                lambda: choice(1, 1)):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def _asked(search: tuning.MethodSearch, scores: list[float]) -> list[dict]:
+    points = []
+    for number, score in enumerate(scores):
+        points.append(search.point(number))
+        search.tell(number, score)
+    return points
+
+
+def test_trials_start_at_the_configured_values_then_follow_the_seeded_sampler(tmp_path):
+    space = {"lr": log_range(0.005, 0.2), "fedprox-mu": log_range(0.001, 1.0)}
+    configured = {"lr": 0.05, "fedprox-mu": 0.01}
+    scores = [0.5, 0.6, 0.4, 0.7, 0.55, 0.65]
+
+    def search(folder, seed=100):
+        return tuning.MethodSearch(tmp_path / folder / "optuna.db", "fedprox", space,
+                                   configured, budget=6, seed=seed)
+
+    points = _asked(search("a"), scores)
+    assert points[0] == configured
+    assert len({tuple(p.values()) for p in points}) == 6
+    assert all(0.005 <= p["lr"] <= 0.2 and 0.001 <= p["fedprox-mu"] <= 1.0 for p in points)
+    assert _asked(search("b"), scores) == points  # seeded: the same trials, told the same
+    assert _asked(search("c", seed=101), scores)[1:] != points[1:]
+    # a new process on the same storage reads the trials back, and asks the next one as the
+    # first process would have: ask trial 3 of a copy that stopped after telling trial 2
+    stopped = search("d")
+    _asked(stopped, scores[:3])
+    stopped.point(3)  # asked, never told (killed while it ran)
+    again = search("d")
+    assert [again.point(n) for n in range(4)] == points[:4]
+    again.tell(3, scores[3])
+    assert [again.point(4)] == [points[4]]
+    assert tuning.startup_trials(6) == 2 and tuning.startup_trials(20) == 5
+    # configured values outside the space are not a trial
+    outside = tuning.MethodSearch(tmp_path / "e" / "optuna.db", "fedprox", space,
+                                  {"lr": 0.5, "fedprox-mu": 0.01}, budget=3, seed=100)
+    assert outside.point(0)["lr"] <= 0.2
 
 
 def test_a_variant_without_the_preconditioner_searches_the_sgd_rate():
@@ -259,3 +304,58 @@ def test_the_command_line_refuses_bad_study_options_in_one_line(tmp_path, capsys
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, (argv, err)
     assert not (tmp_path / "out").exists()  # nothing was started
+
+
+# --- tuning: an equal budget, and a resume after SIGKILL ----------------------------------------
+def _tune_command(out, resume: bool) -> list[str]:
+    if resume:
+        return [sys.executable, str(ROOT / "simulate.py"), "--resume", str(out), "--quiet"]
+    overrides = [f"{k}={v}" for k, v in TINY.items() if k != "methods"]
+    return [sys.executable, str(ROOT / "simulate.py"), "--methods",
+            "fedavg,pflalign,fedavg(lr=0.02)", "--tune", "3", "--tune-seeds", "5",
+            "--seeds", "0", "--out", str(out), "--quiet",
+            *[a for o in overrides for a in ("--set", o)]]
+
+
+@needs_fashion_mnist
+def test_tuning_gives_every_method_the_same_trials_and_rounds_and_resumes_after_sigkill(
+        tmp_path):
+    """Three trials for each method with a space (one for fedavg(lr=0.02), which has none), each
+    trial a run of the same two rounds; a tuning killed with SIGKILL while its second trial runs
+    and resumed gives the same trials, scores, choices and test metrics as one never killed."""
+    whole = subprocess.run(_tune_command(tmp_path / "whole", False), cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    doc = json.loads((tmp_path / "whole" / "results.json").read_text())
+    tuned = doc["protocol"]["tune"]["methods"]
+    assert {label: len(row["trials"]) for label, row in tuned.items()} == {
+        "fedavg": 3, "pflalign": 3, "fedavg(lr=0.02)": 1}
+    assert tuned["fedavg"]["trials"][0]["params"] == {"lr": 0.05}  # the configured values first
+    assert tuned["fedavg"]["space"] == {"lr": "log-uniform [0.005, 0.2]"}
+    rounds: dict[str, list[int]] = {}
+    for path in sorted((tmp_path / "whole" / "tuning" / "config").glob("trial-*/seed-5")):
+        for label, entry_ in json.loads((path / "results.json").read_text())["methods"].items():
+            rounds.setdefault(label.split("(")[0] if "lr=0.02" not in label else label,
+                              []).append(len(entry_["rounds"]))
+    assert rounds == {"fedavg": [2, 2, 2], "pflalign": [2, 2, 2], "fedavg(lr=0.02)": [2]}
+    import optuna
+    storage = f"sqlite:///{tmp_path / 'whole' / 'tuning' / 'config' / 'optuna.db'}"
+    assert {s.study_name: s.n_trials for s in optuna.get_all_study_summaries(storage)} == {
+        "fedavg": 3, "pflalign": 3, "fedavg(lr=0.02)": 0}
+
+    log = tmp_path / "killed.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_tune_command(tmp_path / "killed", False), cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
+    target = tmp_path / "killed" / "tuning" / "config" / "trial-1" / "seed-5" / "checkpoints"
+    kill_once(proc, lambda: target.exists() and any(target.iterdir()), log, timeout=300)
+    resumed = subprocess.run(_tune_command(tmp_path / "killed", True), cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = json.loads((tmp_path / "killed" / "results.json").read_text())
+    assert again["protocol"]["tune"]["methods"] == tuned
+
+    def finals(d):
+        return {label: {k: v for k, v in m["final"].items() if "seconds" not in k}
+                for label, m in d["runs"][0]["methods"].items()}
+    assert finals(again) == finals(doc)

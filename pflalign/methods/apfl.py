@@ -24,7 +24,7 @@ import torch
 
 from pflalign.methods.base import Method
 from pflalign.settings.options import ConfigError
-from pflalign.settings.params import Params, param
+from pflalign.settings.params import Params, param, uniform_range
 from pflalign.settings.schema import Settings
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Entries
@@ -89,7 +89,7 @@ class APFLParams(Params):
 
     alpha: float = param(0.5, "Initial mixing weight alpha of the personal model in "
                          "alpha v + (1 - alpha) w.", minimum=0.0, maximum=1.0,
-                         search=(0.25, 0.5, 0.75))
+                         search=uniform_range(0.25, 0.75))
     adaptive: bool = param(True, "Learn alpha per client by gradient descent (false keeps it "
                            "fixed).")
     alpha_lr: float = param(0.05, "Step size of alpha's gradient step.", minimum=0.0,

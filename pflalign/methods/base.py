@@ -31,7 +31,7 @@ from pflalign.models.language import is_language_model
 from pflalign.server.aggregation import FlatSpec
 from pflalign.server.runtime import ServerRuntime
 from pflalign.settings.options import ConfigError, Value
-from pflalign.settings.params import NoParams, Params
+from pflalign.settings.params import NoParams, Params, Search
 from pflalign.settings.schema import LocalTraining, Settings
 from pflalign.training.client import ClientRuntime
 from pflalign.training.runs import Rule
@@ -115,7 +115,7 @@ class Method(Generic[P, C, S]):
     needs_head: ClassVar[bool] = False
 
     @classmethod
-    def search_space(cls, fixed: Mapping[str, Value]) -> dict[str, tuple[Value, ...]]:
+    def search_space(cls, fixed: Mapping[str, Value]) -> dict[str, Search]:
         """Config key -> the values ``--tune`` may try: the shared local-training keys in
         :attr:`tuned_training`, then the Params' own searches. ``fixed`` holds the keys a variant
         fixes (a method whose step size depends on them overrides this)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pflalign.methods.fedavg import FedAvg, trained_upload
-from pflalign.settings.params import Params, param
+from pflalign.settings.params import Params, log_range, param
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Proximal
 from pflalign.training.loops import STREAM_PERSONAL
@@ -31,7 +31,7 @@ class DittoParams(Params):
 
     lambda_: float = param(0.1, "Weight lambda of the personal model's proximal pull lambda/2 "
                            "||v - w_global||^2.", minimum=0.0,
-                           search=(0.01, 0.1, 1.0))
+                           search=log_range(0.01, 1.0))
     personal_epochs: int = param(1, "Local epochs of the personal model per round.", minimum=1)
 
 

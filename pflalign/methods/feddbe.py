@@ -46,7 +46,7 @@ from pflalign.methods.fedavg import FedAvg
 from pflalign.models.registry import head_of, without_head
 from pflalign.server.aggregation import FlatSpec
 from pflalign.server.runtime import ServerRuntime
-from pflalign.settings.params import Params, param
+from pflalign.settings.params import Params, log_range, param
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Entries
 from pflalign.training.objectives import ModelCall, Objective, Step, batch_mean, cross_entropy
@@ -120,7 +120,7 @@ class FedDBEParams(Params):
     kappa: float = param(5.0, "Weight kappa of the mean regularization towards the global mean "
                          "of the representations. The authors use 50 with SGD at lr 0.005 "
                          "(Fashion-MNIST, 4-layer CNN); 5 keeps their kappa x lr at this "
-                         "project's lr = 0.05.", minimum=0.0, search=(0.5, 5.0, 50.0))
+                         "project's lr = 0.05.", minimum=0.0, search=log_range(0.5, 50.0))
     momentum: float = param(1.0, "Weight of the current mini-batch in the running mean of the "
                             "representations (1: the batch's own mean, the authors' "
                             "Fashion-MNIST setting).", minimum=0.0, maximum=1.0,

@@ -36,7 +36,7 @@ import torch
 from pflalign.methods.fedavg import FedAvg, trained_upload
 from pflalign.server.aggregation import fedavg
 from pflalign.server.runtime import ServerRuntime
-from pflalign.settings.params import Params, param
+from pflalign.settings.params import Params, log_range, param
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Correction, Entries
 from pflalign.training.runs import LocalRun, Rule
@@ -89,7 +89,7 @@ class FedDynParams(Params):
     alpha: float = param(0.01, "Weight alpha of the dynamic regularizer (its quadratic term "
                          "alpha/2 ||theta - theta_server||^2 and the server's h / alpha "
                          "correction).", minimum=0.0, exclusive_minimum=True,
-                         search=(0.001, 0.01, 0.1))
+                         search=log_range(0.001, 0.1))
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pflalign.methods.fedavg import FedAvg, trained_upload
-from pflalign.settings.params import Params, param
+from pflalign.settings.params import Params, log_range, param
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Proximal
 from pflalign.training.runs import LocalRun, Rule
@@ -25,7 +25,7 @@ class FedProxParams(Params):
 
     mu: float = param(0.01, "Weight mu of the proximal term mu/2 ||w - w_global||^2 (0 is "
                       "FedAvg).", minimum=0.0,
-                      search=(0.001, 0.01, 0.1, 1.0))
+                      search=log_range(0.001, 1.0))
 
 
 class FedProx(FedAvg):

@@ -58,7 +58,7 @@ from pflalign.models.registry import head_keys, head_of, without_head
 from pflalign.process.caches import cached
 from pflalign.server.aggregation import FlatSpec
 from pflalign.server.runtime import ServerRuntime
-from pflalign.settings.params import param
+from pflalign.settings.params import choice, log_range, param
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Entries
 from pflalign.training.loops import STREAM_FINETUNE, derive_seed
@@ -210,10 +210,10 @@ class GPFLParams(PartialParams):
 
     lambda_: float = param(0.01, "Weight lambda of the magnitude-level guidance ||f^G - "
                            "C^[y]||_2 (the authors' value for the 4-layer CNN).", minimum=0.0,
-                           search=(0.001, 0.01, 0.1))
+                           search=log_range(0.001, 0.1))
     mu: float = param(0.1, "Weight decay mu of the conditional valve and the category "
                       "embedding (the authors' value for the 4-layer CNN).", minimum=0.0,
-                      search=(0.0, 0.1, 1.0))
+                      search=choice(0.0, 0.1, 1.0))
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 from torch.func import grad_and_value
 
 from pflalign.methods.base import Method
-from pflalign.settings.params import Params, param
+from pflalign.settings.params import Params, log_range, param
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Entries
 from pflalign.training.loops import STREAM_FINETUNE
@@ -66,9 +66,9 @@ class PerFedAvgParams(Params):
     alpha: float = param(0.01, "Inner (adaptation) step size alpha, also used for the "
                          "personalization steps at evaluation (README: alpha >= 0.02 drives the "
                          "meta-model itself to chance accuracy).", minimum=0.0,
-                         exclusive_minimum=True, search=(0.005, 0.01, 0.02))
+                         exclusive_minimum=True, search=log_range(0.005, 0.02))
     beta: float = param(0.05, "Outer (meta) step size beta.", minimum=0.0, exclusive_minimum=True,
-                        search=(0.02, 0.05, 0.1))
+                        search=log_range(0.02, 0.1))
     eval_steps: int = param(1, "SGD steps of personalization from the global model before "
                             "evaluation.", minimum=1)
 

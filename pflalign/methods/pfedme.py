@@ -26,7 +26,7 @@ import torch
 
 from pflalign.methods.base import Method
 from pflalign.server.runtime import ServerRuntime
-from pflalign.settings.params import Params, param
+from pflalign.settings.params import Params, log_range, param
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Proximal
 from pflalign.training.loops import STREAM_FINETUNE, STREAM_TRAIN
@@ -55,7 +55,7 @@ class PFedMeParams(Params):
     prefix = "pfedme"
 
     lambda_: float = param(15.0, "Moreau-envelope weight lambda.", minimum=0.0,
-                           exclusive_minimum=True, search=(5.0, 15.0, 30.0))
+                           exclusive_minimum=True, search=log_range(5.0, 30.0))
     k: int = param(5, "Gradient steps K on the inner problem per mini-batch.", minimum=1)
     personal_lr: float = param(0.05, "Step size of the inner (personal) steps.", minimum=0.0,
                                exclusive_minimum=True)

@@ -48,7 +48,7 @@ from pflalign.methods.base import Method
 from pflalign.server.aggregation import l2_norm
 from pflalign.server.runtime import ServerRuntime
 from pflalign.settings.options import ConfigError, Value
-from pflalign.settings.params import Params, param
+from pflalign.settings.params import Params, Search, log_range, param, uniform_range
 from pflalign.settings.schema import LocalTraining, Settings
 from pflalign.training.client import ClientRuntime
 from pflalign.training.corrections import Entries
@@ -212,9 +212,9 @@ class PFLAlignParams(Params):
 
     lr: float = param(3.0, "Local learning rate. The preconditioner P is far below 1 (it starts "
                       "at (1-beta)^2 = 0.01), so this is of order 1, not an SGD rate.",
-                      minimum=0.0, exclusive_minimum=True, search=(1.0, 2.0, 3.0, 5.0, 10.0))
+                      minimum=0.0, exclusive_minimum=True, search=log_range(1.0, 10.0))
     beta: float = param(0.9, "EMA decay of m, v and P.", minimum=0.0, maximum=1.0,
-                        exclusive_maximum=True, search=(0.8, 0.9, 0.95))
+                        exclusive_maximum=True, search=uniform_range(0.8, 0.95))
     eps: float = param(1e-12, "Numerical constant in the denominators.", minimum=0.0,
                        exclusive_minimum=True)
     precondition: bool = param(True, "Multiply the gradient by P (false: step on the raw "
@@ -271,7 +271,7 @@ class PFLAlignMethod(Method):
     tuned_training = ()  # its step size is pflalign-lr (lr only without the preconditioner)
 
     @classmethod
-    def search_space(cls, fixed: Mapping[str, Value]) -> dict[str, tuple[Value, ...]]:
+    def search_space(cls, fixed: Mapping[str, Value]) -> dict[str, Search]:
         space = super().search_space(fixed)
         if fixed.get("pflalign-precondition") is False:  # steps with the SGD rate 'lr'
             space = {"lr": LocalTraining.search_space()["lr"],

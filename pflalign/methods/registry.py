@@ -53,6 +53,7 @@ from pflalign.methods.scaffold import Scaffold
 from pflalign.models.registry import MODELS
 from pflalign.models.user import is_user_model
 from pflalign.settings.options import ConfigError, Value
+from pflalign.settings.params import Search
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class MethodSpec:
         return self.method.local_optimizer
 
     @property
-    def search_space(self) -> dict[str, tuple[Value, ...]]:
+    def search_space(self) -> dict[str, Search]:
         """Config key -> the values ``--tune`` may try: the shared local-training keys the method
         tunes (``lr`` for most), then its own Params' searches; keys the spec fixes (a variant's)
         are not searched."""

@@ -114,9 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Run every value of a config key (repeatable: a grid), one row per "
                              "setting; nothing is selected.")
     parser.add_argument("--tune", type=int, default=0, metavar="N",
-                        help="Give every method N trials from its declared search space, scored "
-                             "on a validation split of each client's training data over "
-                             "--tune-seeds; then run the best on --seeds.")
+                        help="Give every method N trials of its declared search space "
+                             "(Optuna's TPE), scored on a validation split of each client's "
+                             "training data over --tune-seeds; then run the best on --seeds.")
     parser.add_argument("--tune-seeds", metavar="LIST", default="100",
                         help="Seeds the tuning trials run on; must be disjoint from --seeds "
                              "(default: 100).")

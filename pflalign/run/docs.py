@@ -80,8 +80,8 @@ def _method_section(spec: MethodSpec, variants: list[MethodSpec]) -> list[str]:
     lines.append("- `engine = batched`: " + batched)
     space = spec.search_space
     lines.append("- Tuned by `--tune` over: " + ("; ".join(
-        f"`{k}` in {{{', '.join(toml_literal(v) for v in values)}}}"
-        for k, values in space.items()) if space else "nothing (no search space)") + ".")
+        f"`{k}` in {search.describe()}" for k, search in space.items())
+        if space else "nothing (no search space)") + ".")
     options = cls.Params.options()
     if options:
         lines += ["", "Hyperparameters:", "", *options_table(options)]

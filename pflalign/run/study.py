@@ -11,16 +11,18 @@ build:
 - **Scenarios.** ``configs/scenarios/*.toml`` are named settings; ``--suite`` runs them all.
 - **Sweeps.** ``--sweep key=v1,v2`` runs every value (a grid over several keys), one row each,
   with no selection.
-- **Tuning** (``--tune N``): each method gets the same budget of N trials from its declared search
-  space (:attr:`pflalign.methods.MethodSpec.search_space`): its defaults first, then a seeded
-  random draw without replacement from the rest of its grid. Every trial runs on the *tuning
-  seeds* with ``evaluate-on = validation``: each client's test split is never built, and the
-  trial's score is its final ``personal-acc`` on a validation split carved from each client's
-  training data (:func:`pflalign.data.federated.validation_partition`). The best trial (ties: the
+- **Tuning** (``--tune N``): each method gets the same budget of N trials of the same rounds from
+  its declared search space (:attr:`pflalign.methods.MethodSpec.search_space`), sampled by
+  Optuna (:mod:`pflalign.run.tuning`: its configured values first, then seeded random points,
+  then TPE), on every scenario of the study. Every trial runs on the *tuning seeds* with
+  ``evaluate-on = validation``: each client's test split is never built, and the trial's score
+  is its final ``personal-acc`` on a validation split carved from each client's training data
+  (:func:`pflalign.data.federated.validation_partition`). Each scenario's best trial (ties: the
   earlier) is then run on the evaluation seeds, which must be disjoint from the tuning seeds.
 - **Resume.** Each group's entries live in their own directory with their own ``results.json``
-  and checkpoints; ``simulate.py --resume DIR`` reads the plan saved in ``DIR/plan.json`` and
-  recomputes nothing that finished (:func:`pflalign.run.driver.run_methods` with ``resume``).
+  and checkpoints, and the tuning's trials in its Optuna storage; ``simulate.py --resume DIR``
+  reads the plan saved in ``DIR/plan.json`` and recomputes nothing that finished
+  (:func:`pflalign.run.driver.run_methods` with ``resume``).
 
 A study of one scenario, one seed and no sweep or tuning is a plain run: its ``results.json`` is
 the run's own, written in the output directory as always.
@@ -43,6 +45,7 @@ from pflalign.methods.registry import METHODS
 from pflalign.outputs.report import setting_label
 from pflalign.outputs.results import Reporter, slug, write_results
 from pflalign.outputs.tracking import Trackers, TrackingReporter, parse_tracking
+from pflalign.run import tuning
 from pflalign.run.config import (
     MethodChoice,
     build_settings,
@@ -54,6 +57,7 @@ from pflalign.run.config import (
     toml_literal,
 )
 from pflalign.settings.options import ConfigError, Value
+from pflalign.settings.params import Search
 from pflalign.settings.schema import Settings
 
 #: the version of the results.json layout (a single run's and a study's)
@@ -62,8 +66,6 @@ SCHEMA_VERSION = 2
 SCENARIO_DIR = Path(__file__).resolve().parents[2] / "configs" / "scenarios"
 #: the metric tuning maximizes (on validation data) and tables lead with
 METRIC = "personal-acc"
-#: the random stream of the trial draw
-TRIAL_STREAM = 11
 PLAN_FILE = "plan.json"
 
 #: runs one cell group: (its settings, reporter, resume) -> its results (run_methods' dict)
@@ -156,6 +158,7 @@ class Plan:
                                   "--tune-seeds.")
             if not self.tune_seeds:
                 raise ConfigError("--tune needs at least one tuning seed (--tune-seeds).")
+            tuning.require_optuna()
             searched = {k for c in method_choices(self.settings(next(iter(self.scenarios))))
                         for k in METHODS[c.name].search_space}
             clash = sorted(searched & set(self.sweep))
@@ -228,25 +231,20 @@ def scenario_values(name: str, overrides: Sequence[str],
     return (base.replace(changes, source="the command line") if changes else base).to_dict()
 
 
-# --- trials --------------------------------------------------------------------------------------
-def trials(choice: MethodChoice, settings: Settings, budget: int, seed: int,
-           ) -> tuple[dict[str, tuple[Value, ...]], list[dict[str, Value]]]:
-    """A method entry's search space (less the keys its entry fixes) and its ``budget`` trials:
-    its current values first (when they lie in the space), then a draw seeded by ``seed``
-    without replacement from the rest of the grid. A grid smaller than the budget is run
-    whole."""
-    spec = METHODS[choice.name]
+# --- trials -------------------------------------------------------------------------------------
+def method_space(choice: MethodChoice, settings: Settings,
+                 ) -> tuple[dict[str, Search], dict[str, Value]]:
+    """A method entry's search space (less the keys its entry fixes) and its configured values
+    of those keys (its entry's, else the config's)."""
     fixed = dict(choice.overrides)
-    space = {k: v for k, v in spec.search_space.items() if k not in fixed}
-    if not space:
-        return {}, [{}]
-    current = tuple(fixed.get(k, settings[k]) for k in space)
-    grid = list(itertools.product(*space.values()))
-    picked = [current] if current in grid else []
-    rest = [p for p in grid if p != current]
-    order = np.random.default_rng([seed, TRIAL_STREAM]).permutation(len(rest))
-    picked += [rest[i] for i in order[: max(0, budget - len(picked))]]
-    return space, [dict(zip(space, p, strict=True)) for p in picked]
+    space = {k: v for k, v in METHODS[choice.name].search_space.items() if k not in fixed}
+    return space, {k: fixed.get(k, settings[k]) for k in space}
+
+
+def method_budget(space: Mapping[str, Search], budget: int) -> int:
+    """Trials a method entry gets: ``budget``, or one (its configured values) without a
+    space."""
+    return budget if space else 1
 
 
 def entry(choice: MethodChoice, params: Mapping[str, Value]) -> str:
@@ -323,7 +321,7 @@ class Study:
         if plan.tune:
             for name in plan.scenarios:
                 settings = plan.settings(name)
-                tuning += sum(len(trials(c, settings, plan.tune, plan.tune_seeds[0])[1])
+                tuning += sum(method_budget(method_space(c, settings)[0], plan.tune)
                               for c in method_choices(settings)) * len(plan.tune_seeds)
         self.progress = Progress(total=groups * per_group + tuning)
         #: the trackers' run of the output directory itself (a plain run), open until its
@@ -438,36 +436,48 @@ class Study:
     # tuning -----------------------------------------------------------------------------------
     def tune(self) -> dict[str, dict[str, dict]]:
         """scenario -> method label -> {space, default, chosen, trials}; every trial scored on
-        validation data of the tuning seeds."""
+        validation data of the tuning seeds (:mod:`pflalign.run.tuning`)."""
         plan, out = self.plan, {}
         for name in plan.scenarios:
             settings = plan.settings(name)
+            folder = self.out / "tuning" / slug(name or "config")
+            choices = method_choices(settings)
             table: dict[str, dict] = {}
-            entries: list[str] = []
-            for choice in method_choices(settings):
-                space, points = trials(choice, settings, plan.tune, plan.tune_seeds[0])
-                table[choice.label] = {
-                    "space": {k: list(v) for k, v in space.items()},
-                    "default": {k: dict(choice.overrides).get(k, settings[k]) for k in space},
-                    "trials": [{"params": p, "label": entry_label(choice, p), "scores": []}
-                               for p in points]}
-                entries += [entry(choice, p) for p in points]
-            tuning = settings.replace({"methods": ",".join(entries),
-                                       "evaluate-on": "validation"})
-            for seed in plan.tune_seeds:
-                where = self.out / "tuning" / slug(name or "config") / f"seed-{seed}"
-                what = " ".join(filter(None, (f"tuning {name}" if name else "tuning",
-                                              f"seed {seed}", "(validation)")))
-                results = self.group(tuning.replace({"seed": seed}), where, what)
-                for row in table.values():
-                    for trial in row["trials"]:
-                        score = results["methods"][trial["label"]]["final"].get(METRIC)
-                        trial["scores"].append(score if _finite(score) else None)
+            searches: dict[str, tuning.MethodSearch] = {}
+            for choice in choices:
+                space, configured = method_space(choice, settings)
+                searches[choice.label] = tuning.MethodSearch(
+                    folder / tuning.STORAGE_FILE, choice.label, space, configured,
+                    method_budget(space, plan.tune), plan.tune_seeds[0])
+                table[choice.label] = {"space": {k: s.describe() for k, s in space.items()},
+                                       "default": configured, "trials": []}
+            for number in range(plan.tune):
+                active = [c for c in choices if number < searches[c.label].budget]
+                if not active:
+                    break
+                points = {c.label: searches[c.label].point(number) for c in active}
+                labels = {c.label: entry_label(c, points[c.label]) for c in active}
+                group = settings.replace({
+                    "methods": ",".join(entry(c, points[c.label]) for c in active),
+                    "evaluate-on": "validation"})
+                scores: dict[str, list[float | None]] = {c.label: [] for c in active}
+                for seed in plan.tune_seeds:
+                    where = folder / f"trial-{number}" / f"seed-{seed}"
+                    what = " ".join(filter(None, (f"tuning {name}" if name else "tuning",
+                                                  f"trial {number + 1}/{plan.tune}",
+                                                  f"seed {seed}", "(validation)")))
+                    results = self.group(group.replace({"seed": seed}), where, what)
+                    for c in active:
+                        score = results["methods"][labels[c.label]]["final"].get(METRIC)
+                        scores[c.label].append(score if _finite(score) else None)
+                for c in active:
+                    valid = [s for s in scores[c.label] if s is not None]
+                    score = float(np.mean(valid)) if len(valid) == len(scores[c.label]) else None
+                    searches[c.label].tell(number, score)
+                    table[c.label]["trials"].append({
+                        "params": points[c.label], "label": labels[c.label],
+                        "scores": scores[c.label], "score": score})
             for label, row in table.items():
-                for trial in row["trials"]:
-                    valid = [s for s in trial["scores"] if s is not None]
-                    trial["score"] = float(np.mean(valid)) if len(valid) == len(
-                        trial["scores"]) else None
                 best = max(row["trials"], key=lambda t: -math.inf if t["score"] is None
                            else t["score"])  # max keeps the first of equal scores
                 row["chosen"] = dict(best["params"])
@@ -492,8 +502,11 @@ class Study:
                     "validation-fraction"],
                 "objective": f"mean final validation {METRIC} over the tuning seeds "
                              "(evaluate-on = validation; test data is never read)",
-                "draw": "the method's defaults first, then a seeded random draw without "
-                        "replacement from its grid",
+                "draw": "Optuna: the method's configured values first (when in its space), "
+                        f"then seeded random points (the first "
+                        f"{tuning.startup_trials(plan.tune)} in all), then TPE; "
+                        "the same trials and rounds for every method, no pruning",
+                "storage": f"tuning/<scenario>/{tuning.STORAGE_FILE}",
                 "scenarios": {name: {label: {k: row[k] for k in
                                              ("space", "default", "chosen", "trials")}
                                      for label, row in table.items()}

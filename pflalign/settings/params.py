@@ -17,17 +17,76 @@ from typing import Any, ClassVar, Self
 from pflalign.settings.options import SCOPES, Option, Value
 
 
+@dataclasses.dataclass(frozen=True)
+class Search:
+    """What ``simulate.py --tune`` may try for a key: a continuous range ``[low, high]``, sampled
+    on a log scale when ``log`` (learning rates, penalty weights: :func:`log_range`), or a set of
+    ``choices`` (:func:`choice`). Optuna's distributions are built from it
+    (:mod:`pflalign.run.tuning`)."""
+
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    choices: tuple[Value, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.choices:
+            if self.low is not None or self.high is not None:
+                raise ValueError("A search is a range or a set of choices, not both.")
+            if len(set(self.choices)) != len(self.choices):
+                raise ValueError("A search's choices must differ.")
+            return
+        if self.low is None or self.high is None or not self.low < self.high:
+            raise ValueError("A search range needs low < high.")
+        if self.log and self.low <= 0:
+            raise ValueError("A log-scaled search range needs low > 0.")
+
+    def contains(self, value: Value) -> bool:
+        """Whether ``value`` is a point of the space (a method's default starts the search
+        only then)."""
+        if self.choices:
+            return value in self.choices
+        return (isinstance(value, int | float) and not isinstance(value, bool)
+                and self.low <= value <= self.high)  # type: ignore[operator]
+
+    def describe(self) -> str:
+        """``log-uniform [0.005, 0.2]``, ``uniform [0.8, 0.95]`` or ``{0.0, 0.1, 1.0}``."""
+        if self.choices:
+            return "{" + ", ".join(map(str, self.choices)) + "}"
+        return f"{'log-uniform' if self.log else 'uniform'} [{self.low:g}, {self.high:g}]"
+
+    def to_json(self) -> dict[str, object]:
+        if self.choices:
+            return {"choices": list(self.choices)}
+        return {"low": self.low, "high": self.high, "log": self.log}
+
+
+def log_range(low: float, high: float) -> Search:
+    """A continuous search over ``[low, high]``, sampled uniformly in log scale."""
+    return Search(float(low), float(high), log=True)
+
+
+def uniform_range(low: float, high: float) -> Search:
+    """A continuous search over ``[low, high]``, sampled uniformly."""
+    return Search(float(low), float(high))
+
+
+def choice(*values: Value) -> Search:
+    """A search over a fixed set of values."""
+    return Search(choices=tuple(values))
+
+
 def param(default: Value, help: str, *, key: str | None = None,
           minimum: float | None = None, maximum: float | None = None,
           exclusive_minimum: bool = False, exclusive_maximum: bool = False,
           choices: tuple[str, ...] | None = None, group: str | None = None,
-          search: tuple[Value, ...] | None = None, scope: str = "method") -> Any:
+          search: Search | None = None, scope: str = "method") -> Any:
     """A hyperparameter field: its default (which fixes its type), help text and checks;
     ``key`` and ``group`` replace the derived config key and its class's group. ``search`` is
-    the small grid of values ``simulate.py --tune`` may try for it (None: never tuned).
+    the declared space ``simulate.py --tune`` searches for it (None: never tuned).
     ``scope`` says what the key is for (:data:`~pflalign.settings.options.SCOPES`)."""
-    if search is not None and not search:
-        raise ValueError("A search space needs at least one value.")
+    if search is not None and not isinstance(search, Search):
+        raise ValueError("A search space is a Search (log_range, uniform_range or choice).")
     if scope not in SCOPES:
         raise ValueError(f"param scope must be one of {', '.join(SCOPES)}, not {scope!r}.")
     return dataclasses.field(default=default, metadata={"search": search,
@@ -63,9 +122,9 @@ class Params:
         return cls(**{name: settings[key] for name, key in cls.keys().items()})
 
     @classmethod
-    def search_space(cls) -> dict[str, tuple[Value, ...]]:
-        """Config key -> the values ``--tune`` may try, for the fields that declare a search."""
-        return {cls.key_of(f): tuple(f.metadata["search"])
+    def search_space(cls) -> dict[str, Search]:
+        """Config key -> the space ``--tune`` searches, for the fields that declare one."""
+        return {cls.key_of(f): f.metadata["search"]
                 for f in dataclasses.fields(cls)  # type: ignore[arg-type]
                 if f.metadata.get("search") is not None}
 

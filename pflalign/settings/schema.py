@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from pflalign.settings.options import Value
-from pflalign.settings.params import Params, param
+from pflalign.settings.params import Params, log_range, param
 
 
 @dataclass(frozen=True)
@@ -655,7 +655,7 @@ class LocalTraining(Params):
     local_steps: int = param(0, "If > 0, cap the local optimizer steps per round at this "
                              "number.", minimum=0)
     lr: float = param(0.05, "Local learning rate (SGD).", minimum=0.0, exclusive_minimum=True,
-                      search=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2))
+                      search=log_range(0.005, 0.2))
     momentum: float = param(0.0, "Local SGD momentum (0 is plain SGD, as in FedAvg).",
                             minimum=0.0, maximum=1.0, exclusive_maximum=True)
     weight_decay: float = param(0.0, "Local L2 weight decay.", minimum=0.0)
