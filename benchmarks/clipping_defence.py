@@ -39,8 +39,10 @@ from pflalign.outputs.stats import mean_ci  # noqa: E402
 ROUND_SIZES = {2: 0.1, 3: 0.15, 10: 0.5}
 
 
-def interval(values: list[float]) -> str:
-    mean, low, high, n = mean_ci(values)
+def interval(values: list[float], bounded: bool = False) -> str:
+    """``mean [low, high]`` in %; ``bounded`` for accuracies (the logit-scale interval, inside
+    [0, 100] %), not for their changes."""
+    mean, low, high, n = mean_ci(values, bounded=bounded)
     if n == 0:
         return "none"
     return f"{100 * mean:.2f} [{100 * low:.2f}, {100 * high:.2f}]"
@@ -66,10 +68,11 @@ def table(reference: dict, variants: dict[str, dict], key_name: str) -> list[str
              "|---|---|---:|" + "---:|" * (2 * len(names))]
     for (key, label), by_seed in sorted(reference.items()):
         seeds = sorted(by_seed)
-        cells = [interval([variants[n][(key, label)][s] for s in seeds]) for n in names]
+        cells = [interval([variants[n][(key, label)][s] for s in seeds], bounded=True)
+                 for n in names]
         changes = [interval([variants[n][(key, label)][s] - by_seed[s] for s in seeds])
                    for n in names]
-        lines.append(f"| {key} | {label} | {interval([by_seed[s] for s in seeds])} | "
+        lines.append(f"| {key} | {label} | {interval([by_seed[s] for s in seeds], True)} | "
                      + " | ".join(cells + changes) + " |")
     return lines
 

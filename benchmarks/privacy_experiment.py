@@ -56,10 +56,11 @@ def run_setting(epsilon: float | None, seed: int, out: Path, extra: list[str]) -
                         f"{name_of(epsilon)} seed {seed}")
 
 
-def interval(values: list[float]) -> str:
+def interval(values: list[float], bounded: bool = False) -> str:
     """Mean and 95% t-interval in percent, with how many runs had a value when some had
-    none."""
-    mean, low, high, n = mean_ci(values)
+    none; ``bounded`` for accuracies (the logit-scale interval, inside [0, 100] %), not for
+    their changes."""
+    mean, low, high, n = mean_ci(values, bounded=bounded)
     if n == 0:
         return "none"
     text = f"{100 * mean:.2f} [{100 * low:.2f}, {100 * high:.2f}]"
@@ -106,7 +107,7 @@ def main() -> None:
              + " | " + " | ".join(f"change at eps {e:g}" for e in EPSILONS if e) + " |",
              "|---|" + "---:|" * (2 * len(EPSILONS) - 1)]
     for label in labels:
-        cells = [interval(final[(e, label)]) for e in EPSILONS]
+        cells = [interval(final[(e, label)], bounded=True) for e in EPSILONS]
         changes = [interval([a - b for a, b in zip(final[(e, label)], final[(None, label)],
                                                    strict=True)])
                    for e in EPSILONS if e]
@@ -121,7 +122,8 @@ def main() -> None:
         values = [[runs[e][s]["methods"][label]["final"].get("global-acc", math.nan)
                    for s in seeds] for e in EPSILONS]
         if values:
-            lines.append(f"| {label} | " + " | ".join(interval(vs) for vs in values) + " |")
+            lines.append(f"| {label} | " + " | ".join(interval(vs, bounded=True)
+                                                      for vs in values) + " |")
     partial = sorted({f"{label} at {name_of(e)}, seed {s}: {int(r['evaluated'])} of "
                       f"{int(r['eval-clients'])}"
                       for e in EPSILONS for s in seeds for label in labels
@@ -150,7 +152,7 @@ def plot(final: dict, labels: list[str], path: Path) -> None:
     ax = figure.subplots()
     xs = np.arange(len(EPSILONS))
     for label in labels:
-        stats = [mean_ci(final[(e, label)]) for e in EPSILONS]
+        stats = [mean_ci(final[(e, label)], bounded=True) for e in EPSILONS]
         means = [100 * s[0] for s in stats]
         ax.errorbar(xs, means, yerr=[[100 * (s[0] - s[1]) for s in stats],
                                      [100 * (s[2] - s[0]) for s in stats]],

@@ -152,19 +152,22 @@ def test_study_report_has_every_section_and_the_right_numbers(synthetic_report):
                     "### Paired differences vs fedavg",
                     "### Each method vs the best other method", "### Plots"):
         assert f"\n{heading}\n" in f"\n{text}", heading
-    assert "Student-t" in text and "n - 1 degrees of freedom" in text
+    assert "Student-t" in text and "n - 1 degrees of freedom" in text and "logit" in text
     protocol = _section(text, "## Protocol")
     assert "Seeds: 0, 1, 2 (n = 3)" in protocol and "Reference method: fedavg" in protocol
     assert "| 2 | pflalign-lr=3.0 | 65.50 | 65.00, 66.00 | ✓ |" in protocol
     assert "Chosen: pflalign-lr=3.0" in protocol and "tuning seeds: 100, 101" in protocol
 
-    # fedavg on dir-0.1: mean of 70, 74, 72 = 72.00; s = 2, s / sqrt(3) = 1.1547,
-    # t(0.975, 2) = 4.3027 -> 72.00 ± 4.97 = [67.03, 76.97].
+    # fedavg on dir-0.1: mean of 70, 74, 72 = 72.00; an accuracy, so the t interval is taken
+    # on the logits 0.847298, 1.045969, 0.944462: mean 0.945909, s = 0.099343,
+    # s / sqrt(3) = 0.057356, t(0.975, 2) = 4.302653 -> half width 0.246782 ->
+    # [expit(0.699127), expit(1.192691)] = [66.80, 76.72] % (the plain one: [67.03, 76.97]).
     mean = 100 * sum(FINALS["dir-0.1"]["fedavg"]) / 3
     assert f"{mean:.2f}" == "72.00"
     board = _section(text, "## Leaderboard")
     fedavg_row = next(line for line in board.splitlines() if line.startswith("| fedavg |"))
-    assert "| 72.00 [67.03, 76.97] | 42.00 | 3 |" in fedavg_row  # worst decile 72 - 30
+    assert "| 72.00 [66.80, 76.72] | 42.00 | 3 |" in fedavg_row  # worst decile 72 - 30
+    assert "Scenarios: dir-0.1, shards; seeds 0, 1, 2; tuned (2 trials" in board
     assert fedavg_row.endswith("| 3.00 |")  # last in both scenarios
     pflalign_row = next(line for line in board.splitlines() if line.startswith("| pflalign |"))
     assert pflalign_row.endswith("| 1.50 |")  # first on dir-0.1, second on shards
@@ -180,6 +183,16 @@ def test_study_report_has_every_section_and_the_right_numbers(synthetic_report):
     best = _section(dir01, "### Each method vs the best other method")
     assert "| pflalign | local | +7.00 |" in best  # 80/83/81 vs 75/70/78
     assert "**pflalign** leads local by +7.00 pp" in best
+    # Each table's caption says what that table is, and names its scenario, seeds and tuning.
+    context = "dir-0.1; seeds 0, 1, 2; tuned (2 trials per method"
+    assert "Each method minus fedavg" in paired and context in paired
+    assert "Each method minus the best of the other methods" in best and context in best
+    assert "minus fedavg" not in best
+    assert context in _section(dir01, "### Final metrics")
+    figures = [line for line in _section(dir01, "### Plots").splitlines()
+               if line.startswith("*")]
+    assert len(figures) == len(PLOT_KINDS)
+    assert all("(dir-0.1), seeds 0, 1, 2, tuned (2 trials" in line for line in figures)
     shards = _section(text, "## shards")
     assert "**local** leads pflalign by" in shards and "not significant" in shards
 
@@ -189,7 +202,7 @@ def test_study_report_plots_are_valid_pngs(synthetic_report):
     text = (directory / "report.md").read_text()
     plots = sorted((directory / "plots").glob("*.png"))
     expected = {f"{kind}-{scenario}.png" for kind in PLOT_KINDS for scenario in FINALS}
-    assert {p.name for p in plots} == expected
+    assert {p.name for p in plots} == expected | {"cd.png"}  # 2 scenarios: a CD diagram
     for path in plots:
         assert f"](plots/{path.name})" in text  # embedded as a relative link
         _check_png(path)
@@ -208,7 +221,8 @@ def test_summarize_study_is_json_and_pairs_seeds_and_clients():
     acc = fedavg["metrics"]["personal-acc"]
     assert acc["values"] == [0.70, 0.74, 0.72] and acc["seeds"] == [0, 1, 2]
     assert acc["mean"] == pytest.approx(0.72) and acc["n"] == 3
-    assert acc["low"] == pytest.approx(0.72 - 4.302653 * 0.02 / math.sqrt(3), abs=1e-6)
+    # The logit-scale interval (tests/test_stats.py works it out): [0.667994, 0.767222].
+    assert (acc["low"], acc["high"]) == pytest.approx((0.667994, 0.767222), abs=1e-6)
     assert fedavg["vs-reference"] is None and fedavg["rank"] == 3
     assert "unseen-acc" not in fedavg["metrics"]  # no values: left out
     vs = pflalign["vs-reference"]
@@ -220,6 +234,133 @@ def test_summarize_study_is_json_and_pairs_seeds_and_clients():
     assert clients["clients-ahead"] == 6
     assert pflalign["total-bytes"]["mean"] == pytest.approx(20_000_000)
     assert group["methods"]["local"]["metrics"].get("global-acc") is None
+
+
+def test_summary_has_the_verdict_across_scenarios():
+    summary = summarize_study(_synthetic_study())
+    json.dumps(summary, allow_nan=False)
+    result = summary["friedman"]
+    # Means: dir-0.1 pflalign 81.33 > local 74.33 > fedavg 72.00; shards local 65.00 >
+    # pflalign 57.33 > fedavg 51.00: average ranks pflalign 1.5, local 1.5, fedavg 3.
+    assert result["average-rank"] == {"pflalign": 1.5, "local": 1.5, "fedavg": 3.0}
+    assert (result["n"], result["k"]) == (2, 3)
+    # chi2_F = 12 * 2 / (3 * 4) * (1.5^2 + 1.5^2 + 3^2 - 3 * 4^2 / 4) = 2 * 1.5 = 3, 2 df:
+    # p = exp(-3 / 2) = 0.223130. F_F = (2 - 1) * 3 / (2 * 2 - 3) = 3 with (2, 2) df, whose
+    # survival function is 1 / (1 + F): p = 0.25.
+    assert result["chi2"] == pytest.approx(3.0)
+    assert result["chi2-p"] == pytest.approx(math.exp(-1.5))
+    assert result["ff"] == pytest.approx(3.0) and result["ff-df"] == [2, 2]
+    assert result["ff-p"] == pytest.approx(0.25)
+    # se = sqrt(3 * 4 / (6 * 2)) = 1, so CD = q_0.05(k = 3) = 2.343 (Demsar's Table 5a).
+    assert result["se"] == pytest.approx(1.0)
+    assert result["cd"] == pytest.approx(2.343, abs=1e-3)
+    assert result["groups"] == [["pflalign", "local", "fedavg"]]
+    # Pairs: pflalign-local 0 ranks apart (z = 0, p = 1); each vs fedavg 1.5 apart: z = 1.5,
+    # p = 2 (1 - Phi(1.5)) = 0.133614; Holm over 3: 3 * 0.133614 = 0.400843 for both (the
+    # second, 2 * 0.133614, is raised to the first), then 1.
+    pairs = {(p["a"], p["b"]): p for p in result["pairs"]}
+    assert pairs[("pflalign", "local")]["p"] == pytest.approx(1.0)
+    assert pairs[("pflalign", "fedavg")]["z"] == pytest.approx(1.5)
+    assert pairs[("pflalign", "fedavg")]["p"] == pytest.approx(0.133614, abs=1e-6)
+    assert pairs[("pflalign", "fedavg")]["p-holm"] == pytest.approx(0.400843, abs=1e-6)
+    assert pairs[("local", "fedavg")]["p-holm"] == pytest.approx(0.400843, abs=1e-6)
+    assert pairs[("pflalign", "local")]["p-holm"] == pytest.approx(1.0)
+    # Paired t tests vs fedavg (2 df, p = 1 - |t| / sqrt(2 + t^2)):
+    #   dir-0.1 pflalign +10, +9, +9: t = 28.0 -> p = 0.001273
+    #   dir-0.1 local +5, -4, +6: t = 0.733799 -> p = 0.539434
+    #   shards pflalign +10, -2, +11: t = 1.516365 -> p = 0.268690
+    #   shards local +15, +14, +13: t = 24.248711 -> p = 0.001696
+    # Holm over 4: 4 * 0.001273 = 0.005092; 3 * 0.001696 = 0.005089 is raised to it;
+    # 2 * 0.268690 = 0.537379; 1 * 0.539434.
+    holm = summary["holm-vs-reference"]
+    assert holm["m"] == 4
+    got = {(t["group"], t["method"]): (t["p"], t["p-holm"]) for t in holm["tests"]}
+    expected = {("dir-0.1", "pflalign"): (0.001273, 0.005092),
+                ("dir-0.1", "local"): (0.539434, 0.539434),
+                ("shards", "pflalign"): (0.268690, 0.537379),
+                ("shards", "local"): (0.001696, 0.005092)}
+    assert got.keys() == expected.keys()
+    for key, (p_raw, p_holm) in expected.items():
+        assert got[key] == pytest.approx((p_raw, p_holm), abs=1e-6), key
+    vs = summary["groups"][1]["methods"]["local"]["vs-reference"]
+    assert vs["p-holm"] == got[("shards", "local")][1]
+
+
+def test_study_report_has_the_verdict_across_scenarios(synthetic_report):
+    directory, _ = synthetic_report
+    text = (directory / "report.md").read_text()
+    verdict = _section(text, "## Across scenarios: Friedman, Nemenyi, Holm")
+    assert "Friedman: χ²_F = 3.00 with 2 df, p = 0.2231" in verdict
+    assert "Iman–Davenport: F_F = 3.00 with (2, 2) df, p = 0.2500" in verdict
+    assert "not rejected at α = 0.05" in verdict and "CD = q" in verdict and "= 2.34" in verdict
+    assert "| pflalign | 1.500 |" in verdict and "| fedavg | 3.000 |" in verdict
+    assert "| pflalign | fedavg | 1.500 | 1.50 | 0.1336 | 0.4008 | no | no |" in verdict
+    assert "dir-0.1, shards; seeds 0, 1, 2; tuned" in verdict
+    assert "![Critical-difference diagram" in verdict and "](plots/cd.png)" in verdict
+    holm = _section(verdict, "### Paired t tests vs fedavg, all groups")
+    assert "| shards | local | +14.00 | [+11.52, +16.48] | 3/3 | 0.0017 | 0.0051 |" in holm
+    paired = _section(_section(text, "## shards"), "### Paired differences vs fedavg")
+    row = next(line for line in paired.splitlines() if line.startswith("| local |"))
+    assert "| 3/3 | yes | 0.0017 | 0.0051 |" in row
+    assert "over all 4 paired tests against fedavg" in paired
+
+
+#: A planted copy of the suite's pathological-2 numbers (docs/experiments/suite/report.md):
+#: personal-acc per seed whose plain t intervals were printed as 94.20 [86.95, 101.45]
+#: (pflalign) and 91.95 [83.00, 100.90] (local); their worst deciles too.
+PATHOLOGICAL = {
+    "pathological-2": {"fedavg": [0.6217, 0.5100, 0.5261], "pflalign": [0.9471, 0.9106, 0.9683],
+                       "local": [0.8969, 0.9006, 0.9611]},
+    "dir-0.1": FINALS["dir-0.1"],
+}
+
+
+def test_no_accuracy_interval_in_the_report_leaves_0_100(tmp_path, monkeypatch):
+    import re
+
+    monkeypatch.setitem(FINALS, "pathological-2", PATHOLOGICAL["pathological-2"])
+    runs = [_synthetic_run(scenario, seed) for scenario in PATHOLOGICAL for seed in SEEDS]
+    for run in runs:  # worst deciles close to 100% and to 0%, spread wide
+        for label, result in run["methods"].items():
+            result["final"]["personal-acc-bottom10"] = {"pflalign": (0.98, 0.75, 0.99),
+                                                        "local": (0.70, 0.02, 0.65),
+                                                        "fedavg": (0.2, 0.3, 0.0)}[label][
+                run["seed"]]
+    doc = {"schema-version": 2, "kind": "study", "command": "test",
+           "protocol": {"seeds": list(SEEDS), "reference": "fedavg", "metric": "personal-acc",
+                        "scenarios": list(PATHOLOGICAL), "sweep": {}, "tune": None},
+           "runs": runs}
+    written = write_report(tmp_path, doc)
+    text = written[0].read_text()
+    # Every "mean [low, high]" cell with an unsigned mean is an accuracy in % (differences are
+    # printed with a sign and without a mean in front).
+    cells = re.findall(r"(?<![\d.+-])(\d+\.\d+) \[(-?\d+\.\d+), (-?\d+\.\d+)\]", text)
+    assert len(cells) >= 20
+    for mean, low, high in cells:
+        assert 0.0 <= float(low) <= float(mean) <= float(high) <= 100.0, (mean, low, high)
+    board = _section(text, "## Leaderboard")
+    row = next(line for line in board.splitlines() if line.startswith("| pflalign |"))
+    assert "| 94.20 [81.92, 98.58] |" in row  # tests/test_stats.py works this one out
+    row = next(line for line in board.splitlines() if line.startswith("| local |"))
+    assert "| 91.95 [74.19, 98.19] |" in row
+    assert "101.45" not in text and "100.90" not in text
+    assert "Tuning: none" in text and "seeds 0, 1, 2; no tuning" in board
+    # The JSON summary holds the same bounded intervals.
+    summary = summarize_study(doc)
+    for group in summary["groups"]:
+        for entry in group["methods"].values():
+            for key, ci in entry["metrics"].items():
+                if ci["low"] is not None:
+                    assert 0 <= ci["low"] <= ci["mean"] <= ci["high"] <= 1, (key, ci)
+    # The plots' accuracy bands are the bounded ones too.
+    from pflalign.outputs import plots
+
+    group_runs = {run["seed"]: run for run in runs if run["scenario"] == "pathological-2"}
+    for label in ("pflalign", "local", "fedavg"):
+        for _, (m, low, high, _) in plots._per_round(group_runs, label, "personal-acc"):
+            assert 0 <= low <= m <= high <= 1
+    assert (tmp_path / "plots" / "cd.png").is_file()
+    _check_png(tmp_path / "plots" / "cd.png")
 
 
 def test_plots_without_data_are_not_written(tmp_path):

@@ -10,6 +10,13 @@ group's entry of :func:`pflalign.outputs.report.summarize_study`):
 * ``diagnostics-*``: pFLAlign's per-round diagnostics (pflalign-family methods only);
 * ``bytes-*``: total traffic (MB up + down) against final personal accuracy.
 
+Across the groups, ``cd.png`` (:func:`plot_critical_difference`): Demsar's critical-difference
+diagram of the methods' average ranks, from :func:`pflalign.outputs.stats.friedman`'s result.
+
+Bands and whiskers of accuracies are the bounded (logit-scale) t intervals of
+:func:`pflalign.outputs.stats.mean_ci`, so they stay within [0, 100] %; other quantities and
+paired differences use the plain t interval.
+
 A figure without data is not written. Figures are drawn without pyplot (no global state), with
 fixed sizes, colours and jitter, and saved without a software tag, so equal inputs give equal
 files.
@@ -31,7 +38,7 @@ from pflalign.outputs import stats
 
 DPI = 100
 #: File name prefixes, one per kind of figure.
-KINDS = ("accuracy", "clients", "paired", "partition", "diagnostics", "bytes")
+KINDS = ("accuracy", "simtime", "clients", "paired", "partition", "diagnostics", "bytes", "cd")
 DIAGNOSTICS = (("mean-P", "mean P (preconditioner)"), ("mean-gamma", "mean γ"),
                ("delta-norm", "‖Δ‖ (personal offset norm)"), ("update-cosine", "update cosine"))
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
@@ -74,7 +81,8 @@ def _per_round(runs: Mapping[int, Mapping], label: str, key: str) -> list[tuple[
         for row in run.get("methods", {}).get(label, {}).get("rounds", []):
             if _finite(row.get(key)) and isinstance(row.get("round"), int):
                 by_round.setdefault(row["round"], []).append(float(row[key]))
-    return [(r, stats.mean_ci(v)) for r, v in sorted(by_round.items())]
+    bounded = stats.is_fraction(key)
+    return [(r, stats.mean_ci(v, bounded=bounded)) for r, v in sorted(by_round.items())]
 
 
 def per_time(runs: Mapping[int, Mapping], label: str,
@@ -99,12 +107,13 @@ def per_time(runs: Mapping[int, Mapping], label: str,
     out = []
     for time in grid:
         values = [next(v for s, v in reversed(t) if s <= time) for t in timelines]
-        out.append((time / 3600.0, stats.mean_ci(values)))
+        out.append((time / 3600.0, stats.mean_ci(values, bounded=stats.is_fraction(key))))
     return out
 
 
 def _clip_percent(ax: Axes) -> None:
-    """Keep an accuracy axis within [-5, 105] % (t bands over few seeds can run far past)."""
+    """Keep an accuracy axis within [-5, 105] % (bands stay in [0, 100] %; this leaves a
+    margin and no more)."""
     low, high = ax.get_ylim()
     ax.set_ylim(max(low, -5.0), min(high, 105.0))
 
@@ -213,7 +222,7 @@ def plot_forest(path: Path, group: Mapping, reference: str, metric: str,
             if e.get("vs-reference") and e["vs-reference"]["n"] > 0]
     if not rows:
         return None
-    scale = 100.0 if "acc" in metric else 1.0
+    scale = 100.0 if stats.is_fraction(metric) else 1.0
     fig = _figure(7.0, max(2.5, 0.55 * len(rows) + 1.6))
     ax = fig.add_subplot()
     for y, (lb, vs) in enumerate(reversed(rows)):
@@ -351,6 +360,69 @@ def plot_bytes_accuracy(path: Path, group: Mapping, colors: Mapping[str, str],
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def plot_critical_difference(path: Path, result: Mapping,
+                             metric: str = "personal-acc") -> Path | None:
+    """Demsar's critical-difference diagram from :func:`pflalign.outputs.stats.friedman`'s
+    ``result``: the methods on an average-rank axis (1 = best, at the left), each joined to its
+    label by an elbow line (the better half labelled on the left, the rest on the right), a
+    bar of length CD above the axis, and under it one thick line per group of methods whose
+    average ranks differ by less than CD (not significantly different by Nemenyi's test)."""
+    average = result.get("average-rank") or {}
+    if len(average) < 2 or result.get("cd") is None:
+        return None
+    names = list(average)  # best first
+    k, cd = len(names), float(result["cd"])
+    groups = result.get("groups") or []
+    half = math.ceil(k / 2)
+    step = 0.32
+    group_top = -0.28
+    label_top = group_top - 0.16 * len(groups) - 0.2
+    bottom = label_top - step * (max(half, k - half) - 1) - 0.3
+    fig = _figure(8.0, 1.3 + 0.42 * (-bottom))
+    ax = fig.add_subplot()
+    ax.set_axis_off()
+    low_end, high_end = 1.0, float(max(k, 2))
+    pad = 0.08 * (high_end - low_end)
+    ax.plot([low_end, high_end], [0, 0], color="black", linewidth=1.2)
+    for tick in range(1, int(high_end) + 1):
+        ax.plot([tick, tick], [0, 0.07], color="black", linewidth=1)
+        ax.text(tick, 0.12, str(tick), ha="center", va="bottom", fontsize=9)
+    bar_y = 0.72
+    ax.plot([low_end, low_end + cd], [bar_y, bar_y], color="black", linewidth=1.5)
+    for end in (low_end, low_end + cd):
+        ax.plot([end, end], [bar_y - 0.05, bar_y + 0.05], color="black", linewidth=1.5)
+    ax.text(low_end + cd / 2, bar_y + 0.08, f"CD = {cd:.2f}", ha="center", va="bottom",
+            fontsize=9)
+    for i, name in enumerate(names):
+        rank = float(average[name])
+        left = i < half
+        y = label_top - step * (i if left else k - 1 - i)
+        x_label = low_end - pad if left else high_end + pad
+        ax.plot([rank, rank, x_label], [0, y, y], color="#444444", linewidth=0.9)
+        ax.text(x_label - 0.02 * (1 if left else -1) * (high_end - low_end + 1), y,
+                f"{name} ({rank:.2f})", ha="right" if left else "left", va="center",
+                fontsize=9)
+    for j, members in enumerate(groups):
+        ranks_in = [float(average[m]) for m in members if m in average]
+        if len(ranks_in) < 2:
+            continue
+        y = group_top - 0.16 * j
+        ax.plot([min(ranks_in) - 0.03, max(ranks_in) + 0.03], [y, y], color="black",
+                linewidth=4, solid_capstyle="round")
+    ax.set_xlim(low_end - pad, max(high_end, low_end + cd) + pad)
+    ax.set_ylim(bottom, bar_y + 0.35)
+    alpha = result.get("alpha", 0.05)
+    p_text = result.get("ff-p")
+    ax.set_title(f"Average rank (1 = best) by final {metric} over {result.get('n', '?')} "
+                 "scenarios "
+                 f"(Nemenyi, α = {alpha:g}; Iman–Davenport p = "
+                 + ("-" if p_text is None else f"{p_text:.3g}") + ")", fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI, format="png", metadata={"Software": None}, bbox_inches="tight",
+                pad_inches=0.15)
+    return path
 
 
 def write_group_plots(plot_dir: Path, name: str, runs: Mapping[int, Mapping], group: Mapping,

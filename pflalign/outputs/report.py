@@ -6,9 +6,11 @@
 With one directory (or one results.json), the report is regenerated from that results.json
 alone: a study (``"kind": "study"``, several seeds / scenarios / sweep settings) or a single run
 (a study of one run). It holds the protocol, a leaderboard (mean final personal accuracy with
-its 95% t interval over seeds, worst decile and rank per scenario; the average rank), per
-scenario the paired differences against the reference method and against each method's best
-rival, and the plots of :mod:`pflalign.outputs.plots`. With several paths, one mean ± std row per
+its 95% interval over seeds, worst decile and rank per scenario; the average rank), the verdict
+across scenarios (Friedman and Iman-Davenport tests, Nemenyi's critical difference and diagram,
+Holm's adjustment; Demsar 2006), per scenario the paired differences against the reference
+method (with raw and Holm-adjusted p-values) and against each method's best rival, and the plots
+of :mod:`pflalign.outputs.plots`. With several paths, one mean ± std row per
 method over all their runs is printed instead (``--table`` prints it for one path too).
 """
 
@@ -41,7 +43,16 @@ REPORT_FILE, PLOT_DIR = "report.md", "plots"
 LEVEL = 0.95
 CI_METHOD = ("two-sided 95% Student-t confidence intervals of the mean over seeds "
              "(mean ± t(0.975, n-1) · s / √n, with s the sample standard deviation and n - 1 "
-             "degrees of freedom; none for n = 1)")
+             "degrees of freedom; none for n = 1). Accuracies, which lie in [0, 1], take that "
+             "interval on the logit scale of the per-seed values and map it back, so it stays "
+             "within [0, 1] (values of exactly 0 or 1 count as 0.001 or 0.999; equal values give "
+             "a zero-width interval; the point shown is the plain mean, and the interval is "
+             "widened to reach it in the rare case it misses it); paired differences keep the "
+             "plain t interval")
+#: Significance level of the tests across scenarios (Friedman, Nemenyi, Holm).
+ALPHA = 0.05
+#: The critical-difference diagram's file name (in the plot folder).
+CD_PLOT = "cd.png"
 
 
 def load(paths: list[str | Path]) -> list[dict]:
@@ -171,8 +182,8 @@ def _seen_clients(group: Group, label: str) -> dict[int, list[dict]]:
             for seed, run in sorted(group.runs.items()) if label in run.get("methods", {})}
 
 
-def _summary_ci(values: Mapping[int, float]) -> dict:
-    mean, low, high, n = stats.mean_ci(values.values(), LEVEL)
+def _summary_ci(values: Mapping[int, float], bounded: bool = False) -> dict:
+    mean, low, high, n = stats.mean_ci(values.values(), LEVEL, bounded=bounded)
     return {"mean": mean, "low": low, "high": high, "n": n, "seeds": list(values),
             "values": list(values.values())}
 
@@ -197,14 +208,20 @@ def summarize_study(doc: Mapping, reference: str | None = None) -> dict:
     missing numbers are None; accuracies are fractions).
 
     Returns ``{"protocol", "reference", "metric", "ci", "methods" (labels), "groups": [...],
-    "average-rank": {label: mean rank over the groups}}``; each group is ``{"scenario",
-    "setting", "label", "seeds", "best", "ranking", "methods": {label: {"method", "metrics":
-    {key: {"mean", "low", "high", "n", "seeds", "values"}}, "total-bytes", "rank", "vs-reference",
-    "vs-best-other", "clients-vs-reference"}}}``. ``vs-reference`` and ``vs-best-other`` (against
-    the best other method by mean; ``other`` names it) are :func:`pflalign.outputs.stats.paired`
-    results on the protocol metric; ``clients-vs-reference`` is
-    :func:`pflalign.outputs.stats.paired_clients` on the seen clients' personal-acc. ``reference``
-    overrides the protocol's (default: the protocol's, else the first method)."""
+    "average-rank": {label: mean rank over the groups}, "friedman", "holm-vs-reference"}``;
+    ``friedman`` is :func:`pflalign.outputs.stats.friedman` over the groups' mean ``metric``
+    (None for fewer than two groups or methods), ``holm-vs-reference`` is ``{"m", "tests":
+    [{"group", "method", "p", "p-holm"}]}``, Holm's adjustment over every vs-reference paired
+    t test of the study (each ``vs-reference`` also carries its ``p-holm``); each group is
+    ``{"scenario", "setting", "label", "seeds", "best", "ranking", "methods": {label: {"method",
+    "metrics": {key: {"mean", "low", "high", "n", "seeds", "values"}}, "total-bytes", "rank",
+    "vs-reference", "vs-best-other", "clients-vs-reference"}}}`` (accuracy intervals are the
+    bounded ones of :func:`pflalign.outputs.stats.mean_ci`). ``vs-reference`` and
+    ``vs-best-other`` (against the best other method by mean; ``other`` names it) are
+    :func:`pflalign.outputs.stats.paired` results on the protocol metric;
+    ``clients-vs-reference`` is :func:`pflalign.outputs.stats.paired_clients` on the seen
+    clients' personal-acc. ``reference`` overrides the protocol's (default: the protocol's, else
+    the first method)."""
     protocol = study_protocol(doc)
     groups = group_runs(doc)
     labels = labels_in_groups(groups)
@@ -221,7 +238,8 @@ def summarize_study(doc: Mapping, reference: str | None = None) -> dict:
         for lb in present:
             name = next(r["methods"][lb].get("method", lb) for r in group.runs.values()
                         if lb in r.get("methods", {}))
-            metrics = {k: _summary_ci(_values(group, lb, k)) for k in keys}
+            metrics = {k: _summary_ci(_values(group, lb, k), stats.is_fraction(k))
+                       for k in keys}
             methods[lb] = {"method": name,
                            "metrics": {k: v for k, v in metrics.items() if v["n"] or k == metric},
                            "total-bytes": _summary_ci(_total_bytes(group, lb))}
@@ -246,9 +264,21 @@ def summarize_study(doc: Mapping, reference: str | None = None) -> dict:
                            "label": group.label, "seeds": sorted(group.runs),
                            "best": ranking[0] if ranking else None, "ranking": ranking,
                            "methods": methods})
+    tests = [(g["label"], lb, e["vs-reference"]) for g in out_groups
+             for lb, e in g["methods"].items()
+             if e["vs-reference"] is not None and math.isfinite(e["vs-reference"]["p"])]
+    adjusted = stats.holm([vs["p"] for _, _, vs in tests])
+    for (_, _, vs), p_holm in zip(tests, adjusted, strict=True):
+        vs["p-holm"] = p_holm
+    holm = {"m": len(tests), "tests": [{"group": g, "method": lb, "p": vs["p"],
+                                        "p-holm": vs["p-holm"]} for g, lb, vs in tests]}
+    scores = {g["label"]: {lb: e["metrics"][metric]["mean"] for lb, e in g["methods"].items()}
+              for g in out_groups}
+    verdict = stats.friedman(scores, high_first, ALPHA)
     return json_safe({"protocol": protocol, "reference": reference, "metric": metric,
                        "ci": CI_METHOD, "methods": labels, "groups": out_groups,
-                       "average-rank": stats.average_ranks(all_ranks)})
+                       "average-rank": stats.average_ranks(all_ranks), "friedman": verdict,
+                       "holm-vs-reference": holm})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,7 +293,7 @@ def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: 
 
 
 def _scale(metric: str) -> float:
-    return 100.0 if "acc" in metric else 1.0
+    return 100.0 if stats.is_fraction(metric) else 1.0
 
 
 def _num(value: float | None, scale: float = 1.0, digits: int = 2, sign: bool = False) -> str:
@@ -297,6 +327,39 @@ def _significant(entry: Mapping) -> str:
     return "yes" if entry["significant"] else ("no (n < 2)" if entry["n"] < 2 else "no")
 
 
+def _p(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    return "< 0.0001" if value < 1e-4 else f"{value:.4f}"
+
+
+def _seeds_text(seeds: Sequence) -> str:
+    seeds = list(seeds)
+    return f"seed{'s' if len(seeds) != 1 else ''} {', '.join(map(str, seeds)) or '-'}"
+
+
+def _tuning_text(protocol: Mapping) -> str:
+    tune = protocol.get("tune")
+    if not tune:
+        return "no tuning (each method at its configured values)"
+    seeds = ", ".join(map(str, tune.get("tune-seeds") or [])) or "-"
+    return (f"tuned ({tune.get('trials', '-')} trials per method, validation split of tuning "
+            f"seeds {seeds})")
+
+
+def _context(where: str, seeds: Sequence, summary: Mapping) -> str:
+    """``where; seeds ...; tuning`` for a caption."""
+    return f"{where}; {_seeds_text(seeds)}; {_tuning_text(summary['protocol'])}"
+
+
+def _all_seeds(summary: Mapping) -> list:
+    return sorted({s for g in summary["groups"] for s in g["seeds"]})
+
+
+def _group_names(summary: Mapping) -> str:
+    return ", ".join(g["label"] for g in summary["groups"])
+
+
 def _params(params: Mapping[str, object]) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items()) or "-"
 
@@ -316,7 +379,7 @@ def _protocol_section(summary: Mapping, doc: Mapping) -> list[str]:
                  + ("" if protocol.get("reference") in (None, summary["reference"])
                     else f" (the protocol named {protocol['reference']})"))
     lines.append(f"- Metric: final `{metric}` (accuracies in %, differences in percentage "
-                 "points, pp)" if "acc" in metric else f"- Metric: final `{metric}`")
+                 "points, pp)" if stats.is_fraction(metric) else f"- Metric: final `{metric}`")
     sweep = protocol.get("sweep") or {}
     if sweep:
         lines.append("- Sweep: " + "; ".join(f"`{k}` ∈ {{{', '.join(map(str, v))}}}"
@@ -339,7 +402,7 @@ def _protocol_section(summary: Mapping, doc: Mapping) -> list[str]:
     for label, info in (tune.get("methods") or {}).items():
         space = info.get("space") or {}
         lines += ["", f"#### {label}", "",
-                  "- Space: " + ("; ".join(f"`{k}` ∈ {{{', '.join(map(str, v))}}}"
+                  "- Space: " + ("; ".join(f"`{k}` ∈ {_space(v)}"
                                            for k, v in space.items()) or "-"),
                   f"- Default: {_params(info.get('default') or {})}",
                   f"- Chosen: {_params(info.get('chosen') or {})}", ""]
@@ -354,6 +417,14 @@ def _protocol_section(summary: Mapping, doc: Mapping) -> list[str]:
             lines.append(_markdown_table(["trial", "values", "validation score",
                                           "per tuning seed", "chosen"], rows, left=2))
     return lines
+
+
+def _space(values: object) -> str:
+    """A declared search space as the tuning wrote it (``log-uniform [0.005, 0.2]``), or the
+    grid of values of a study written before Optuna tuned (``{0.01, 0.1}``)."""
+    if isinstance(values, str):
+        return values
+    return "{" + ", ".join(map(str, values)) + "}"  # type: ignore[call-overload]
 
 
 def _leaderboard(summary: Mapping) -> list[str]:
@@ -381,7 +452,8 @@ def _leaderboard(summary: Mapping) -> list[str]:
             f"Mean final `{metric}` over seeds with its 95% CI, the mean worst-decile client "
             "accuracy (`personal-acc-bottom10`), and the rank by mean within each scenario "
             "(1 = best; ties share the average rank). The average rank is over the "
-            f"{len(groups)} scenario/setting group(s).", "",
+            f"{len(groups)} scenario/setting group(s). Scenarios: "
+            f"{_context(_group_names(summary), _all_seeds(summary), summary)}.", "",
             _markdown_table(header, rows)]
 
 
@@ -394,8 +466,12 @@ def _group_section(group: Mapping, summary: Mapping, plots: Sequence[tuple[str, 
     metric, reference = summary["metric"], summary["reference"]
     scale = _scale(metric)
     unit = "pp" if scale == 100 else ""
+    context = _context(group["label"], group["seeds"], summary)
     lines = [f"## {group['label']}", "",
-             f"Seeds: {', '.join(map(str, group['seeds']))}.", "", "### Final metrics", ""]
+             f"Seeds: {', '.join(map(str, group['seeds']))}.", "", "### Final metrics", "",
+             f"Final metrics per method on {context}: mean over seeds with its 95% CI "
+             "(accuracies: the logit-scale t interval, within [0, 100] %), traffic, and the "
+             f"`{metric}` of each seed.", ""]
     keys = [k for k in dict.fromkeys([metric, *STUDY_METRICS])
             if any(k in e["metrics"] for e in group["methods"].values())]
     rows = []
@@ -406,6 +482,7 @@ def _group_section(group: Mapping, summary: Mapping, plots: Sequence[tuple[str, 
                        ", ".join(_num(v, scale) for v in m[metric]["values"]) or "-"])
     lines += [_markdown_table(["method", "n"] + [f"{k} [95% CI]" for k in keys]
                               + ["MB up+down", f"{metric} per seed"], rows), ""]
+    family = summary.get("holm-vs-reference", {}).get("m", 0)
     paired_rows = []
     for label, entry in group["methods"].items():
         vs, clients = entry["vs-reference"], entry["clients-vs-reference"]
@@ -413,20 +490,24 @@ def _group_section(group: Mapping, summary: Mapping, plots: Sequence[tuple[str, 
             continue
         paired_rows.append([
             label, _num(vs["mean"], scale, sign=True), _interval(vs, scale),
-            f"{vs['wins']}/{vs['n']}", _significant(vs),
+            f"{vs['wins']}/{vs['n']}", _significant(vs), _p(vs.get("p")), _p(vs.get("p-holm")),
             ", ".join(_num(d, scale, sign=True) for d in vs["diffs"]) or "-",
             _num(clients["client-mean"], 100, sign=True) if clients else "-",
             f"{clients['clients-ahead']}/{clients['clients-behind']}" if clients else "-"])
     if paired_rows:
         lines += [f"### Paired differences vs {reference}", "",
-                  f"Per seed, method minus {reference} on `{metric}` ({unit or 'units'}); the "
-                  "CI is the t interval of the mean difference; significant = the CI excludes "
-                  "0. Per client: clients matched by id in each seed, differences averaged over "
-                  "seeds (seen clients' personal-acc); ahead/behind = clients whose mean "
-                  "difference is above/below 0.", "",
+                  f"Each method minus {reference} on `{metric}` ({unit or 'units'}), paired by "
+                  f"seed, on {context}. The CI is the plain t interval of the mean difference; "
+                  "significant = the CI excludes 0; p = the two-sided paired t test's p-value "
+                  f"(n - 1 df); p (Holm) = that p-value adjusted by Holm's step-down procedure "
+                  f"over all {family} paired tests against {reference} in this report (every "
+                  "method and scenario/setting group). Per client: clients matched by id in "
+                  "each seed, differences averaged over seeds (seen clients' personal-acc); "
+                  "ahead/behind = clients whose mean difference is above/below 0.", "",
                   _markdown_table(["method", f"mean diff ({unit})", f"95% CI ({unit})", "wins",
-                                   "significant", "per seed", f"per-client mean ({unit})",
-                                   "clients ahead/behind"], paired_rows), ""]
+                                   "significant", "p", "p (Holm)", "per seed",
+                                   f"per-client mean ({unit})", "clients ahead/behind"],
+                                  paired_rows), ""]
     best_rows = []
     for label, entry in group["methods"].items():
         vs = entry["vs-best-other"]
@@ -436,8 +517,12 @@ def _group_section(group: Mapping, summary: Mapping, plots: Sequence[tuple[str, 
                           _interval(vs, scale), f"{vs['wins']}/{vs['n']}", _significant(vs)])
     if best_rows:
         lines += ["### Each method vs the best other method", "",
-                  "Each method against the best of the others by mean (for the leader: the "
-                  "runner-up, i.e. whether its lead is significant).", "",
+                  "Each method minus the best of the other methods by mean (the 'best other' "
+                  f"column; for the leader: the runner-up, i.e. whether its lead is "
+                  f"significant) on `{metric}` ({unit or 'units'}), paired by seed, on "
+                  f"{context}. The CI is the plain t interval of the mean difference; "
+                  "significant = the CI excludes 0. The rival is chosen after seeing the "
+                  "means, so this table gives no p-values.", "",
                   _markdown_table(["method", "best other", f"mean diff ({unit})",
                                    f"95% CI ({unit})", "wins", "significant"], best_rows,
                                   left=2), ""]
@@ -453,21 +538,96 @@ def _group_section(group: Mapping, summary: Mapping, plots: Sequence[tuple[str, 
                       f"{lead['wins']}/{lead['n']}): {verdict}.", ""]
     if plots:
         lines += ["### Plots", ""]
+        where = f"{_seeds_text(group['seeds'])}, {_tuning_text(summary['protocol'])}"
         for caption, rel in plots:
-            lines += [f"![{caption}]({rel})", ""]
+            lines += [f"![{caption}]({rel})", "", f"*{caption}, {where}.*", ""]
+    return lines
+
+
+def _verdict_section(summary: Mapping, cd_plot: str | None = None) -> list[str]:
+    """The comparison across scenario/setting groups: Friedman, Iman-Davenport, Nemenyi, Holm
+    (Demsar 2006), and every paired test against the reference with its Holm-adjusted p."""
+    result = summary.get("friedman")
+    if not result:
+        return []
+    metric, reference = summary["metric"], summary["reference"]
+    alpha = result["alpha"]
+    context = _context(", ".join(result["scenarios"]), _all_seeds(summary), summary)
+    ff = "∞" if result["ff"] is None else f"{result['ff']:.2f}"
+    rejected = result["ff-p"] is not None and result["ff-p"] < alpha
+    lines = ["## Across scenarios: Friedman, Nemenyi, Holm", "",
+             f"The {result['k']} methods that have a mean final `{metric}` in every one of the "
+             f"{result['n']} scenario/setting groups, ranked within each group by that mean (1 = "
+             "best, ties share the average rank), following Demšar (JMLR 7, 2006); "
+             f"{context}."
+             + (f" Left out (missing in some group): {', '.join(result['left-out'])}."
+                if result["left-out"] else ""), "",
+             f"- Friedman: χ²_F = {result['chi2']:.2f} with {result['chi2-df']} df, "
+             f"p = {_p(result['chi2-p'])}",
+             f"- Iman–Davenport: F_F = {ff} with ({result['ff-df'][0]}, {result['ff-df'][1]}) "
+             f"df, p = {_p(result['ff-p'])}: equal average ranks are "
+             + ("**rejected**" if rejected else "not rejected") + f" at α = {alpha:g}",
+             f"- Nemenyi: q_{alpha:g} = {result['q']:.3f}, critical difference CD = q · "
+             f"√(k(k+1)/(6N)) = {result['cd']:.2f}; two methods differ significantly when their "
+             "average ranks differ by at least CD", ""]
+    if not rejected:
+        lines += ["The Friedman test does not reject equal ranks, so the post-hoc tests below "
+                  "are shown for completeness; Demšar proceeds to them only after a rejection.",
+                  ""]
+    lines += [_markdown_table(["method", "average rank"],
+                              [[m, f"{r:.3f}"] for m, r in result["average-rank"].items()]), ""]
+    rows = [[pair["a"], pair["b"], f"{pair['rank-diff']:.3f}", f"{pair['z']:.2f}",
+             _p(pair["p"]), _p(pair["p-holm"]), "yes" if pair["nemenyi"] else "no",
+             "yes" if pair["holm"] else "no"] for pair in result["pairs"]]
+    lines += [f"Every pair of methods (better average rank first) on {context}: the rank "
+              f"difference, z = difference / √(k(k+1)/(6N)) = difference / {result['se']:.3f}, "
+              f"its two-sided normal p-value, that p-value adjusted by Holm's step-down "
+              f"procedure over the {len(rows)} pairs, and whether each test calls the pair "
+              f"different at α = {alpha:g} (Nemenyi: difference ≥ CD; Holm: adjusted p < α).",
+              "", _markdown_table(["method", "vs", "rank difference", "z", "p", "p (Holm)",
+                                   "Nemenyi", "Holm"], rows, left=2), ""]
+    if cd_plot:
+        caption = (f"Critical-difference diagram: average rank by mean final `{metric}` of "
+                   f"{result['k']} methods over {result['n']} scenario/setting groups ({context})"
+                   f"; Nemenyi test at α = {alpha:g}, CD = {result['cd']:.2f}; methods joined "
+                   f"by a thick line do not differ significantly (Iman–Davenport p = "
+                   f"{_p(result['ff-p'])})")
+        lines += [f"![Critical-difference diagram]({cd_plot})", "", f"*{caption}.*", ""]
+    holm = summary.get("holm-vs-reference") or {}
+    scale = _scale(metric)
+    unit = "pp" if scale == 100 else "units"
+    by_label = {g["label"]: g for g in summary["groups"]}
+    rows = []
+    for test in holm.get("tests", []):
+        vs = by_label[test["group"]]["methods"][test["method"]]["vs-reference"]
+        rows.append([test["group"], test["method"], _num(vs["mean"], scale, sign=True),
+                     _interval(vs, scale), f"{vs['wins']}/{vs['n']}", _p(test["p"]),
+                     _p(test["p-holm"])])
+    if rows:
+        lines += [f"### Paired t tests vs {reference}, all groups", "",
+                  f"Each method minus {reference} on `{metric}` ({unit}), paired by seed, in "
+                  f"each group ({context}): the two-sided paired t test's p-value (n - 1 df) "
+                  f"and Holm's adjustment over these {holm['m']} tests.", "",
+                  _markdown_table(["group", "method", f"mean diff ({unit})",
+                                   f"95% CI ({unit})", "wins", "p", "p (Holm)"], rows,
+                                  left=2), ""]
     return lines
 
 
 def format_report(summary: Mapping, doc: Mapping,
-                  plots: Mapping[str, Sequence[tuple[str, str]]] | None = None) -> str:
+                  plots: Mapping[str, Sequence[tuple[str, str]]] | None = None,
+                  cd_plot: str | None = None) -> str:
     """report.md's text from :func:`summarize_study`'s ``summary``; ``plots`` maps a group
-    label to its (caption, relative path) images."""
+    label to its (caption, relative path) images (the report adds the seeds and the tuning to
+    each caption); ``cd_plot`` is the critical-difference
+    diagram's relative path (None: none drawn)."""
     plots = plots or {}
     kind = "Study" if doc.get("kind") == "study" else "Run"
     lines = [f"# {kind} report", "",
              "Generated from results.json by `python -m pflalign.outputs.report`.", ""]
     lines += _protocol_section(summary, doc) + [""]
     lines += _leaderboard(summary) + [""]
+    lines += _verdict_section(summary, cd_plot)
     for group in summary["groups"]:
         lines += _group_section(group, summary, plots.get(group["label"], []))
     return "\n".join(lines).rstrip() + "\n"
@@ -495,8 +655,15 @@ def write_report(out_dir: str | Path, doc: Mapping, reference: str | None = None
             images.setdefault(group.label, []).append(
                 (caption, path.relative_to(out).as_posix()))
             written.append(path)
+    cd_plot = None
+    if summary.get("friedman"):
+        path = plotting.plot_critical_difference(plot_dir / CD_PLOT, summary["friedman"],
+                                                 summary["metric"])
+        if path is not None:
+            cd_plot = path.relative_to(out).as_posix()
+            written.append(path)
     report = out / REPORT_FILE
-    report.write_text(format_report(summary, doc, images))
+    report.write_text(format_report(summary, doc, images, cd_plot))
     return [report, *written]
 
 
