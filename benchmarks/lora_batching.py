@@ -3,8 +3,8 @@
 engine with ``batched-backend = vmap`` (a cohort's LoRA adapters trained through one shared,
 frozen base model, one forward pass per step, each sample with its own client's adapters) and
 with ``batched-backend = loop`` (one client at a time, the sequential engine's computation), on
-``configs/lora-shakespeare.toml`` (SmolLM2-135M, LoRA rank 8 on q_proj and v_proj) with a cohort
-of ``--clients`` roles, all training every round.
+``configs/scenarios/language/lora-shakespeare.toml`` (SmolLM2-135M, LoRA rank 8 on q_proj and
+v_proj) with a cohort of ``--clients`` roles, all training every round.
 
 Each cell is its own ``python simulate.py`` process; the cells alternate (loop, vmap, loop, ...)
 ``--repeats`` times, so that the machine's drift falls on both. Measured per cell: the mean
@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", default="fedavg,pflalign")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--gpu", action="store_true", help="train on the GPU")
-    parser.add_argument("--config", default=str(ROOT / "configs" / "lora-shakespeare.toml"))
+    parser.add_argument("--config", default=str(ROOT / "configs" / "scenarios" / "language"
+                                                / "lora-shakespeare.toml"))
     parser.add_argument("--out", default=str(ROOT / "results" / "benchmark-lora-batching"))
     return parser.parse_args(argv)
 

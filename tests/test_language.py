@@ -285,11 +285,10 @@ def test_a_model_override_brings_its_own_tokenizer(tiny, texts):
 
     from pflalign.run.config import resolve
 
-    settings = resolve(ROOT / "configs" / "lora-shakespeare.toml",
-                       [f"model={tiny}", f"data-root={texts}"])
+    config = ROOT / "configs" / "scenarios" / "language" / "lora-shakespeare.toml"
+    settings = resolve(config, [f"model={tiny}", f"data-root={texts}"])
     assert settings["model"] == settings["tokenizer"] == tiny
-    assert resolve(ROOT / "configs" / "lora-shakespeare.toml",
-                   [f"data-root={texts}"])["tokenizer"] == "hf:smollm2-135m"
+    assert resolve(config, [f"data-root={texts}"])["tokenizer"] == "hf:smollm2-135m"
 
 
 def test_a_damaged_gguf_file_is_one_sentence(tmp_path):

@@ -95,6 +95,21 @@ def test_every_scenario_loads_and_the_suite_covers_the_regimes():
         scenario_values("no-such-scenario", [], {})
 
 
+def test_the_language_suite_is_its_own_and_its_scenarios_load_by_name():
+    assert scenario_names("language") == ["lora-shakespeare", "shakespeare"]
+    assert not set(scenario_names("language")) & set(scenario_names())
+    shakespeare = scenario_values("shakespeare", ["rounds=2"], {})
+    assert (shakespeare["dataset"], shakespeare["partition"], shakespeare["rounds"]) == (
+        "shakespeare", "natural", 2)
+    assert scenario_values("lora-shakespeare", [], {})["model"] == "hf:smollm2-135m"
+    with pytest.raises(ConfigError, match="Unknown suite 'vision'; the suites are: default, "
+                                          "language"):
+        scenario_names("vision")
+    with pytest.raises(ConfigError, match=r"Unknown scenario 'dir-9'.*language: "
+                                          "lora-shakespeare, shakespeare"):
+        scenario_values("dir-9", [], {})
+
+
 def test_tuning_and_evaluation_seeds_must_be_disjoint(tmp_path):
     with pytest.raises(ConfigError, match="overlap"):
         tiny_plan(tmp_path, tune=2, tune_seeds=(1, 7))

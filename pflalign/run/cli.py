@@ -40,6 +40,8 @@ from pflalign.process.interrupt import (
 from pflalign.run.config import OPTIONS, format_settings, left_out_by_all, resolve
 from pflalign.run.driver import check_resources, simulate
 from pflalign.run.study import (
+    DEFAULT_SUITE,
+    SUITES,
     Plan,
     Study,
     parse_seeds,
@@ -103,10 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reference", metavar="LABEL",
                         help="The method the others are paired against (default: fedavg when it "
                              "runs, else the first method).")
-    parser.add_argument("--suite", action="store_true",
-                        help="Run every scenario of configs/scenarios ("
-                             + ", ".join(scenario_names()) + ") instead of --config; the "
-                             "report has a leaderboard over them.")
+    parser.add_argument("--suite", nargs="?", const=DEFAULT_SUITE, choices=list(SUITES),
+                        metavar="NAME",
+                        help="Run every scenario of a suite instead of --config; the report has "
+                             "a leaderboard and a critical-difference verdict over them. "
+                             "Without NAME, the default suite (configs/scenarios: "
+                             + ", ".join(scenario_names()) + "); 'language': configs/scenarios/"
+                             "language (" + ", ".join(scenario_names("language")) + ").")
     parser.add_argument("--scenario", metavar="LIST",
                         help="Run these scenarios (comma-separated names from configs/scenarios) "
                              "instead of --config.")
@@ -140,14 +145,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.methods:
         extra["methods"] = args.methods
     if args.suite or args.scenario:
-        names = scenario_names() if args.suite else [
+        names = scenario_names(args.suite) if args.suite else [
             n.strip() for n in args.scenario.split(",") if n.strip()]
         if not names:
             raise ConfigError("No scenario to run: configs/scenarios is empty or --scenario "
                               "names none.")
         scenarios = {name: scenario_values(name, args.overrides, extra) for name in names}
-        default_out = "results/suite" if args.suite or len(names) > 1 else (
-            scenarios[names[0]]["out-dir"])
+        default_out = ("results/suite" + ("" if args.suite in (None, DEFAULT_SUITE)
+                                          else f"-{args.suite}")
+                       if args.suite or len(names) > 1 else scenarios[names[0]]["out-dir"])
     else:
         values = resolve(args.config, args.overrides, extra).to_dict()
         scenarios = {"": values}

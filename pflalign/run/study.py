@@ -8,7 +8,8 @@ build:
 - **Seeds.** ``seed`` fixes the partition, the initial model, the sampling and every client's
   batches, so every method of a group sees the same ones, and a method's results over seeds are
   *paired* with the reference method's (:mod:`pflalign.outputs.stats`).
-- **Scenarios.** ``configs/scenarios/*.toml`` are named settings; ``--suite`` runs them all.
+- **Scenarios.** ``configs/scenarios/*.toml`` are named settings; ``--suite`` runs them all, and
+  ``--suite language`` those of ``configs/scenarios/language/``.
 - **Sweeps.** ``--sweep key=v1,v2`` runs every value (a grid over several keys), one row each,
   with no selection.
 - **Tuning** (``--tune N``): each method gets the same budget of N trials of the same rounds from
@@ -64,6 +65,11 @@ from pflalign.settings.schema import Settings
 SCHEMA_VERSION = 2
 #: where the named scenarios live
 SCENARIO_DIR = Path(__file__).resolve().parents[2] / "configs" / "scenarios"
+#: ``--suite NAME`` -> the folder of its scenarios: the default suite is sized for a 2-core
+#: machine (Fashion-MNIST and synthetic data); ``language`` holds federated Shakespeare and a
+#: LoRA language model, hours each on 2 cores
+SUITES = {"default": SCENARIO_DIR, "language": SCENARIO_DIR / "language"}
+DEFAULT_SUITE = "default"
 #: the metric tuning maximizes (on validation data) and tables lead with
 METRIC = "personal-acc"
 PLAN_FILE = "plan.json"
@@ -72,18 +78,23 @@ PLAN_FILE = "plan.json"
 GroupRunner = Callable[[Settings, Reporter, bool], dict]
 
 
-def scenario_names() -> list[str]:
-    """The scenarios shipped in ``configs/scenarios``, sorted."""
-    return sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))
+def scenario_names(suite: str = DEFAULT_SUITE) -> list[str]:
+    """The scenarios of a suite (:data:`SUITES`), sorted."""
+    if suite not in SUITES:
+        raise ConfigError(f"Unknown suite '{suite}'; the suites are: {', '.join(SUITES)}.")
+    return sorted(p.stem for p in SUITES[suite].glob("*.toml"))
 
 
 def scenario_file(name: str) -> Path:
-    path = SCENARIO_DIR / f"{name}.toml"
-    if not path.is_file():
-        known = ", ".join(scenario_names()) or "none"
-        raise ConfigError(f"Unknown scenario '{name}'; the scenarios are: {known} "
-                          f"(files in {SCENARIO_DIR}).")
-    return path
+    """A scenario's file, from whichever suite holds it."""
+    for folder in SUITES.values():
+        path = folder / f"{name}.toml"
+        if path.is_file():
+            return path
+    known = "; ".join(f"{suite}: {', '.join(scenario_names(suite)) or 'none'}"
+                      for suite in SUITES)
+    raise ConfigError(f"Unknown scenario '{name}'; the scenarios are ({known}), files in "
+                      f"{SCENARIO_DIR}.")
 
 
 def parse_seeds(text: str, what: str = "--seeds") -> tuple[int, ...]:
