@@ -495,3 +495,25 @@ def test_accuracy_at_equal_simulated_time_reads_each_seed_as_time_budget_does(tm
     assert plots.per_time(runs, "fedavg", "personal-acc") == []
     assert plots.plot_accuracy_time(tmp_path / "none.png", runs, ["fedavg"],
                                     {"fedavg": "C0"}, "t") is None
+
+
+def test_a_study_by_perplexity_ranks_low_first_and_keeps_its_intervals_above_one(tmp_path):
+    """--metric personal-ppl: the same study with each final perplexity 1 + 10 (1 - acc), which
+    orders the methods as their accuracies do, so the ranks must equal the accuracy study's."""
+    doc = _synthetic_study()
+    doc["protocol"]["metric"] = "personal-ppl"
+    doc["protocol"]["tune"] = None
+    for run in doc["runs"]:
+        for entry in run["methods"].values():
+            entry["final"]["personal-ppl"] = 1.0 + 10.0 * (1.0 - entry["final"]["personal-acc"])
+    summary = summarize_study(doc)
+    by_accuracy = summarize_study(_synthetic_study())
+    assert summary["friedman"]["average-rank"] == by_accuracy["friedman"]["average-rank"]
+    for group, accuracy_group in zip(summary["groups"], by_accuracy["groups"], strict=True):
+        for label, entry in group["methods"].items():
+            assert entry["rank"] == accuracy_group["methods"][label]["rank"]
+            ci = entry["metrics"]["personal-ppl"]
+            assert 1.0 < ci["low"] <= ci["mean"] <= ci["high"]
+    write_report(tmp_path, doc)
+    text = (tmp_path / "report.md").read_text()
+    assert "final `personal-ppl`" in text

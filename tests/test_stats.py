@@ -12,10 +12,12 @@ from pflalign.outputs.stats import (
     average_ranks,
     friedman,
     friedman_statistics,
+    higher_is_better,
     holm,
     is_fraction,
     logit_interval,
     mean_ci,
+    metric_scale,
     nemenyi_groups,
     nemenyi_q,
     paired,
@@ -337,3 +339,26 @@ def test_nemenyi_groups_by_hand():
     assert nemenyi_groups({"d": 3.9, "a": 1.0, "c": 2.6, "b": 1.5}, 1.25) == [["a", "b"],
                                                                              ["b", "c"]]
     assert nemenyi_groups({"a": 1.0, "b": 3.0}, 1.25) == []
+
+
+def test_a_perplexity_and_a_loss_get_intervals_in_their_ranges():
+    assert [metric_scale(m) for m in ("personal-acc", "global-ppl", "personal-loss",
+                                      "seconds-per-round")] == [
+        "fraction", "above-one", "positive", None]
+    assert [higher_is_better(m) for m in ("personal-acc", "personal-ppl", "personal-loss")] == [
+        True, False, False]
+    ppl = [1.02, 1.5, 3.0]
+    mean, low, high, _ = mean_ci(ppl)
+    assert low < 1.0  # the plain interval leaves the range: a perplexity is at least 1
+    # by hand: y = log(ppl - 1) = (log 0.02, log 0.5, log 2), t_{0.975, 2} = 4.302653
+    ys = [math.log(0.02), math.log(0.5), math.log(2.0)]
+    centre = sum(ys) / 3
+    sd = math.sqrt(sum((y - centre) ** 2 for y in ys) / 2)
+    half = 4.302653 * sd / math.sqrt(3)
+    _, low, high, _ = mean_ci(ppl, scale=metric_scale("personal-ppl"))
+    assert low == pytest.approx(1 + math.exp(centre - half), rel=1e-6) and low > 1.0
+    assert high == pytest.approx(1 + math.exp(centre + half), rel=1e-6)
+    loss = [0.01, 0.4, 1.2]
+    assert mean_ci(loss)[1] < 0.0 < mean_ci(loss, scale="positive")[1]
+    with pytest.raises(ValueError, match=r"above-one interval needs values in \[1, inf\]"):
+        mean_ci([0.5, 2.0], scale="above-one")

@@ -120,6 +120,33 @@ def test_tuning_and_evaluation_seeds_must_be_disjoint(tmp_path):
         tiny_plan(tmp_path, tune=2, tune_seeds=(9,), sweep={"lr": (0.01, 0.1)})
 
 
+def test_the_metric_is_checked_and_kept_in_the_plan(tmp_path):
+    with pytest.raises(ConfigError, match="--metric 'accuracy' is not a metric a run reports "
+                                          "at its end; choose one of personal-acc, "):
+        tiny_plan(tmp_path, metric="accuracy")
+    plan = tiny_plan(tmp_path, metric="personal-loss")
+    plan.save()
+    assert Plan.load(tmp_path).metric == "personal-loss"
+    old = json.loads((tmp_path / "plan.json").read_text())
+    del old["metric"]  # a plan written before --metric
+    assert Plan.from_json(old).metric == "personal-acc"
+
+
+@needs_fashion_mnist
+def test_tuning_by_a_loss_minimizes_it(tmp_path):
+    doc = Study(tiny_plan(tmp_path, seeds=(0,), tune=3, tune_seeds=(5,),
+                          metric="personal-loss"), run_group, Reporter(quiet=True)).run()
+    assert doc["protocol"]["metric"] == "personal-loss"
+    for row in doc["protocol"]["tune"]["methods"].values():
+        scores = [t["score"] for t in row["trials"]]
+        assert len(scores) == 3 and len(set(scores)) == 3
+        assert row["chosen"] == row["trials"][scores.index(min(scores))]["params"]
+    import optuna
+    storage = f"sqlite:///{tmp_path / 'tuning' / 'config' / 'optuna.db'}"
+    assert {s.direction for s in optuna.get_all_study_summaries(storage)} == {
+        optuna.study.StudyDirection.MINIMIZE}
+
+
 # --- trials -------------------------------------------------------------------------------------
 def test_a_methods_space_is_its_declared_ranges_less_what_its_entry_fixes():
     settings = build_settings({"methods": "fedprox"})

@@ -81,8 +81,8 @@ def _per_round(runs: Mapping[int, Mapping], label: str, key: str) -> list[tuple[
         for row in run.get("methods", {}).get(label, {}).get("rounds", []):
             if _finite(row.get(key)) and isinstance(row.get("round"), int):
                 by_round.setdefault(row["round"], []).append(float(row[key]))
-    bounded = stats.is_fraction(key)
-    return [(r, stats.mean_ci(v, bounded=bounded)) for r, v in sorted(by_round.items())]
+    scale = stats.metric_scale(key)
+    return [(r, stats.mean_ci(v, scale=scale)) for r, v in sorted(by_round.items())]
 
 
 def per_time(runs: Mapping[int, Mapping], label: str,
@@ -107,7 +107,7 @@ def per_time(runs: Mapping[int, Mapping], label: str,
     out = []
     for time in grid:
         values = [next(v for s, v in reversed(t) if s <= time) for t in timelines]
-        out.append((time / 3600.0, stats.mean_ci(values, bounded=stats.is_fraction(key))))
+        out.append((time / 3600.0, stats.mean_ci(values, scale=stats.metric_scale(key))))
     return out
 
 

@@ -38,6 +38,11 @@ COLUMNS = (("personal-acc", "personal", 100, True), ("personal-acc-next", "next"
 
 #: Final metrics summarized per method in a study (those without values are left out).
 STUDY_METRICS = ("personal-acc", "personal-acc-bottom10", "global-acc", "unseen-acc")
+#: the final metrics a study can compare methods by (``--metric``): the accuracies, the
+#: personal loss, and a language model's perplexities and next-token accuracy
+COMPARABLE_METRICS = ("personal-acc", "personal-acc-unweighted", "personal-acc-bottom10",
+                      "global-acc", "unseen-acc", "personal-acc-next", "personal-loss",
+                      "personal-ppl", "global-ppl")
 #: Names of the report file and the plot folder inside a results directory.
 REPORT_FILE, PLOT_DIR = "report.md", "plots"
 LEVEL = 0.95
@@ -182,15 +187,16 @@ def _seen_clients(group: Group, label: str) -> dict[int, list[dict]]:
             for seed, run in sorted(group.runs.items()) if label in run.get("methods", {})}
 
 
-def _summary_ci(values: Mapping[int, float], bounded: bool = False) -> dict:
-    mean, low, high, n = stats.mean_ci(values.values(), LEVEL, bounded=bounded)
+def _summary_ci(values: Mapping[int, float], scale: str | None = None) -> dict:
+    mean, low, high, n = stats.mean_ci(values.values(), LEVEL, scale=scale)
     return {"mean": mean, "low": low, "high": high, "n": n, "seeds": list(values),
             "values": list(values.values())}
 
 
 def higher_is_better(metric: str) -> bool:
-    """Accuracies rank high-first; losses (keys ending in 'loss') low-first."""
-    return not metric.endswith("loss")
+    """Accuracies rank high-first; losses and perplexities low-first
+    (:func:`pflalign.outputs.stats.higher_is_better`)."""
+    return stats.higher_is_better(metric)
 
 
 def _choose_reference(reference: str | None, protocol: Mapping, labels: Sequence[str]) -> str:
@@ -238,7 +244,7 @@ def summarize_study(doc: Mapping, reference: str | None = None) -> dict:
         for lb in present:
             name = next(r["methods"][lb].get("method", lb) for r in group.runs.values()
                         if lb in r.get("methods", {}))
-            metrics = {k: _summary_ci(_values(group, lb, k), stats.is_fraction(k))
+            metrics = {k: _summary_ci(_values(group, lb, k), stats.metric_scale(k))
                        for k in keys}
             methods[lb] = {"method": name,
                            "metrics": {k: v for k, v in metrics.items() if v["n"] or k == metric},

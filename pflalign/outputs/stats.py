@@ -64,6 +64,25 @@ def is_fraction(metric: str) -> bool:
     return bool(_ACCURACY.search(metric))
 
 
+def metric_scale(metric: str) -> str | None:
+    """The range a metric lives in, for its intervals (:data:`SCALES`): ``fraction`` for the
+    accuracies (:func:`is_fraction`), ``above-one`` for perplexities (names ending in ``ppl``),
+    ``positive`` for losses (ending in ``loss``), None (unbounded) for anything else."""
+    if is_fraction(metric):
+        return "fraction"
+    if metric.endswith("ppl"):
+        return "above-one"
+    if metric.endswith("loss"):
+        return "positive"
+    return None
+
+
+def higher_is_better(metric: str) -> bool:
+    """A metric's direction: lower is better for losses and perplexities, higher for the
+    rest."""
+    return not (metric.endswith("loss") or metric.endswith("ppl"))
+
+
 def _finite(values: Iterable[object]) -> list[float]:
     return [float(v) for v in values
             if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)]
@@ -83,31 +102,65 @@ def _expit(y: float) -> float:
     return 1.0 / (1.0 + math.exp(-y)) if y >= 0 else math.exp(y) / (1.0 + math.exp(y))
 
 
-def logit_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, float]:
-    """The t interval of values in [0, 1] on the logit scale, mapped back: with ``y_i =
-    logit(x_i)`` (``x_i`` clamped to [UNIT_EPS, 1 - UNIT_EPS]), ``expit(mean(y) ± t_{(1+level)/2,
-    n-1} * s_y / sqrt(n))``. Inside (0, 1) by construction; close to the plain t interval away
-    from the bounds, longer on the side away from a bound near it. Two rules keep it beside the
-    plain mean it is printed with: equal values give the zero-width interval at that value, and
-    an interval that misses the plain mean (possible with a far outlier, as the back-transformed
+def _log_above(bound: float):
+    def forward(x: float) -> float:
+        return math.log(max(x - bound, UNIT_EPS))
+    return forward
+
+
+def _exp_above(bound: float):
+    def back(y: float) -> float:
+        return bound + math.exp(min(y, 700.0))
+    return back
+
+
+#: scale -> (the values' range, the transform the t interval is taken on, its inverse): an
+#: accuracy's logit, a loss's log, a perplexity's log(ppl - 1); values at a bound are moved
+#: UNIT_EPS inside first
+SCALES = {
+    "fraction": ((0.0, 1.0), _logit, _expit),
+    "positive": ((0.0, math.inf), _log_above(0.0), _exp_above(0.0)),
+    "above-one": ((1.0, math.inf), _log_above(1.0), _exp_above(1.0)),
+}
+
+
+def scaled_interval(xs: Sequence[float], level: float = 0.95,
+                    scale: str = "fraction") -> tuple[float, float]:
+    """The t interval of bounded values taken on a scale that opens their range
+    (:data:`SCALES`) and mapped back: for ``fraction``, with ``y_i = logit(x_i)`` (``x_i``
+    clamped to [UNIT_EPS, 1 - UNIT_EPS]), ``expit(mean(y) ± t_{(1+level)/2, n-1} * s_y /
+    sqrt(n))``. Inside the range by construction; close to the plain t interval away from the
+    bounds, longer on the side away from a bound near it. Two rules keep it beside the plain
+    mean it is printed with: equal values give the zero-width interval at that value, and an
+    interval that misses the plain mean (possible with a far outlier, as the back-transformed
     centre is not the mean) is widened to reach it. Needs at least two values."""
     if len(xs) < 2:
         raise ValueError("An interval needs at least two values.")
+    (lowest, highest), forward, back = SCALES[scale]
+    if not all(lowest <= x <= highest for x in xs):
+        raise ValueError(f"A {scale} interval needs values in [{lowest:g}, {highest:g}].")
     mean = math.fsum(xs) / len(xs)
     if all(x == xs[0] for x in xs):
         return mean, mean
-    centre, sd = _mean_sd([_logit(x) for x in xs])
+    centre, sd = _mean_sd([forward(x) for x in xs])
     half = t_critical(len(xs) - 1, level) * sd / math.sqrt(len(xs))
-    low, high = _expit(centre - half), _expit(centre + half)
+    low, high = back(centre - half), back(centre + half)
     return min(low, mean), max(high, mean)
 
 
+def logit_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """:func:`scaled_interval` of values in [0, 1] (the accuracies)."""
+    return scaled_interval(xs, level, "fraction")
+
+
 def mean_ci(values: Iterable[float | None], level: float = 0.95,
-            bounded: bool = False) -> tuple[float, float, float, int]:
+            bounded: bool = False, scale: str | None = None,
+            ) -> tuple[float, float, float, int]:
     """``(mean, low, high, n)``: the mean of the finite values and its two-sided t interval,
     ``mean ± t_{(1+level)/2, n-1} * s / sqrt(n)`` with ``s`` the sample standard deviation;
-    with ``bounded`` (values in [0, 1]) the interval is :func:`logit_interval`'s and the mean
-    stays the plain mean. One value gives ``(x, nan, nan, 1)``; none gives
+    with a ``scale`` (:data:`SCALES`, e.g. :func:`metric_scale`'s) the interval is
+    :func:`scaled_interval`'s and the mean stays the plain mean; ``bounded`` is the scale
+    ``fraction`` (values in [0, 1]). One value gives ``(x, nan, nan, 1)``; none gives
     ``(nan, nan, nan, 0)``."""
     xs = _finite(values)
     n = len(xs)
@@ -116,10 +169,9 @@ def mean_ci(values: Iterable[float | None], level: float = 0.95,
     mean = math.fsum(xs) / n
     if n == 1:
         return mean, math.nan, math.nan, 1
-    if bounded:
-        if not all(0.0 <= x <= 1.0 for x in xs):
-            raise ValueError("A bounded interval needs values in [0, 1].")
-        low, high = logit_interval(xs, level)
+    scale = "fraction" if bounded else scale
+    if scale is not None:
+        low, high = scaled_interval(xs, level, scale)
         return mean, low, high, n
     _, sd = _mean_sd(xs)
     half = t_critical(n - 1, level) * sd / math.sqrt(n)

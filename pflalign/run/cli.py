@@ -28,7 +28,7 @@ import textwrap
 from pathlib import Path
 
 from pflalign.methods.registry import METHODS
-from pflalign.outputs.report import leaderboard_text
+from pflalign.outputs.report import COMPARABLE_METRICS, leaderboard_text
 from pflalign.outputs.results import Reporter, make_reporter, prepare_output
 from pflalign.process.interrupt import (
     Interrupted,
@@ -41,6 +41,7 @@ from pflalign.run.config import OPTIONS, format_settings, left_out_by_all, resol
 from pflalign.run.driver import check_resources, simulate
 from pflalign.run.study import (
     DEFAULT_SUITE,
+    METRIC,
     SUITES,
     Plan,
     Study,
@@ -102,6 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Run every method on each seed ('0,1,2' or '0-4'); tables show the "
                              "mean and a 95%% confidence interval, and each method's paired "
                              "difference from --reference (default: the config's seed).")
+    parser.add_argument("--metric", metavar="NAME", default=METRIC,
+                        help="The final metric the statistics, ranks, verdict and --tune use, "
+                             "with its direction (losses and perplexities: lower is better) and "
+                             "its range: " + ", ".join(COMPARABLE_METRICS) + f" (default: "
+                             f"{METRIC}).")
     parser.add_argument("--reference", metavar="LABEL",
                         help="The method the others are paired against (default: fedavg when it "
                              "runs, else the first method).")
@@ -167,7 +173,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     first = next(iter(scenarios.values()))
     seeds = parse_seeds(args.seeds) if args.seeds else (int(first["seed"]),)
     return Plan(scenarios=scenarios, seeds=seeds, sweep=parse_sweep(args.sweep),
-                reference=args.reference, tune=args.tune,
+                reference=args.reference, tune=args.tune, metric=args.metric,
                 tune_seeds=parse_seeds(args.tune_seeds, "--tune-seeds") if args.tune else (),
                 out_dir=out, command=" ".join([program(), *sys.argv[1:]]))
 

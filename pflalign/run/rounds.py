@@ -780,8 +780,11 @@ class RoundLoop:
             metrics[f"{PERSONAL_LOSS}-median"] = float(np.median([m[PERSONAL_LOSS]
                                                                  for m in seen]))
             tested = sum(m[NUM_TEST] for m in seen)
-            language = is_language_model(server.settings.run.model)
-            if language:  # the perplexity of every seen client's test tokens together
+            # a next-token model (a language model, or LEAF's character LSTM): the perplexity
+            # of every seen client's test tokens together
+            language = (is_language_model(server.settings.run.model)
+                        or server.settings.run.model == "char-lstm")
+            if language:
                 metrics["personal-ppl"] = float(np.exp(metrics[PERSONAL_LOSS]))
             if method.has_global_model and all(GLOBAL_CORRECT in m for m in seen):
                 metrics["global-acc"] = sum(m[GLOBAL_CORRECT] for m in seen) / tested

@@ -43,8 +43,9 @@ from pathlib import Path
 import numpy as np
 
 from pflalign.methods.registry import METHODS
-from pflalign.outputs.report import setting_label
+from pflalign.outputs.report import COMPARABLE_METRICS, setting_label
 from pflalign.outputs.results import Reporter, slug, write_results
+from pflalign.outputs.stats import higher_is_better, is_fraction
 from pflalign.outputs.tracking import Trackers, TrackingReporter, parse_tracking
 from pflalign.run import tuning
 from pflalign.run.config import (
@@ -70,7 +71,8 @@ SCENARIO_DIR = Path(__file__).resolve().parents[2] / "configs" / "scenarios"
 #: LoRA language model, hours each on 2 cores
 SUITES = {"default": SCENARIO_DIR, "language": SCENARIO_DIR / "language"}
 DEFAULT_SUITE = "default"
-#: the metric tuning maximizes (on validation data) and tables lead with
+#: the metric tuning optimizes (on validation data) and tables lead with, unless --metric names
+#: another of :data:`~pflalign.outputs.report.COMPARABLE_METRICS`
 METRIC = "personal-acc"
 PLAN_FILE = "plan.json"
 
@@ -150,10 +152,16 @@ class Plan:
     tune_seeds: tuple[int, ...] = ()
     out_dir: str = "results"
     command: str = ""
+    #: the metric the statistics, the ranks and the tuning use (its direction and scale are
+    #: :func:`pflalign.outputs.stats.higher_is_better` and ``metric_scale``)
+    metric: str = METRIC
 
     def __post_init__(self) -> None:
         if not self.scenarios:
             raise ConfigError("A study needs at least one scenario.")
+        if self.metric not in COMPARABLE_METRICS:
+            raise ConfigError(f"--metric {self.metric!r} is not a metric a run reports at its "
+                              f"end; choose one of {', '.join(COMPARABLE_METRICS)}.")
         labels = method_labels(self.settings(next(iter(self.scenarios))))
         if self.reference is None:
             self.reference = "fedavg" if "fedavg" in labels else labels[0]
@@ -199,7 +207,7 @@ class Plan:
                 "seeds": list(self.seeds), "sweep": {k: list(v) for k, v in self.sweep.items()},
                 "reference": self.reference, "tune": self.tune,
                 "tune-seeds": list(self.tune_seeds), "out-dir": self.out_dir,
-                "command": self.command}
+                "command": self.command, "metric": self.metric}
 
     @classmethod
     def from_json(cls, data: Mapping) -> Plan:
@@ -207,7 +215,7 @@ class Plan:
                    sweep={k: tuple(v) for k, v in data["sweep"].items()},
                    reference=data["reference"], tune=int(data["tune"]),
                    tune_seeds=tuple(data["tune-seeds"]), out_dir=data["out-dir"],
-                   command=data.get("command", ""))
+                   command=data.get("command", ""), metric=data.get("metric", METRIC))
 
     @classmethod
     def load(cls, directory: str | Path) -> Plan:
@@ -459,7 +467,8 @@ class Study:
                 space, configured = method_space(choice, settings)
                 searches[choice.label] = tuning.MethodSearch(
                     folder / tuning.STORAGE_FILE, choice.label, space, configured,
-                    method_budget(space, plan.tune), plan.tune_seeds[0])
+                    method_budget(space, plan.tune), plan.tune_seeds[0],
+                    maximize=higher_is_better(plan.metric))
                 table[choice.label] = {"space": {k: s.describe() for k, s in space.items()},
                                        "default": configured, "trials": []}
             for number in range(plan.tune):
@@ -479,7 +488,7 @@ class Study:
                                                   f"seed {seed}", "(validation)")))
                     results = self.group(group.replace({"seed": seed}), where, what)
                     for c in active:
-                        score = results["methods"][labels[c.label]]["final"].get(METRIC)
+                        score = results["methods"][labels[c.label]]["final"].get(plan.metric)
                         scores[c.label].append(score if _finite(score) else None)
                 for c in active:
                     valid = [s for s in scores[c.label] if s is not None]
@@ -488,13 +497,15 @@ class Study:
                     table[c.label]["trials"].append({
                         "params": points[c.label], "label": labels[c.label],
                         "scores": scores[c.label], "score": score})
+            sign = 1.0 if higher_is_better(plan.metric) else -1.0
             for label, row in table.items():
                 best = max(row["trials"], key=lambda t: -math.inf if t["score"] is None
-                           else t["score"])  # max keeps the first of equal scores
+                           else sign * t["score"])  # max keeps the first of equal scores
                 row["chosen"] = dict(best["params"])
                 self.reporter.info(f"tuned {label}" + (f" ({name})" if name else "") + ": "
                                    + (setting_label(row["chosen"]) or "nothing to tune")
-                                   + (f", validation {METRIC} {100 * best['score']:.2f}%"
+                                   + (f", validation {plan.metric} "
+                                      + _score_text(plan.metric, best["score"])
                                       if best["score"] is not None else ""))
             out[name] = table
         return out
@@ -502,7 +513,7 @@ class Study:
     def protocol(self, tuned: Mapping[str, Mapping[str, dict]]) -> dict:
         plan = self.plan
         protocol: dict = {"seeds": list(plan.seeds), "reference": plan.reference,
-                          "metric": METRIC, "scenarios": list(plan.scenarios),
+                          "metric": plan.metric, "scenarios": list(plan.scenarios),
                           "sweep": {k: list(v) for k, v in plan.sweep.items()},
                           "ci": "95% t-interval over seeds (n-1 degrees of freedom); paired "
                                 "differences per seed against the reference", "tune": None}
@@ -511,7 +522,7 @@ class Study:
                 "trials": plan.tune, "tune-seeds": list(plan.tune_seeds),
                 "validation-fraction": plan.settings(next(iter(plan.scenarios)))[
                     "validation-fraction"],
-                "objective": f"mean final validation {METRIC} over the tuning seeds "
+                "objective": f"mean final validation {plan.metric} over the tuning seeds "
                              "(evaluate-on = validation; test data is never read)",
                 "draw": "Optuna: the method's configured values first (when in its space), "
                         f"then seeded random points (the first "
@@ -525,6 +536,11 @@ class Study:
             if len(tuned) == 1:
                 protocol["tune"]["methods"] = protocol["tune"]["scenarios"][next(iter(tuned))]
         return protocol
+
+
+def _score_text(metric: str, score: float) -> str:
+    """A score as the tables print it: an accuracy in %, anything else as it is."""
+    return f"{100 * score:.2f}%" if is_fraction(metric) else f"{score:.4g}"
 
 
 def _finite(value: object) -> bool:
