@@ -514,6 +514,10 @@ def test_a_study_by_perplexity_ranks_low_first_and_keeps_its_intervals_above_one
             assert entry["rank"] == accuracy_group["methods"][label]["rank"]
             ci = entry["metrics"]["personal-ppl"]
             assert 1.0 < ci["low"] <= ci["mean"] <= ci["high"]
+            if entry["vs-reference"]:  # a win is a seed with a lower perplexity
+                vs, acc_vs = entry["vs-reference"], accuracy_group["methods"][label]["vs-reference"]
+                assert (vs["wins"], vs["losses"]) == (acc_vs["wins"], acc_vs["losses"])
+                assert vs["wins"] == sum(d < 0 for d in vs["diffs"])
     write_report(tmp_path, doc)
     text = (tmp_path / "report.md").read_text()
     assert "final `personal-ppl`" in text

@@ -187,6 +187,15 @@ def _seen_clients(group: Group, label: str) -> dict[int, list[dict]]:
             for seed, run in sorted(group.runs.items()) if label in run.get("methods", {})}
 
 
+def _better(test: dict, high_first: bool) -> dict:
+    """A paired comparison whose ``wins`` count the seeds where the method is better: where the
+    difference is above 0 for a metric that is better high, below 0 for a loss or perplexity
+    (whose ``losses`` then count the seeds where it is worse)."""
+    if not high_first:
+        test["wins"], test["losses"] = test["losses"], test["wins"]
+    return test
+
+
 def _summary_ci(values: Mapping[int, float], scale: str | None = None) -> dict:
     mean, low, high, n = stats.mean_ci(values.values(), LEVEL, scale=scale)
     return {"mean": mean, "low": low, "high": high, "n": n, "seeds": list(values),
@@ -257,14 +266,15 @@ def summarize_study(doc: Mapping, reference: str | None = None) -> dict:
             entry = methods[lb]
             entry["rank"] = group_ranks.get(lb)
             has_ref = reference in methods and lb != reference
-            entry["vs-reference"] = (stats.paired(per_metric[lb], per_metric[reference], LEVEL)
+            entry["vs-reference"] = (_better(stats.paired(per_metric[lb], per_metric[reference],
+                                                          LEVEL), high_first)
                                      if has_ref else None)
             entry["clients-vs-reference"] = (
                 stats.paired_clients(_seen_clients(group, lb), _seen_clients(group, reference),
                                      "personal-acc", LEVEL) if has_ref else None)
             others = [o for o in ranking if o != lb]
-            entry["vs-best-other"] = (dict(stats.paired(per_metric[lb], per_metric[others[0]],
-                                                        LEVEL), other=others[0])
+            entry["vs-best-other"] = (dict(_better(stats.paired(
+                per_metric[lb], per_metric[others[0]], LEVEL), high_first), other=others[0])
                                       if others else None)
         out_groups.append({"scenario": group.scenario, "setting": group.setting,
                            "label": group.label, "seeds": sorted(group.runs),
