@@ -8,7 +8,7 @@ from conftest import needs_fashion_mnist
 from pflalign.engines.sequential import SequentialEngine
 from pflalign.outputs.results import Reporter
 from pflalign.run.config import build_settings
-from pflalign.run.driver import run_methods
+from pflalign.run.driver import run_methods, simulate
 from pflalign.server.sampling import EVAL_SAMPLING_STREAM, sample_clients
 
 BASE = {"engine": "sequential", "num-clients": 10, "max-samples": 2000, "rounds": 3,
@@ -59,3 +59,28 @@ def test_a_sample_is_evaluated_before_the_last_round_and_training_is_unchanged(t
         final = {k for k in a["final"] if "seconds" in k or k.startswith("bytes")}
         assert _without(a["final"], final) == _without(b["final"], final)
         assert a["clients"] == b["clients"]
+
+
+@needs_fashion_mnist
+def test_eval_at_start_adds_round_zero_and_changes_nothing_after_it(tmp_path):
+    """eval-at-start: a row for round 0 whose personal accuracy is the initial model's for every
+    method that evaluates it as it is (FedAvg, Local, pFLAlign with a zero offset: one number),
+    every later row as without it, and the same rows on the sequential and batched engines."""
+    base = {**BASE, "rounds": 2, "methods": "fedavg,local,pflalign"}
+    rows = {}
+    for engine in ("sequential", "batched"):
+        for start in (False, True):
+            settings = build_settings({**base, "engine": engine, "eval-at-start": start,
+                                       "out-dir": str(tmp_path / f"{engine}-{start}")})
+            results = simulate(settings, Reporter(quiet=True))
+            rows[engine, start] = {
+                label: [{k: v for k, v in row.items() if "seconds" not in k}
+                        for row in entry["rounds"]]
+                for label, entry in results["methods"].items()}
+    with_start, without = rows["sequential", True], rows["sequential", False]
+    assert rows["batched", True] == with_start and rows["batched", False] == without
+    assert {label: r[0]["round"] for label, r in with_start.items()} == dict.fromkeys(
+        with_start, 0)
+    assert len({r[0]["personal-acc"] for r in with_start.values()}) == 1
+    assert "train-loss" not in with_start["fedavg"][0]
+    assert {label: r[1:] for label, r in with_start.items()} == without

@@ -506,6 +506,9 @@ def test_a_study_by_perplexity_ranks_low_first_and_keeps_its_intervals_above_one
     for run in doc["runs"]:
         for entry in run["methods"].values():
             entry["final"]["personal-ppl"] = 1.0 + 10.0 * (1.0 - entry["final"]["personal-acc"])
+            for row in entry["rounds"]:
+                row["personal-ppl"] = 12.0 - row["round"]
+            entry["rounds"].insert(0, {"round": 0, "personal-ppl": 12.0})  # eval-at-start
     summary = summarize_study(doc)
     by_accuracy = summarize_study(_synthetic_study())
     assert summary["friedman"]["average-rank"] == by_accuracy["friedman"]["average-rank"]
@@ -521,3 +524,6 @@ def test_a_study_by_perplexity_ranks_low_first_and_keeps_its_intervals_above_one
     write_report(tmp_path, doc)
     text = (tmp_path / "report.md").read_text()
     assert "final `personal-ppl`" in text
+    for scenario in FINALS:  # the metric per round, from the round-0 evaluation
+        _check_png(tmp_path / "plots" / f"metric-{scenario}.png")
+        assert f"personal-ppl per round ({scenario})" in text

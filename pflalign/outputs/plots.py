@@ -38,7 +38,8 @@ from pflalign.outputs import stats
 
 DPI = 100
 #: File name prefixes, one per kind of figure.
-KINDS = ("accuracy", "simtime", "clients", "paired", "partition", "diagnostics", "bytes", "cd")
+KINDS = ("accuracy", "metric", "simtime", "clients", "paired", "partition", "diagnostics",
+         "bytes", "cd")
 DIAGNOSTICS = (("mean-P", "mean P (preconditioner)"), ("mean-gamma", "mean γ"),
                ("delta-norm", "‖Δ‖ (personal offset norm)"), ("update-cosine", "update cosine"))
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
@@ -141,20 +142,24 @@ def _seed_note(runs: Mapping) -> str:
 
 
 def _plot_accuracy(path: Path, series: Mapping[str, list], colors: Mapping[str, str],
-                   xlabel: str, title: str) -> Path | None:
-    """Personal accuracy, one band per method with data; ``None`` when none has."""
+                   xlabel: str, title: str, metric: str = "personal-acc") -> Path | None:
+    """A metric (personal accuracy unless named), one band per method with data; ``None``
+    when none has."""
     series = {lb: s for lb, s in series.items() if s}
     if not series:
         return None
+    fraction = stats.is_fraction(metric)
     fig = _figure(7.5, 4.5)
     ax = fig.add_subplot()
     for lb, s in series.items():
-        _draw_band(ax, s, 100, colors[lb], lb)
+        _draw_band(ax, s, 100 if fraction else 1, colors[lb], lb)
     ax.set_xlabel(xlabel)
     if xlabel == "round":
         _round_axis(ax)
-    _clip_percent(ax)
-    ax.set_ylabel("personal accuracy (%)")
+    if fraction:
+        _clip_percent(ax)
+    ax.set_ylabel("personal accuracy (%)" if metric == "personal-acc"
+                  else f"{metric} (%)" if fraction else metric)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -168,6 +173,20 @@ def plot_accuracy_rounds(path: Path, runs: Mapping[int, Mapping], labels: Sequen
     return _plot_accuracy(
         path, {lb: _per_round(runs, lb, "personal-acc") for lb in labels}, colors, "round",
         f"{title}: personal accuracy per round\n(mean over {_seed_note(runs)}, 95% CI band)")
+
+
+def plot_metric_rounds(path: Path, runs: Mapping[int, Mapping], labels: Sequence[str],
+                       colors: Mapping[str, str], title: str, metric: str) -> Path | None:
+    """A study's metric (``--metric``) per evaluated round per method, from round 0 when the
+    runs evaluated before training (``eval-at-start``: a pretrained model's own value): mean
+    over seeds, 95% band on the metric's scale."""
+    start = " from round 0 (before training)" if any(
+        row.get("round") == 0 for run in runs.values() for entry in run.get("methods", {})
+        .values() for row in entry.get("rounds", [])) else ""
+    return _plot_accuracy(
+        path, {lb: _per_round(runs, lb, metric) for lb in labels}, colors, "round",
+        f"{title}: {metric} per round{start}\n(mean over {_seed_note(runs)}, 95% CI band)",
+        metric)
 
 
 def plot_accuracy_time(path: Path, runs: Mapping[int, Mapping], labels: Sequence[str],
@@ -442,6 +461,9 @@ def write_group_plots(plot_dir: Path, name: str, runs: Mapping[int, Mapping], gr
     made = [
         ("Personal accuracy per round", plot_accuracy_rounds(file("accuracy"), runs, labels,
                                                              colors, title)),
+        (f"{metric} per round", plot_metric_rounds(file("metric"), runs, labels, colors,
+                                                   title, metric)
+         if metric != "personal-acc" else None),
         ("Personal accuracy by simulated time", plot_accuracy_time(
             file("simtime"), runs, labels, colors, title)),
         ("Per-client accuracy", plot_client_distribution(file("clients"), runs, labels, colors,

@@ -215,6 +215,14 @@ class RoundLoop:
             first = snapshot.round + 1
             self.reporter.info(f"[{self.label}] resumed from round {snapshot.round} (checkpoint "
                                f"{checkpoint.path})")
+        if first == 1 and run.eval_at_start:  # the initial model, before any training
+            started = time.perf_counter()
+            last_eval, down, up = self.evaluate_round(0)
+            row = {"round": 0, **last_eval, "eval-seconds": time.perf_counter() - started,
+                   "round-seconds": time.perf_counter() - started, "bytes-up": up,
+                   "bytes-down": down}
+            self.rounds.append(row)
+            self.reporter.round(self.label, row, server.rounds)
         for server_round in range(first, server.rounds + 1):
             check_stop()
             started = time.perf_counter()

@@ -97,6 +97,12 @@ class RunConfig(Params):
         5,
         'Evaluate every N rounds (the last round is always evaluated).',
         minimum=1, group='run')
+    eval_at_start: bool = param(
+        False,
+        'Also evaluate before round 1 (a row for round 0: the initial model, e.g. a pretrained '
+        'language model before any adapter trains; eval-fraction applies), so the plots start '
+        'from it.',
+        group='run', scope='run')
     eval_fraction: float = param(
         1.0,
         'Fraction of the clients evaluated in each evaluation round before the last (a sample '
