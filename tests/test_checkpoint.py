@@ -386,3 +386,25 @@ def test_a_run_with_central_dp_killed_and_resumed_gives_the_uninterrupted_result
     assert len({r["dp-clip"] for r in rows}) == 4
     assert rows[-1]["dp-epsilon"] > rows[0]["dp-epsilon"]
     assert comparable(resumed) == comparable(reference)
+
+
+def test_a_run_written_before_a_key_existed_resumes_at_the_keys_old_behaviour(tmp_path):
+    """results.json of a run stopped before eval-at-start existed (the key absent from its
+    config): it resumes at eval-at-start = false, the value that computes what it did, and is
+    refused at true."""
+    settings = build_settings({**TINY, "rounds": 3, "checkpoint-every": 1, "methods": "fedavg",
+                               "out-dir": str(tmp_path)})
+    with pytest.raises(Interrupted):
+        run_methods(settings, SequentialEngine, _StopAt("[fedavg] round   2/3"))
+    interrupt.reset()
+    path = tmp_path / "results.json"
+    old = json.loads(path.read_text())
+    del old["config"]["eval-at-start"]
+    path.write_text(json.dumps(old))
+    with pytest.raises(ConfigError, match=r"\('eval-at-start' is absent there and True here\)"):
+        run_methods(settings.replace({"eval-at-start": True}), SequentialEngine,
+                    Reporter(quiet=True), resume=True)
+    reporter = _StopAt()
+    results = run_methods(settings, SequentialEngine, reporter, resume=True)
+    assert any("resumed from round 2" in line for line in reporter.lines)
+    assert [r["round"] for r in results["methods"]["fedavg"]["rounds"]] == [1, 2, 3]

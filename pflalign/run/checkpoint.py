@@ -31,7 +31,7 @@ import torch
 
 from pflalign.outputs.results import slug
 from pflalign.settings.options import ConfigError
-from pflalign.settings.schema import NON_RUN_KEYS
+from pflalign.settings.schema import ADDED_KEYS, NON_RUN_KEYS
 from pflalign.wire.state import State, atomic_write
 
 CHECKPOINT_FORMAT = "pflalign-checkpoint"
@@ -49,8 +49,11 @@ def _digest(payload: object) -> str:
 
 
 def comparable(settings: Mapping[str, object]) -> dict[str, object]:
-    """``settings`` without the keys that change nothing a run computes (:data:`NON_RUN_KEYS`)."""
-    return {k: v for k, v in settings.items() if k not in NON_RUN_KEYS}
+    """``settings`` without the keys that change nothing a run computes (:data:`NON_RUN_KEYS`),
+    nor the keys added later at the value that computes what runs did before them
+    (:data:`ADDED_KEYS`)."""
+    return {k: v for k, v in settings.items() if k not in NON_RUN_KEYS
+            and not (k in ADDED_KEYS and v == ADDED_KEYS[k])}
 
 
 def entry_fingerprint(settings: Mapping[str, object], label: str) -> str:

@@ -750,6 +750,10 @@ DATA_KEYS = keys_in_scope("data", "data-location")
 DATA_LOCATION_KEYS = keys_in_scope("data-location")
 #: keys that change nothing a run computes (left out of checkpoint and state fingerprints)
 NON_RUN_KEYS = keys_in_scope("output")
+#: keys added after results were written, each with the value that computes what runs did
+#: before it existed: a run at that value compares (and fingerprints) as one written without the
+#: key, so that its results and checkpoints still resume
+ADDED_KEYS: dict[str, Value] = {"eval-at-start": False}
 
 
 class Settings(Mapping[str, Value]):
