@@ -527,3 +527,20 @@ def test_a_study_by_perplexity_ranks_low_first_and_keeps_its_intervals_above_one
     for scenario in FINALS:  # the metric per round, from the round-0 evaluation
         _check_png(tmp_path / "plots" / f"metric-{scenario}.png")
         assert f"personal-ppl per round ({scenario})" in text
+
+
+def test_a_suite_tuned_per_scenario_lists_every_methods_trials_per_scenario(tmp_path):
+    doc = _synthetic_study()
+    tune = doc["protocol"]["tune"]
+    tune["draw"] = "Optuna: configured values first, then TPE"
+    tune["scenarios"] = {scenario: {"pflalign": dict(tune["methods"]["pflalign"],
+                                                     space={"pflalign-lr": "log-uniform [1, 10]"})}
+                         for scenario in FINALS}
+    del tune["methods"]
+    write_report(tmp_path, doc)
+    text = (tmp_path / "report.md").read_text()
+    assert "- Trials: Optuna: configured values first, then TPE" in text
+    for scenario in FINALS:
+        section = _section(text, f"#### {scenario}")
+        assert ("| pflalign | `pflalign-lr` ∈ log-uniform [1, 10] | pflalign-lr=3.0 | 65.50 | "
+                "pflalign-lr=1.0: 61.20; pflalign-lr=3.0: 65.50 ✓ |") in section

@@ -414,8 +414,32 @@ def _protocol_section(summary: Mapping, doc: Mapping) -> list[str]:
               f"{tune.get('objective', '-')}",
               "- The chosen values were then run on the evaluation seeds above; validation "
               "scores are means over the tuning seeds."]
-    scale = _scale(str(tune.get("objective") or metric))
-    for label, info in (tune.get("methods") or {}).items():
+    if tune.get("draw"):
+        lines.append(f"- Trials: {tune['draw']}")
+    scale = _scale(metric)  # the tuning's objective is the study's metric
+    tables = tune.get("scenarios") or {}
+    if len(tables) > 1:  # one compact table per scenario: a row per method
+        for scenario, methods in tables.items():
+            rows = []
+            for label, info in methods.items():
+                chosen = info.get("chosen") or {}
+                trials = "; ".join(
+                    f"{_params(trial.get('params') or {})}: {_num(trial.get('score'), scale)}"
+                    + (" ✓" if (trial.get("params") or {}) == chosen else "")
+                    for trial in info.get("trials") or [])
+                best = max((trial.get("score") for trial in info.get("trials") or []
+                            if trial.get("score") is not None and math.isfinite(trial["score"])
+                            and (trial.get("params") or {}) == chosen), default=None)
+                rows.append([label, "; ".join(f"`{k}` ∈ {_space(v)}" for k, v in
+                                              (info.get("space") or {}).items()) or "-",
+                             _params(chosen), _num(best, scale), trials or "-"])
+            lines += ["", f"#### {scenario}", "",
+                      f"Each method's trials on {scenario} (values: mean validation `{metric}` "
+                      "over the tuning seeds; ✓ the chosen one, run on the evaluation seeds):",
+                      "", _markdown_table(["method", "space", "chosen", "its score",
+                                           "trials"], rows, left=5)]
+        return lines
+    for label, info in (tune.get("methods") or next(iter(tables.values()), {})).items():
         space = info.get("space") or {}
         lines += ["", f"#### {label}", "",
                   "- Space: " + ("; ".join(f"`{k}` ∈ {_space(v)}"
