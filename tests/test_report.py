@@ -305,7 +305,7 @@ def test_study_report_has_the_verdict_across_scenarios(synthetic_report):
     assert "over all 4 paired tests against fedavg" in paired
 
 
-#: A planted copy of the suite's pathological-2 numbers (docs/experiments/suite/report.md):
+#: A planted copy of the suite's pathological-2 numbers (docs/experiments/suite-untuned/report.md):
 #: personal-acc per seed whose plain t intervals were printed as 94.20 [86.95, 101.45]
 #: (pflalign) and 91.95 [83.00, 100.90] (local); their worst deciles too.
 PATHOLOGICAL = {

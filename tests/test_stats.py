@@ -143,8 +143,8 @@ def _expit(y: float) -> float:
 
 
 def test_the_pathological_2_row_gets_an_interval_inside_0_100():
-    # docs/experiments/suite/report.md, pathological-2, pflalign: personal-acc per seed 94.71,
-    # 91.06, 96.83 printed as "94.20 [86.95, 101.45]": the plain t interval, past 100%.
+    # docs/experiments/suite-untuned/report.md, pathological-2, pflalign: personal-acc per seed
+    # 94.71, 91.06, 96.83 printed as "94.20 [86.95, 101.45]": the plain t interval, past 100%.
     values = [0.9471, 0.9106, 0.9683]
     mean, low, high, n = mean_ci(values)
     assert (round(100 * mean, 2), round(100 * low, 2), round(100 * high, 2)) == (
