@@ -43,6 +43,7 @@ CASES = {
     "inflate": TRAIN,  # num-examples times a million
     "other-id": TRAIN,  # claims to be client 0
     "perfect-eval": EVALUATE,  # every test sample correct, zero losses
+    "nan-eval-loss": EVALUATE,  # a NaN personal loss: what a diverged personal model reports
     "bad-state": STATE,  # a saved state with a path-like key, inf values and a stray dtype
 }
 #: the reference run's counterpart of each case: the replies the client drops (a bad saved
@@ -89,6 +90,8 @@ def tamper(case: str, action: str, received: Mapping[str, Mapping[str, np.ndarra
     elif case == "perfect-eval":
         metrics.update({k: metrics["num-test"] for k in metrics if k.endswith("-correct")})
         metrics.update({k: 0.0 for k in metrics if k.endswith("-loss")})
+    elif case == "nan-eval-loss":
+        metrics["personal-loss"] = float("nan")
     elif case == "bad-state":
         state = arrays.get(CLIENT_STATE, {})
         arrays[CLIENT_STATE] = {**state, "evil/../../key": np.full(3, np.inf),

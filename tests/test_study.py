@@ -40,6 +40,7 @@ from pflalign.run.study import (
     parse_sweep,
     scenario_names,
     scenario_values,
+    trial_score,
 )
 from pflalign.settings.params import choice, log_range
 from pflalign.settings.schema import DATA_KEYS, Settings
@@ -145,6 +146,44 @@ def test_tuning_by_a_loss_minimizes_it(tmp_path):
     storage = f"sqlite:///{tmp_path / 'tuning' / 'config' / 'optuna.db'}"
     assert {s.direction for s in optuna.get_all_study_summaries(storage)} == {
         optuna.study.StudyDirection.MINIMIZE}
+
+
+def test_a_trial_whose_final_evaluation_rejected_a_reply_fails(tmp_path, monkeypatch, capsys):
+    """A client whose personal model diverged reports a non-finite loss, and its reply is
+    rejected: the trial's metric would cover only the other clients (in the tuned suite a
+    learning rate that diverged on 27 of 30 clients scored 100% on the other 3), so the trial
+    fails instead, and the report marks test runs whose final evaluation left clients out."""
+    from tampering import tampering_handle
+
+    from pflalign.engines import sequential as sequential_engine
+    from pflalign.outputs.report import leaderboard_text, summarize_study
+
+    monkeypatch.setattr(sequential_engine, "handle",
+                        tampering_handle({1: "nan-eval-loss"}, sequential_engine.handle))
+    doc = Study(tiny_plan(tmp_path, seeds=(0,), tune=2, tune_seeds=(5,)), run_group,
+                Reporter(quiet=True)).run()
+    rows = doc["protocol"]["tune"]["methods"]
+    assert set(rows) == {"fedavg", "pflalign"}
+    for row in rows.values():
+        assert [(t["scores"], t["score"]) for t in row["trials"]] == [([None], None)] * 2
+        assert row["chosen"] == row["trials"][0]["params"]  # nothing scored: the first trial
+    warnings = capsys.readouterr().err
+    assert warnings.count("the final evaluation rejected 1 of 4 clients' replies") == 4
+    groups = summarize_study(doc)["groups"]
+    assert [(p["method"], p["seed"], p["evaluated"], p["eval-clients"])
+            for p in groups[0]["partial"]] == [("fedavg", 0, 3, 4), ("pflalign", 0, 3, 4)]
+    text = leaderboard_text(doc)
+    assert text.count(" †") == 2 and "fedavg seed 0: 3 of 4 clients (1 replies rejected)" in text
+
+
+def test_a_trial_score_is_the_final_metric_unless_a_reply_was_rejected():
+    final = {"personal-acc": 0.8, "evaluated": 3, "eval-clients": 4, "eval-failures": 1,
+             "eval-rejected": 0}
+    assert trial_score(final, "personal-acc") == 0.8  # a client that did not answer: kept
+    assert trial_score({**final, "eval-rejected": 1}, "personal-acc") is None
+    assert trial_score({**final, "personal-acc": float("nan")}, "personal-acc") is None
+    assert trial_score({"personal-loss": 0.3}, "personal-loss") == 0.3
+    assert trial_score({"personal-loss": 0.3}, "personal-acc") is None
 
 
 # --- trials -------------------------------------------------------------------------------------

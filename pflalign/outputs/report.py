@@ -177,6 +177,26 @@ def _values(group: Group, label: str, key: str) -> dict[int, float]:
     return {seed: v for seed, v in found.items() if v is not None}
 
 
+def _partial(group: Group, labels: Sequence[str]) -> list[dict]:
+    """The runs whose final evaluation rejected client replies (non-finite or malformed: a
+    personalized model that diverged, or a bad reply): their metrics cover only the clients
+    that answered, so the report names them beside the values."""
+    out = []
+    for label in labels:
+        for seed, run in sorted(group.runs.items()):
+            final = run.get("methods", {}).get(label, {}).get("final", {})
+            if final.get("eval-rejected"):
+                out.append({"method": label, "seed": seed, "rejected": final["eval-rejected"],
+                            "evaluated": final.get("evaluated"),
+                            "eval-clients": final.get("eval-clients")})
+    return out
+
+
+def _partial_text(group: Mapping) -> str:
+    return "; ".join(f"{p['method']} seed {p['seed']}: {p['evaluated']} of {p['eval-clients']} "
+                     f"clients ({p['rejected']} replies rejected)" for p in group["partial"])
+
+
 def _total_bytes(group: Group, label: str) -> dict[int, float]:
     up, down = _values(group, label, "bytes-up"), _values(group, label, "bytes-down")
     return {seed: up[seed] + down[seed] for seed in up if seed in down}
@@ -279,7 +299,7 @@ def summarize_study(doc: Mapping, reference: str | None = None) -> dict:
         out_groups.append({"scenario": group.scenario, "setting": group.setting,
                            "label": group.label, "seeds": sorted(group.runs),
                            "best": ranking[0] if ranking else None, "ranking": ranking,
-                           "methods": methods})
+                           "methods": methods, "partial": _partial(group, present)})
     tests = [(g["label"], lb, e["vs-reference"]) for g in out_groups
              for lb, e in g["methods"].items()
              if e["vs-reference"] is not None and math.isfinite(e["vs-reference"]["p"])]
@@ -484,7 +504,8 @@ def _leaderboard(summary: Mapping) -> list[str]:
                 row += ["-", "-", "-"]
                 continue
             bottom = entry["metrics"].get("personal-acc-bottom10")
-            row += [_ci(entry["metrics"][metric], scale),
+            mark = " †" if any(p["method"] == label for p in g.get("partial", [])) else ""
+            row += [_ci(entry["metrics"][metric], scale) + mark,
                     _num(bottom["mean"], 100) if bottom else "-", _rank(entry["rank"])]
         row.append(_num(summary["average-rank"].get(label), digits=2))
         rows.append(row)
@@ -494,7 +515,16 @@ def _leaderboard(summary: Mapping) -> list[str]:
             "(1 = best; ties share the average rank). The average rank is over the "
             f"{len(groups)} scenario/setting group(s). Scenarios: "
             f"{_context(_group_names(summary), _all_seeds(summary), summary)}.", "",
-            _markdown_table(header, rows)]
+            _markdown_table(header, rows)] + _partial_note(groups)
+
+
+def _partial_note(groups: Sequence[Mapping]) -> list[str]:
+    partial = [f"{g['label']}: {_partial_text(g)}" for g in groups if g.get("partial")]
+    if not partial:
+        return []
+    return ["", "† In some seeds the final evaluation rejected client replies (a non-finite "
+            "loss: the personalized model diverged; or a malformed reply), so that seed's "
+            "metrics cover only the clients that answered: " + "; ".join(partial) + "."]
 
 
 def leaderboard_text(doc: Mapping, reference: str | None = None) -> str:
@@ -522,6 +552,11 @@ def _group_section(group: Mapping, summary: Mapping, plots: Sequence[tuple[str, 
                        ", ".join(_num(v, scale) for v in m[metric]["values"]) or "-"])
     lines += [_markdown_table(["method", "n"] + [f"{k} [95% CI]" for k in keys]
                               + ["MB up+down", f"{metric} per seed"], rows), ""]
+    if group.get("partial"):
+        lines += ["**Partial evaluations.** In these runs the final evaluation rejected client "
+                  "replies (a non-finite loss: the personalized model diverged; or a malformed "
+                  "reply), so their metrics cover only the clients that answered: "
+                  + _partial_text(group) + ".", ""]
     family = summary.get("holm-vs-reference", {}).get("m", 0)
     paired_rows = []
     for label, entry in group["methods"].items():

@@ -488,8 +488,17 @@ class Study:
                                                   f"seed {seed}", "(validation)")))
                     results = self.group(group.replace({"seed": seed}), where, what)
                     for c in active:
-                        score = results["methods"][labels[c.label]]["final"].get(plan.metric)
-                        scores[c.label].append(score if _finite(score) else None)
+                        final = results["methods"][labels[c.label]]["final"]
+                        score = trial_score(final, plan.metric)
+                        if score is None and final.get("eval-rejected"):
+                            self.reporter.warn(
+                                f"tuning {labels[c.label]}" + (f" ({name})" if name else "")
+                                + f" seed {seed}: the final evaluation rejected "
+                                f"{final['eval-rejected']} of {final.get('eval-clients')} "
+                                "clients' replies (non-finite or malformed), so its "
+                                f"{plan.metric} covers only the clients that answered; the "
+                                "trial counts as failed.")
+                        scores[c.label].append(score)
                 for c in active:
                     valid = [s for s in scores[c.label] if s is not None]
                     score = float(np.mean(valid)) if len(valid) == len(scores[c.label]) else None
@@ -523,7 +532,9 @@ class Study:
                 "validation-fraction": plan.settings(next(iter(plan.scenarios)))[
                     "validation-fraction"],
                 "objective": f"mean final validation {plan.metric} over the tuning seeds "
-                             "(evaluate-on = validation; test data is never read)",
+                             "(evaluate-on = validation; test data is never read); a trial "
+                             "fails when its final evaluation rejected any client's reply "
+                             "(its metric would leave those clients out)",
                 "draw": "Optuna: the method's configured values first (when in its space), "
                         f"then seeded random points (the first "
                         f"{tuning.startup_trials(plan.tune)} in all), then TPE; "
@@ -541,6 +552,21 @@ class Study:
 def _score_text(metric: str, score: float) -> str:
     """A score as the tables print it: an accuracy in %, anything else as it is."""
     return f"{100 * score:.2f}%" if is_fraction(metric) else f"{score:.4g}"
+
+
+def trial_score(final: Mapping[str, Value], metric: str) -> float | None:
+    """A tuning trial's score on one tuning seed: the run's final ``metric``, or None (a failed
+    trial) when it is not finite or when the final evaluation rejected any client's reply. A
+    rejected reply (a non-finite loss: a personalized model that diverged; or a malformed one)
+    leaves that client out of the metric, so a setting that diverges on the hardest clients
+    would score as if it had solved the easy ones (a learning rate that diverges on 27 of 30
+    clients scored 100% on the other 3). Clients that did not answer at all (failures and
+    timeouts: a systems-heterogeneity setting) leave the trial as it is: that is the setting's
+    availability, the same for every trial."""
+    score = final.get(metric)
+    if not _finite(score) or final.get("eval-rejected"):
+        return None
+    return float(score)  # type: ignore[arg-type]
 
 
 def _finite(value: object) -> bool:
