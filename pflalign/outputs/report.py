@@ -177,10 +177,14 @@ def _values(group: Group, label: str, key: str) -> dict[int, float]:
     return {seed: v for seed, v in found.items() if v is not None}
 
 
+#: why the report names a run whose final evaluation rejected client replies
+PARTIAL_WHY = ("the final evaluation rejected client replies (a non-finite loss: the "
+               "personalized model diverged; or a malformed reply), so their metrics cover only "
+               "the clients that answered")
+
+
 def _partial(group: Group, labels: Sequence[str]) -> list[dict]:
-    """The runs whose final evaluation rejected client replies (non-finite or malformed: a
-    personalized model that diverged, or a bad reply): their metrics cover only the clients
-    that answered, so the report names them beside the values."""
+    """The runs in which :data:`PARTIAL_WHY`: the report names them beside the values."""
     out = []
     for label in labels:
         for seed, run in sorted(group.runs.items()):
@@ -522,9 +526,7 @@ def _partial_note(groups: Sequence[Mapping]) -> list[str]:
     partial = [f"{g['label']}: {_partial_text(g)}" for g in groups if g.get("partial")]
     if not partial:
         return []
-    return ["", "† In some seeds the final evaluation rejected client replies (a non-finite "
-            "loss: the personalized model diverged; or a malformed reply), so that seed's "
-            "metrics cover only the clients that answered: " + "; ".join(partial) + "."]
+    return ["", f"† In these runs {PARTIAL_WHY}: " + "; ".join(partial) + "."]
 
 
 def leaderboard_text(doc: Mapping, reference: str | None = None) -> str:
@@ -553,9 +555,7 @@ def _group_section(group: Mapping, summary: Mapping, plots: Sequence[tuple[str, 
     lines += [_markdown_table(["method", "n"] + [f"{k} [95% CI]" for k in keys]
                               + ["MB up+down", f"{metric} per seed"], rows), ""]
     if group.get("partial"):
-        lines += ["**Partial evaluations.** In these runs the final evaluation rejected client "
-                  "replies (a non-finite loss: the personalized model diverged; or a malformed "
-                  "reply), so their metrics cover only the clients that answered: "
+        lines += [f"**Partial evaluations.** In these runs {PARTIAL_WHY}: "
                   + _partial_text(group) + ".", ""]
     family = summary.get("holm-vs-reference", {}).get("m", 0)
     paired_rows = []

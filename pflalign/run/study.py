@@ -490,7 +490,7 @@ class Study:
                     for c in active:
                         final = results["methods"][labels[c.label]]["final"]
                         score = trial_score(final, plan.metric)
-                        if score is None and final.get("eval-rejected"):
+                        if final.get("eval-rejected"):  # trial_score fails it
                             self.reporter.warn(
                                 f"tuning {labels[c.label]}" + (f" ({name})" if name else "")
                                 + f" seed {seed}: the final evaluation rejected "
