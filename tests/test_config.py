@@ -140,9 +140,11 @@ def test_help_documents_every_option_and_key():
     (["--methods", "fedavg,nope"], "Unknown method 'nope'"),
     (["--set", "client-resources-num-cpus=100000"], "exceeds this machine's"),
 ])
-def test_cli_config_errors_fail_fast_before_ray(args, match):
+def test_cli_config_errors_fail_fast_before_ray(args, match, tmp_path):
     started = time.perf_counter()
-    result = _simulate(*args)
+    # an out-dir of its own: the checkout's results/default (written by `make run`) must not
+    # answer first with "already exists"
+    result = _simulate(*args, "--out", str(tmp_path / "out"))
     assert result.returncode == 2
     assert match in result.stderr
     assert "Traceback" not in result.stderr
