@@ -93,7 +93,7 @@ def test_the_schedule_trains_what_may_arrive_first_and_delivers_in_arrival_order
 # --- pFLAlign's stale offset ---------------------------------------------------------------------
 def test_pflaligns_server_held_offset_is_against_the_model_the_client_trained_from():
     """docs/pflalign.md: an asynchronous update's offset is upload minus the global model the
-    client received (ALGORITHMS.md 1.7), not rebased nor weighted; the global model gets the
+    client received (docs/algorithms.md 1.7), not rebased nor weighted; the global model gets the
     rebased, weighted upload as FedAvg does."""
     settings = build_settings({"methods": "pflalign", "num-clients": 4,
                                "pflalign-state": "server", **{k: v for k, v in ASYNC.items()

@@ -1,4 +1,5 @@
-"""GGA (ALGORITHMS.md 3): the acceptance rule, the window, GGA-L, on small constructed problems."""
+"""GGA (docs/algorithms.md 3): the acceptance rule, the window, GGA-L, on small constructed
+problems."""
 
 import pytest
 import torch

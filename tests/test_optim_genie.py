@@ -1,4 +1,4 @@
-"""GENIE (ALGORITHMS.md 2.3-2.5) against hand-computed values, its switches and its paths."""
+"""GENIE (docs/algorithms.md 2.3-2.5) against hand-computed values, its switches and its paths."""
 
 import math
 
@@ -189,7 +189,7 @@ def test_fast_path_gives_the_reference_numbers_in_float32():
 
 
 def _spec_run(init, grads, lr, beta, p, precondition, noise, mask, seed):
-    """ALGORITHMS.md 2.3 steps 1-12 in float64 NumPy, written independently of the optimizer.
+    """docs/algorithms.md 2.3 steps 1-12 in float64 NumPy, written independently of the optimizer.
     The randomness is replayed from a generator seeded alike, in GENIE's documented order: the
     mask's 16-bit draws (four per 64-bit word) over all coordinates, then xi over the tensors
     whose float32 gate has some tau < 1."""
@@ -241,7 +241,7 @@ def _spec_run(init, grads, lr, beta, p, precondition, noise, mask, seed):
     return thetas
 
 
-# the reference repository's ablation classes (ALGORITHMS.md 2.2): preconditioning only, then
+# the reference repository's ablation classes (docs/algorithms.md 2.2): preconditioning only, then
 # + noise, then + noise + mask (the full rule); and the mask alone on the EMA mean
 ABLATIONS = [dict(precondition=True, noise=False, mask=False),
              dict(precondition=True, noise=True, mask=False),

@@ -1,4 +1,4 @@
-"""PFLAlign against values computed by hand (ALGORITHMS.md 1.4) and its invariants."""
+"""PFLAlign against values computed by hand (docs/algorithms.md 1.4) and its invariants."""
 
 import math
 from statistics import NormalDist
@@ -12,7 +12,7 @@ BETA, EPS = 0.9, 1e-12
 
 
 def _reference_step(theta, m, v, p, g, delta, lr, T, beta=BETA, eps=EPS):
-    """One step of ALGORITHMS.md 1.4, coordinate by coordinate, in plain Python floats."""
+    """One step of docs/algorithms.md 1.4, coordinate by coordinate, in plain Python floats."""
     out = []
     for j in range(len(theta)):
         mj = beta * m[j] + (1 - beta) * g[j]

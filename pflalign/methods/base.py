@@ -219,7 +219,7 @@ class Method(Generic[P, C, S]):
     def aggregate(self, server: ServerRuntime, state: S, server_round: int,
                   updates: Sequence[Update]) -> tuple[S, dict[str, float]]:
         """The new server state from the round's validated updates, and diagnostics for the
-        round's row (default: FedAvg by num-examples, ALGORITHMS.md 1.6)."""
+        round's row (default: FedAvg by num-examples, docs/algorithms.md 1.6)."""
         new = server.average([u.model for u in updates], [u.num_examples for u in updates])
         return server.with_model(state, new), {}
 

@@ -3,7 +3,7 @@ Data, AISTATS 2017).
 
 Client: train the received global model with the run's local optimizer and upload it; the
 client's model is the global model. Server: ``theta_g <- sum_i n_i theta_i / sum_i n_i`` over the
-round's clients (ALGORITHMS.md 1.6), the :class:`~pflalign.methods.base.Method` default.
+round's clients (docs/algorithms.md 1.6), the :class:`~pflalign.methods.base.Method` default.
 """
 
 from __future__ import annotations

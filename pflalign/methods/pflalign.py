@@ -1,5 +1,5 @@
 """pFLAlign (Kim et al., Personalized Federated Learning for Gradient Alignment, arXiv
-2605.02143; ALGORITHMS.md 1).
+2605.02143; docs/algorithms.md 1).
 
 Client, one round on client i (1.7, 1.8):
 
@@ -17,7 +17,7 @@ numbers in float32, so they give identical metrics; they differ in bytes and in 
 are kept. ``v`` and ``P`` stay on the client in both modes: they are never sent (1.5). Clients not
 sampled keep their offsets untouched; a first participation starts from ``Delta = 0``.
 
-With ``pflalign-local-update = genie`` (the ``pflalign-genie`` variant, ALGORITHMS.md 4.2) step
+With ``pflalign-local-update = genie`` (the ``pflalign-genie`` variant, docs/algorithms.md 4.2) step
 2 is GENIE's rule instead, with ``m``, ``s`` and the step count persistent per client and no offset
 correction; the rest of the round is unchanged.
 
@@ -79,11 +79,11 @@ OFFSET, PERSONAL = "offset", "personal"
 EVALUATE_AFTER_FIT = "evaluate-after-fit"
 
 
-# --- the server's offsets (ALGORITHMS.md 1.7) ------------------------------------------------
+# --- the server's offsets (docs/algorithms.md 1.7) ------------------------------------------------
 def personal_offset(end_state: Mapping[str, np.ndarray], global_state: Mapping[str, np.ndarray],
                     keys: Sequence[str]) -> State:
     """pFLAlign's ``Delta_i = theta_i^end - theta_g`` over the trainable entries ``keys``
-    (ALGORITHMS.md 1.7; buffers carry no offset, 1.13 A6)."""
+    (docs/algorithms.md 1.7; buffers carry no offset, 1.13 A6)."""
     return {k: np.asarray(end_state[k]) - np.asarray(global_state[k]) for k in keys}
 
 
@@ -95,11 +95,11 @@ def personalized_init(global_state: Mapping[str, np.ndarray],
 
 
 
-# --- the client's local update (ALGORITHMS.md 1.4, 1.8) ------------------------------------------
+# --- the client's local update (docs/algorithms.md 1.4, 1.8) --------------------------------------
 @dataclass(frozen=True)
 class PFLAlignRule(OptimizerRule):
     """pFLAlign's PersonalizedLocalUpdate for one client's round (:class:`~pflalign.training.optim.
-    PFLAlign`, ALGORITHMS.md 1.4 and 1.8): ``v`` and ``P`` from ``saved`` (``<entry>.v``,
+    PFLAlign`, docs/algorithms.md 1.4 and 1.8): ``v`` and ``P`` from ``saved`` (``<entry>.v``,
     ``<entry>.P``; zeros when None), the offset ``offsets`` (None: no correction) and the round's
     ``num_steps``. Its outcome is the new ``v`` and ``P`` and the round's mean P and gamma."""
 
@@ -229,11 +229,12 @@ class PFLAlignParams(Params):
                        "and sends the personalized initialization and Delta in the client's "
                        "message).", choices=("client", "server"))
     local_update: str = param("pflalign", "The PersonalizedLocalUpdate: pflalign (preconditioner "
-                              "P and gamma correction, ALGORITHMS.md 1.4) or genie (GENIE's rule "
-                              "with per-client persistent state and no offset correction, 4.2).",
+                              "P and gamma correction, docs/algorithms.md 1.4) or genie (GENIE's "
+                              "rule with per-client persistent state and no offset correction, "
+                              "4.2).",
                               choices=("pflalign", "genie"))
     bn: str = param("global", "Batch-norm buffers come from the global model (global, "
-                    "ALGORITHMS.md 1.13 A6) or stay on each client (local, FedBN-style).",
+                    "docs/algorithms.md 1.13 A6) or stay on each client (local, FedBN-style).",
                     choices=("global", "local"))
 
 
@@ -264,7 +265,7 @@ class PFLAlignMethod(Method):
     name = "pflalign"
     summary = ("pFLAlign: clients start from global + their offset Delta and train with a "
                "persistent multiplicative preconditioner P and a gamma-weighted removal of "
-               "Delta; the server averages (ALGORITHMS.md 1).")
+               "Delta; the server averages (docs/algorithms.md 1).")
     paper = ("Kim et al., Personalized Federated Learning for Gradient Alignment (pFLAlign), "
              "arXiv 2605.02143")
     Params = PFLAlignParams
@@ -280,7 +281,7 @@ class PFLAlignMethod(Method):
     ClientState = PFLAlignClientState
     ServerState = PFLAlignServerState
     local_optimizer = False
-    #: the mean preconditioner P (>= 0; an honest P is about [0, 1]: ALGORITHMS.md 1) and the
+    #: the mean preconditioner P (>= 0; an honest P is about [0, 1]: docs/algorithms.md 1) and the
     #: mean alignment probability gamma (in [0, 1]); GENIE's local update reports neither
     train_metrics = {"mean-P": Metric(diagnostic=True), "mean-gamma": Metric(0, 1, diagnostic=True)}
     #: the accuracy of the next round's starting point theta_g + Delta_i
@@ -319,7 +320,7 @@ class PFLAlignMethod(Method):
 
     def _rule(self, client: ClientRuntime, offset: TorchState | None,
               state: PFLAlignClientState) -> OptimizerRule:
-        """The round's local update with this client's persisted state: PFLAlign (ALGORITHMS.md
+        """The round's local update with this client's persisted state: PFLAlign (docs/algorithms.md
         1.4, 1.8) with the offset ``offset`` and the round's step count, or GENIE (4.2)."""
         p, t = self.params, client.training
         if self.genie:

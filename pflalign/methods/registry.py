@@ -140,7 +140,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
             "initialization, no correction).", personalize=False),
     variant("pflalign-genie", PFLAlignMethod, "pFLAlign's federation (personalized "
             "initialization and offsets) with GENIE as the local update, its state persistent "
-            "per client (ALGORITHMS.md 4.2).", local_update="genie"),
+            "per client (docs/algorithms.md 4.2).", local_update="genie"),
     variant("pflalign-sgd", PFLAlignMethod, "pFLAlign with P = 1 and Delta = 0: FedAvg with "
             "plain SGD.", precondition=False, personalize=False),
 )}

@@ -1,4 +1,4 @@
-"""The federated annealed warm start (ALGORITHMS.md 4.3 item 1) as a wrapper around any method.
+"""The federated annealed warm start (docs/algorithms.md 4.3 item 1) as a wrapper around any method.
 
 In rounds ``gga-start..gga-end``, before training, the server sends the round's sampled clients the
 global model and a seed; each regenerates ``gga-candidates`` perturbations ``eps_k ~ U(-gga-rho,

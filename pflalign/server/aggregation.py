@@ -79,7 +79,7 @@ class FlatSpec:
 
 
 def weighted_average(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
-    """``sum_i w_i v_i / sum_i w_i`` accumulated in float64 (FedAvg, ALGORITHMS.md 1.6)."""
+    """``sum_i w_i v_i / sum_i w_i`` accumulated in float64 (FedAvg, docs/algorithms.md 1.6)."""
     if len(vectors) == 0:
         raise ValueError("weighted_average needs at least one vector.")
     if len(vectors) != len(weights):

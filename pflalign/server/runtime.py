@@ -123,7 +123,8 @@ class ServerRuntime:
     def average(self, states: Sequence[State], weights: Sequence[float],
                 spec: FlatSpec | None = None) -> State:
         """Client states (by default the exchanged model entries) combined by the run's
-        ``aggregation`` rule; ``mean`` is FedAvg's sample-weighted average (ALGORITHMS.md 1.6)."""
+        ``aggregation`` rule; ``mean`` is FedAvg's sample-weighted average
+        (docs/algorithms.md 1.6)."""
         spec = spec or self.flat
         if self.settings.run.aggregation == "mean":
             return fedavg(states, weights, spec)

@@ -675,7 +675,7 @@ class LocalTraining(Params):
     adam_lr: float = param(0.001, "Step size of local-optimizer = adam and adamw.",
                            minimum=0.0, exclusive_minimum=True)
     genie_lr: float = param(
-        0.3, "GENIE's step size (the paper's convergence rate eta, ALGORITHMS.md 2.5), for "
+        0.3, "GENIE's step size (the paper's convergence rate eta, docs/algorithms.md 2.5), for "
         "local-optimizer = genie and pflalign-genie. The paper's 0.015 (pretrained ResNets) "
         "trains a CNN from scratch too slowly; 0.3 was best of 0.015-1.0 on "
         "configs/rotated.toml, seeds 0-1 (README).", minimum=0.0, exclusive_minimum=True,
@@ -696,7 +696,7 @@ class LocalTraining(Params):
                                weight_decay=self.weight_decay)
 
     def genie_options(self) -> dict:
-        """GENIE's keyword arguments from the ``genie-*`` keys (ALGORITHMS.md 2.5)."""
+        """GENIE's keyword arguments from the ``genie-*`` keys (docs/algorithms.md 2.5)."""
         return dict(lr=self.genie_lr, moving_avg=self.genie_moving_avg, p=self.genie_p,
                     weight_decay=self.weight_decay, precondition=self.genie_precondition,
                     noise=self.genie_noise, mask=self.genie_mask)

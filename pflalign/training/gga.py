@@ -1,4 +1,4 @@
-"""GGA: gradient-guided annealing (ALGORITHMS.md 3), usable in any PyTorch loop.
+"""GGA: gradient-guided annealing (docs/algorithms.md 3), usable in any PyTorch loop.
 
 Early in training, GGA searches around the current parameters for a point where the gradients of
 different domains agree (the minimum pairwise cosine of the per-domain gradients rises) while the
@@ -96,7 +96,7 @@ def gga_anneal(model: nn.Module, batches: Sequence[Batch], *, rho: float = 1e-5,
                perturb: Sequence[torch.Tensor] | None = None,
                generator: torch.Generator | None = None,
                loss_fn: LossFn = F.cross_entropy) -> AnnealResult:
-    """One GGA annealing step in place on ``model`` (ALGORITHMS.md 3.2 steps 1-5).
+    """One GGA annealing step in place on ``model`` (docs/algorithms.md 3.2 steps 1-5).
 
     From the anchor ``theta_0``: ``candidates`` times, perturb the ``perturb`` parameters (default:
     all trainable; the reference perturbs the featurizer only, i.e. all but the classifier) by
@@ -200,7 +200,7 @@ def gga_l_gradients_(model: nn.Module, batches: Sequence[Batch], *, gamma: float
     return alpha, sim
 
 
-# --- federated annealed warm start (ALGORITHMS.md 4.3 item 1; the domains are clients) --------
+# --- federated annealed warm start (docs/algorithms.md 4.3 item 1; the domains are clients) ---
 
 
 

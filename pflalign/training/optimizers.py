@@ -228,7 +228,7 @@ def local_optimizer(training: LocalTraining, params: Iterable[torch.Tensor],
 @dataclass(frozen=True)
 class PersistentGenie(OptimizerRule):
     """GENIE with its state kept by the client across rounds (pFLAlign's GENIE variant,
-    ALGORITHMS.md 4.2): ``m``, ``s`` and the step count from ``saved`` (``<entry>.m``,
+    docs/algorithms.md 4.2): ``m``, ``s`` and the step count from ``saved`` (``<entry>.m``,
     ``<entry>.s``, ``<entry>.step``; fresh when None); the outcome is the new state."""
 
     stackable: ClassVar[bool] = True

@@ -1,9 +1,9 @@
 """pflalign's optimizers: ``torch.optim.Optimizer`` classes over public functional cores.
 
 - :mod:`pflalign.training.optim.pflalign`: pFLAlign's PersonalizedLocalUpdate (:class:`PFLAlign`,
-  :func:`pflalign_update`; ALGORITHMS.md 1.4, 1.8, 1.11);
-- :mod:`pflalign.training.optim.genie`: GENIE (:class:`GENIE`, :func:`genie_update`; ALGORITHMS.md
-  2.3-2.5).
+  :func:`pflalign_update`; docs/algorithms.md 1.4, 1.8, 1.11);
+- :mod:`pflalign.training.optim.genie`: GENIE (:class:`GENIE`, :func:`genie_update`;
+  docs/algorithms.md 2.3-2.5).
 
 As in ``torch.optim`` (``sgd(params, grads, momentum_buffers, *, lr, ...)`` behind
 ``torch.optim.SGD``), each class keeps its state and calls its functional core, which takes one

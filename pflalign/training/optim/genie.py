@@ -1,4 +1,4 @@
-"""GENIE (ALGORITHMS.md 2.3-2.5): :class:`GENIE`, a ``torch.optim.Optimizer``, over its
+"""GENIE (docs/algorithms.md 2.3-2.5): :class:`GENIE`, a ``torch.optim.Optimizer``, over its
 functional core :func:`genie_update`.
 """
 
@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from pflalign.training.optim.common import closure_loss, params_with_grad
 
-#: GENIE's internal constants (ALGORITHMS.md 2.3): the variance floor and the clamp of 1/var
+#: GENIE's internal constants (docs/algorithms.md 2.3): the variance floor and the clamp of 1/var
 GENIE_FLOOR = 1e-8
 GENIE_CLAMP = 10.0
 #: in float32, tanh(x) == 1 exactly for every x >= this (a test checks all float32 values up to 10)
@@ -20,7 +20,7 @@ TANH_ONE = 9.5
 
 
 class GENIE(Optimizer):
-    """GENIE: equalizes each parameter's one-step generalization ratio (ALGORITHMS.md 2.3-2.5).
+    """GENIE: equalizes each parameter's one-step generalization ratio (docs/algorithms.md 2.3-2.5).
 
     Per tensor, with EMAs ``m`` of ``g`` and ``s`` of ``g^2`` (decay ``beta = moving_avg``) and its
     step count ``t``, element-wise (2.3 steps 1-12):
@@ -149,7 +149,8 @@ class GENIE(Optimizer):
 
 
 def _genie_constants(beta: float, step: int) -> tuple[float, float]:
-    """``b = 1 - beta^t`` and ``rho = (1-beta)(2-b) / ((1+beta) b)`` (ALGORITHMS.md 2.3 step 2)."""
+    """``b = 1 - beta^t`` and ``rho = (1-beta)(2-b) / ((1+beta) b)`` (docs/algorithms.md 2.3
+    step 2)."""
     b = 1.0 - beta ** step
     return b, (1.0 - beta) * (2.0 - b) / ((1.0 + beta) * b)
 
@@ -216,7 +217,7 @@ def _genie_noise(generator: torch.Generator | None, params: list[torch.Tensor],
 
 def _genie_single(generator: torch.Generator | None, params: list[torch.Tensor],
                   states: list[dict], group: dict, step: int) -> None:
-    """Reference implementation, one tensor at a time, as ALGORITHMS.md 2.4 reads."""
+    """Reference implementation, one tensor at a time, as docs/algorithms.md 2.4 reads."""
     beta, lr, wd = group["moving_avg"], group["lr"], group["weight_decay"]
     b, rho = _genie_constants(beta, step)
     stats = []

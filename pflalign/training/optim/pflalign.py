@@ -1,4 +1,4 @@
-"""pFLAlign's PersonalizedLocalUpdate (ALGORITHMS.md 1.4, 1.8, 1.11): :class:`PFLAlign`, a
+"""pFLAlign's PersonalizedLocalUpdate (docs/algorithms.md 1.4, 1.8, 1.11): :class:`PFLAlign`, a
 ``torch.optim.Optimizer``, over its functional core :func:`pflalign_update`.
 """
 
@@ -20,7 +20,7 @@ def hyperparameters(group: dict) -> dict:
 
 
 class PFLAlign(Optimizer):
-    """pFLAlign's variance-reduced, gradient-aligned local update (ALGORITHMS.md 1.4 and 1.8).
+    """pFLAlign's variance-reduced, gradient-aligned local update (docs/algorithms.md 1.4 and 1.8).
 
     For a stochastic gradient ``g`` of each parameter, element-wise:
 
@@ -161,7 +161,7 @@ def _gamma_single(m: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, mode: s
 
 def _step_single(params: list[torch.Tensor], states: list[dict], group: dict,
                  ) -> tuple[float | torch.Tensor, int]:
-    """Reference implementation, one tensor at a time, written as ALGORITHMS.md 1.8 reads."""
+    """Reference implementation, one tensor at a time, written as docs/algorithms.md 1.8 reads."""
     lr, beta, eps = group["lr"], group["beta"], group["eps"]
     gamma_sum: float | torch.Tensor = 0.0
     gamma_count = 0
