@@ -38,13 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pflalign.data.federated import federated_dataset  # noqa: E402
-from pflalign.engines.sequential import records_bytes  # noqa: E402
 from pflalign.outputs.plots import per_time  # noqa: E402
 from pflalign.outputs.report import study_runs  # noqa: E402
 from pflalign.outputs.stats import mean_ci  # noqa: E402
 from pflalign.run.config import build_settings, load_toml  # noqa: E402
 from pflalign.run.driver import initial_model  # noqa: E402
 from pflalign.server.clock import drawn_profiles  # noqa: E402
+from pflalign.wire.traffic import records_bytes  # noqa: E402
 
 METHODS = "fedavg,fedrep,ditto,pflalign"
 SETTINGS = ("homogeneous", "deadline", "deadline+over", "async")

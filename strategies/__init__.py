@@ -1,5 +1,6 @@
-"""Flower server side: the ServerApp and the Flower engine, thin over the round loop and the
-methods in ``pflalign``.
+"""Flower server side: every registered method as a Flower Message-API strategy
+(:mod:`strategies.methods`: ``from strategies import PFLAlign``), the project's ServerApp and the
+Flower engine, thin over the round loop and the methods in ``pflalign``.
 
 A package is imported before any of its modules, so this sets Flower's and Ray's environment
 (no telemetry, no update checks, no package installs) before any module here imports flwr.
@@ -8,3 +9,31 @@ A package is imported before any of its modules, so this sets Flower's and Ray's
 from pflalign.engines.flower_process import set_flower_environment
 
 set_flower_environment()
+
+from strategies.methods import (  # noqa: E402  (after the environment is set)
+    APFL,
+    GPFL,
+    STRATEGIES,
+    Ditto,
+    FedALA,
+    FedAvg,
+    FedAvgFT,
+    FedBN,
+    FedCP,
+    FedDBE,
+    FedDyn,
+    FedPer,
+    FedProx,
+    FedRep,
+    Local,
+    MethodStrategy,
+    PerFedAvg,
+    PFedMe,
+    PFLAlign,
+    Scaffold,
+    strategy_for,
+)
+
+__all__ = ["APFL", "GPFL", "STRATEGIES", "Ditto", "FedALA", "FedAvg", "FedAvgFT", "FedBN", "FedCP",
+           "FedDBE", "FedDyn", "FedPer", "FedProx", "FedRep", "Local", "MethodStrategy",
+           "PFLAlign", "PFedMe", "PerFedAvg", "Scaffold", "strategy_for"]

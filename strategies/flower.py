@@ -1,6 +1,6 @@
 """The Flower engine: a federation's messages as Flower Messages through a Grid.
 
-:class:`FlowerEngine` is what :class:`~pflalign.run.rounds.RoundLoop` runs on under ``flwr
+:class:`FlowerEngine` is what :class:`~pflalign.round.loop.RoundLoop` runs on under ``flwr
 run`` and ``simulate.py`` (a Flower simulation on Ray), and in a real deployment of SuperNodes. It
 discovers the nodes (a QUERY for each one's stable ``partition-id`` and split sizes), turns each
 outgoing payload into a Message to that client's node, and turns replies back into metrics and NumPy
@@ -259,7 +259,7 @@ class FlowerEngine(Engine):
                 unsent.append(key)
         return pending, unsent
 
-    # --- asynchronous rounds in real time (pflalign.run.asynchronous.RealTimeRounds) ----------
+    # --- asynchronous rounds in real time (pflalign.round.fedbuff.RealTimeRounds) ----------
     def submit(self, action: str, messages: Sequence[Outgoing]) -> int:
         """Push ``messages`` without waiting for their replies (:meth:`poll` collects them);
         returns their bytes."""
@@ -318,15 +318,20 @@ class FlowerEngine(Engine):
 
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
         outgoing, sizes = self.outgoing(action, messages)
-        down = sum(sizes)
         replies, silent = self.send(outgoing)
+        return self.collected(messages, sizes, replies, silent)
+
+    def collected(self, messages: Sequence[Outgoing], sizes: Sequence[int],
+                  replies: Mapping[int, Message], silent: Sequence[int]) -> Exchange:
+        """The exchange of ``messages`` (``sizes``: their bytes) from the Flower ``replies`` by
+        client, the ``silent`` clients counted as timed out."""
         up = sum(message_bytes(m.content) for m in replies.values() if not m.has_error())
         limits = {m.client: m.limits for m in messages}
         answers = [self.reply(cid, m, limits.get(cid)) for cid, m in replies.items()]
         answers += [Reply(cid, f"client {cid}", timed_out=True,
                           error=f"did not reply within round-timeout = {self.timeout:g} s")
                     for cid in silent]
-        return Exchange(answers, down, up)
+        return Exchange(answers, sum(sizes), up)
 
     def oversized(self, content: RecordDict, limits: Mapping[str, int] | None) -> str | None:
         """Why a reply's records cannot be read (None when they can), from their sizes alone."""

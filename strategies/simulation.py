@@ -106,13 +106,15 @@ def start_ray(init_args: dict) -> None:
 
 def simulate(settings: Settings, reporter: Reporter | None = None, verbose: bool = False,
              ray_address: str | None = None, resume: bool = False,
-             client_app: object | None = None) -> dict:
+             client_app: object | None = None, server_app: object | None = None) -> dict:
     """Validate the data, run every method of ``settings`` on Ray, and return the results.
 
     ``ray_address`` (or Ray's own ``RAY_ADDRESS`` variable): run the clients on that existing
     Ray cluster instead of a local Ray started (and stopped) here. ``resume``: continue a killed
     run in ``out-dir`` (:func:`~pflalign.run.driver.run_methods`). ``client_app``: a ClientApp
-    to serve the clients in place of the project's (a test's, wrapping its handlers)."""
+    to serve the clients in place of the project's (a test's, wrapping its handlers);
+    ``server_app``: a ServerApp in place of the project's (one of a user's own, over a strategy of
+    :mod:`strategies.methods`), which returns nothing here: it keeps its own results."""
     address = ray_address or os.environ.get("RAY_ADDRESS") or None
     if address is not None:
         check_ray_address(address)
@@ -155,8 +157,8 @@ def simulate(settings: Settings, reporter: Reporter | None = None, verbose: bool
                 request_stop(signal.SIGTERM)
             reinstall_handlers()  # ray.init installs its own SIGTERM handler
             check_stop()
-            run_simulation(server_app=make_server_app(settings, reporter, collected.append,
-                                                      resume=resume),
+            run_simulation(server_app=server_app or make_server_app(
+                               settings, reporter, collected.append, resume=resume),
                            client_app=client_app or project_app,
                            num_supernodes=settings.num_nodes,
                            backend_config=config, verbose_logging=verbose)
@@ -166,6 +168,8 @@ def simulate(settings: Settings, reporter: Reporter | None = None, verbose: bool
         flwr_logger.removeFilter(quiet_filter)
         flwr_logger.setLevel(previous_level)
         shutil.rmtree(run_dir, ignore_errors=True)
+    if server_app is not None:
+        return {}
     if not collected:
         raise RuntimeError("The simulation ended without results; see the log above.")
     return collected[0]

@@ -6,8 +6,8 @@ from harness import train_metrics
 
 from pflalign.methods.registry import METHODS
 from pflalign.outputs.results import Reporter
+from pflalign.round.loop import RoundLoop
 from pflalign.run.config import build_settings
-from pflalign.run.rounds import RoundLoop
 from pflalign.server.aggregation import FlatSpec, fedavg, weighted_average
 from pflalign.server.runtime import ServerRuntime
 from pflalign.wire.messages import ClientInfo, Exchange

@@ -10,7 +10,6 @@ import pytest
 from conftest import needs_fashion_mnist
 from harness import server, three_engines
 
-from pflalign.engines.sequential import records_bytes
 from pflalign.methods.pflalign import OFFSET
 from pflalign.run.config import build_settings
 from pflalign.run.driver import initial_model, simulate
@@ -27,6 +26,7 @@ from pflalign.server.clock import MB
 from pflalign.settings.options import ConfigError
 from pflalign.wire.messages import Stale, Update
 from pflalign.wire.protocol import MODEL
+from pflalign.wire.traffic import records_bytes
 from scripts.compare_results import compare
 
 #: 6 clients, 4 in flight, aggregating every 2 arrivals, on 1,200 Fashion-MNIST samples

@@ -13,7 +13,7 @@ from test_robustness import BASE, _run
 
 from pflalign.engines.faults import malicious_clients
 from pflalign.outputs.results import comparison_table
-from pflalign.run.audit import AUDIT_STREAM, Audit, audit_sample, disagreement
+from pflalign.round.features.audit import AUDIT_STREAM, Audit, audit_sample, disagreement
 from pflalign.run.config import build_settings
 
 # --- the rules, by hand ----------------------------------------------------------------------

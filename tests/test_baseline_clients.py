@@ -13,8 +13,8 @@ from pflalign.methods.registry import METHODS, method_overrides
 from pflalign.methods.scaffold import CONTROL, CONTROL_DELTA, ScaffoldClientState
 from pflalign.models.registry import batch_norm_keys, head_keys
 from pflalign.outputs.results import Reporter
+from pflalign.round.loop import RoundLoop
 from pflalign.run.config import ConfigError, build_settings
-from pflalign.run.rounds import RoundLoop
 from pflalign.training.loops import STREAM_PERSONAL
 from pflalign.training.runs import LocalRun, complete
 from pflalign.wire.messages import Exchange, Received, Reply, Update

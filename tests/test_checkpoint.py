@@ -20,7 +20,7 @@ from pflalign.engines.sequential import SequentialEngine
 from pflalign.outputs.results import Reporter, slug
 from pflalign.process import interrupt
 from pflalign.process.interrupt import Interrupted, request_stop
-from pflalign.run.checkpoint import Checkpoint, Snapshot, checkpoint_path, entry_fingerprint
+from pflalign.round.checkpoint import Checkpoint, Snapshot, checkpoint_path, entry_fingerprint
 from pflalign.run.config import ConfigError, build_settings
 from pflalign.run.driver import run_methods
 
@@ -104,12 +104,12 @@ def test_a_snapshot_round_trips_exactly_and_a_foreign_one_is_refused(tmp_path):
         rounds=[{"round": 1, "personal-acc": 0.1 + 0.2, "bytes-up": 10}],
         client_results=[{"id": 4, "personal-acc": 1 / 3}], saved_state=[4], last_eval={"x": 1.5},
         rng_arrays={"t": np.arange(5, dtype=np.uint8)}, rng_meta={"numpy": ["MT19937", 1, 0, 0.0]},
-        norms={"update": [[0.1 + 0.2, 1e-300], []]})
+        features={"update-bounds": {"norms": {"update": [[0.1 + 0.2, 1e-300], []]}}})
     checkpoint.write(snapshot)
     back = checkpoint.read()
     assert back.round == 2 and back.before_aggregation is None and back.rounds == snapshot.rounds
     assert back.client_results == snapshot.client_results and back.last_eval == {"x": 1.5}
-    assert back.norms == {"update": [[0.1 + 0.2, 1e-300], []]}
+    assert back.features == {"update-bounds": {"norms": {"update": [[0.1 + 0.2, 1e-300], []]}}}
     assert sorted(back.clients) == [1, 4] and back.clients[1] == {}
     for name, value in snapshot.clients[4].items():
         assert back.clients[4][name].dtype == value.dtype
@@ -304,8 +304,8 @@ def test_a_checkpoint_streams_client_states_and_a_resume_reads_them_one_by_one(t
                                                                                monkeypatch):
     """States are asked STATE_CHUNK clients at a time and written as they come; a resumed run
     reads each from the file when it sends it back, and ends as the uninterrupted run does."""
-    from pflalign.run import rounds
-    from pflalign.run.checkpoint import StoredStates
+    from pflalign.round import checkpoint as rounds
+    from pflalign.round.checkpoint import StoredStates
 
     monkeypatch.setattr(rounds, "STATE_CHUNK", 2)
     settings = build_settings({**TINY, "fraction-train": 1.0, "checkpoint-every": 2,

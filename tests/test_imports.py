@@ -27,8 +27,9 @@ FOLDER_LAYERS = {
     "pflalign/training": 3, "pflalign/training/optim": 3, "pflalign/server": 3,
     "pflalign/methods": 4,
     "pflalign/engines": 5,
-    "pflalign/run": 6,
-    "clients": 7, "strategies": 7,  # the apps
+    "pflalign/round": 6, "pflalign/round/features": 6,  # the round: loop, schedulers, features
+    "pflalign/run": 7,  # the experiment around it: CLI, driver, studies, docs
+    "clients": 8, "strategies": 8,  # the apps
 }
 
 

@@ -17,9 +17,10 @@ from tampering import CASES, DROPPED, tampering_handle
 from pflalign.engines import sequential as sequential_engine
 from pflalign.methods.registry import METHODS
 from pflalign.outputs.results import Reporter
+from pflalign.round.feature import RoundFeature
+from pflalign.round.loop import RoundLoop
 from pflalign.run.config import build_settings
 from pflalign.run.driver import initial_model, template_model
-from pflalign.run.rounds import RoundLoop
 from pflalign.server.runtime import ServerRuntime
 
 pytestmark = needs_fashion_mnist
@@ -60,16 +61,18 @@ def _sequential(cases: dict[int, str], monkeypatch) -> tuple[dict, list[dict]]:
     model, trainable = initial_model(settings)
     server = ServerRuntime(settings, "pflalign", model, trainable, template_model(settings),
                            10)
-    loop = RoundLoop(server, METHODS["pflalign"].build(settings),
-                     sequential_engine.SequentialEngine(settings), Reporter(quiet=True))
     models = []
 
-    class Record:
+    class Record(RoundFeature):
+        name = "record-models"
+
         def before_training(self, federation, server_round):
             models.append({k: v.copy() for k, v in federation.state.model.items()})
             return {}, 0, 0
 
-    loop.hooks.append(Record())
+    loop = RoundLoop(server, METHODS["pflalign"].build(settings),
+                     sequential_engine.SequentialEngine(settings), Reporter(quiet=True),
+                     features=[Record()])
     result = loop.run(model)
     monkeypatch.undo()
     return result, [*models[1:], loop.state.model]

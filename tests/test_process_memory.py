@@ -16,7 +16,7 @@ from harness import method_settings, server, train_metrics
 from test_reply_schema import INITIAL
 
 from pflalign.engines import host
-from pflalign.process.memory import host_id, peak_rss_mb, process_metrics
+from pflalign.process.memory import host_id, peak_rss_mb
 from pflalign.run.config import build_settings
 from pflalign.run.driver import simulate
 from pflalign.server.validation import ClientFailure, ReplyValidator
@@ -29,6 +29,7 @@ from pflalign.wire.protocol import (
     PROCESS_METRICS,
     PROCESS_PEAK_RSS_MB,
     TRAIN,
+    process_metrics,
 )
 from scripts.compare_results import compare
 

@@ -18,9 +18,10 @@ from pflalign.engines.faults import injected_fault, malicious_clients
 from pflalign.engines.sequential import SequentialEngine
 from pflalign.methods.registry import METHODS
 from pflalign.outputs.results import Reporter
+from pflalign.round.feature import RoundFeature
+from pflalign.round.loop import RoundLoop
 from pflalign.run.config import ConfigError, build_settings
 from pflalign.run.driver import initial_model, template_model
-from pflalign.run.rounds import RoundLoop
 from pflalign.server.aggregation import (
     FlatSpec,
     combine,
@@ -28,6 +29,7 @@ from pflalign.server.aggregation import (
     trimmed_mean,
     weighted_average,
 )
+from pflalign.server.bounds import NormBounds
 from pflalign.server.runtime import ServerRuntime
 from pflalign.server.validation import non_finite
 from pflalign.wire.messages import Update
@@ -103,8 +105,10 @@ BASE = {"num-clients": 6, "max-samples": 3000, "fraction-train": 1.0, "rounds": 
         "round-timeout": 5.0}
 
 
-class _RecordModels:
-    """A round hook recording the global model before each round's training."""
+class _RecordModels(RoundFeature):
+    """A round feature recording the global model before each round's training."""
+
+    name = "record-models"
 
     def __init__(self):
         self.models: list[dict] = []
@@ -120,10 +124,9 @@ def _run(method: str = "fedavg", **changes) -> tuple[dict, list[dict]]:
     settings = build_settings({**BASE, "methods": method, **changes})
     model, trainable = initial_model(settings)
     server = ServerRuntime(settings, method, model, trainable, template_model(settings))
-    federation = RoundLoop(server, METHODS[method].build(settings), SequentialEngine(settings),
-                           Reporter(quiet=True))
     recorder = _RecordModels()
-    federation.hooks.append(recorder)
+    federation = RoundLoop(server, METHODS[method].build(settings), SequentialEngine(settings),
+                           Reporter(quiet=True), features=[recorder])
     result = federation.run(model)
     return result, [*recorder.models[1:], federation.state.model]
 
@@ -216,8 +219,9 @@ def test_buffers_and_extra_records_are_norm_bounded_too():
     """A x1e30 batch-norm statistic or control-variate record is refused like a huge update."""
     settings = build_settings({**BASE, "model": "cnn-bn", "methods": "fedavg"})
     method, runtime, model = server("fedavg", settings, 6)
-    federation = RoundLoop(runtime, method, None, Reporter(quiet=True))
-    federation.state = method.init_server(runtime, model)
+    state = method.init_server(runtime, model)
+    warnings = []
+    bounds = NormBounds(runtime, warnings.append)
     rng = np.random.default_rng(0)
 
     def honest(cid):
@@ -229,9 +233,7 @@ def test_buffers_and_extra_records_are_norm_bounded_too():
     buffer = next(k for k in model if k.endswith("running_var"))
     updates[1].model[buffer] = updates[1].model[buffer] * np.float32(1e30)
     updates[4].arrays["delta"]["c"] = updates[4].arrays["delta"]["c"] * 1e20
-    warnings = []
-    federation.reporter.warn = warnings.append
-    kept, refused = federation.validator.bound_updates(updates, federation.state.model)
+    kept, refused = bounds.bound_updates(updates, state.model)
     assert refused == 2 and [u.client for u in kept] == [0, 2, 3, 5]
     assert "client 1's buffer update norm" in warnings[0]
     assert "client 4's 'delta' record norm" in warnings[1]
@@ -383,14 +385,14 @@ def test_update_clip_scales_each_update_to_the_rounds_median_and_rejects_none():
     round's median is 2, so the third is scaled to norm 2 along its direction; the others, and
     any non-trainable entry, are untouched."""
     from pflalign.server.aggregation import FlatSpec
-    from pflalign.server.validation import ReplyValidator
+    from pflalign.server.bounds import NormBounds
     from pflalign.wire.messages import Update
 
     class Server:  # the validator reads the trainable exchanged spec and the settings
         trainable_shared = FlatSpec.of({"w": np.zeros(2, np.float32)})
         settings = build_settings({})
 
-    validator = ReplyValidator(Server(), lambda text: None)
+    validator = NormBounds(Server(), lambda text: None)
     zero = {"w": np.zeros(2, np.float32), "count": np.array(3)}
     updates = [Update(client=c, num_examples=1, metrics={},
                       model={"w": np.array(w, np.float32), "count": np.array(3)})

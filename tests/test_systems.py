@@ -10,7 +10,6 @@ import pytest
 from conftest import needs_fashion_mnist
 from harness import three_engines
 
-from pflalign.engines.sequential import records_bytes
 from pflalign.run.config import build_settings
 from pflalign.run.driver import initial_model, simulate
 from pflalign.server.clock import (
@@ -26,6 +25,7 @@ from pflalign.server.clock import (
 )
 from pflalign.server.sampling import sample_clients
 from pflalign.settings.options import ConfigError
+from pflalign.wire.traffic import records_bytes
 from scripts.compare_results import compare
 
 #: 6 clients, 3 rounds of 3 (FedAvg and pFLAlign), on 1,200 Fashion-MNIST samples

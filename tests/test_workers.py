@@ -37,7 +37,8 @@ from pflalign.engines import workers
 from pflalign.engines.workers import ActorEngine, WorkerPool
 from pflalign.methods.registry import METHODS
 from pflalign.outputs.results import Reporter
-from pflalign.run.rounds import RoundLoop
+from pflalign.round.feature import RoundFeature
+from pflalign.round.loop import RoundLoop
 from pflalign.server.runtime import ServerRuntime
 
 class Lines(Reporter):
@@ -76,7 +77,9 @@ try:
     engine = ActorEngine(killed, pool)
     dead = []
 
-    class Kill:
+    class Kill(RoundFeature):
+        name = "kill-an-actor"
+
         def before_training(self, loop, server_round):
             if server_round == 2:
                 pid = pool.ray.get(pool.actors[1].where.remote())[1]
@@ -87,7 +90,7 @@ try:
 
     model, trainable = initial_model(killed)
     server = ServerRuntime(killed, "pflalign", model, trainable, template_model(killed))
-    loop = RoundLoop(server, METHODS["pflalign"].build(killed), engine, reporter, hooks=[Kill()])
+    loop = RoundLoop(server, METHODS["pflalign"].build(killed), engine, reporter, features=[Kill()])
     result = loop.run(model)
     after = pool.ray.get(pool.actors[1].where.remote())[1]
 finally:

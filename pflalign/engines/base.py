@@ -1,7 +1,7 @@
 """What every engine is to the round loop, and how the driver opens one.
 
 An :class:`Engine` reaches a run's clients: it discovers them and delivers one exchange of
-messages at a time (:class:`~pflalign.run.rounds.RoundLoop` calls nothing else). An engine
+messages at a time (:class:`~pflalign.round.loop.RoundLoop` calls nothing else). An engine
 that keeps something beyond a method entry (client state spilled to disk) says so in
 :meth:`Engine.memory_note` and removes it in :meth:`Engine.close`.
 

@@ -7,10 +7,10 @@ client), and returns the reply's metrics and array records and the client's new 
 Flower ClientApp and the sequential engine both call it, so a method behaves the same under each;
 the batched engine calls its two halves, :func:`begin` and :func:`finish`, around rules it runs
 together. Every training and evaluation reply carries the process metrics of the process that
-ran it (:func:`~pflalign.process.memory.process_metrics`: a Ray worker's, a ClientApp's, or the
+ran it (:func:`~pflalign.wire.protocol.process_metrics`: a Ray worker's, a ClientApp's, or the
 server's own under the in-process engines).
 
-Two records serve checkpoints (:mod:`pflalign.run.checkpoint`): a
+Two records serve checkpoints (:mod:`pflalign.round.checkpoint`): a
 :data:`~pflalign.wire.protocol.STATE` action returns the client's saved state as it is, changing
 nothing; and a message carrying a :data:`~pflalign.wire.protocol.RESTORE` record (the client's state
 from a checkpoint, sent once after a resume) runs on that state in place of the saved one, which the
@@ -31,7 +31,6 @@ from pflalign.data.node import NodeData
 from pflalign.methods.base import Method
 from pflalign.methods.registry import METHODS
 from pflalign.process.caches import cached
-from pflalign.process.memory import process_metrics
 from pflalign.server.privacy import (
     LOCAL_NOISE_STREAM,
     local_release,
@@ -64,6 +63,7 @@ from pflalign.wire.protocol import (
     STATE,
     TRAIN,
     UNSEEN,
+    process_metrics,
 )
 from pflalign.wire.state import ArrayState, State
 
@@ -142,8 +142,9 @@ def handle(action: str, settings: Settings, client_id: int,
     :data:`~pflalign.wire.protocol.RESTORE` record in ``arrays`` replaces ``saved`` and is returned
     as the new saved state unless the action saves another (a resumed client keeps it). The method's
     rule runs to its end here, its local runs one after another on this client. This is what an
-    honest client replies (the server's evaluation audit, :mod:`pflalign.run.audit`, calls it
-    so); the engines wrap it with the run's fault injection (:mod:`pflalign.engines.faults`)."""
+    honest client replies (the server's evaluation audit, :mod:`pflalign.round.features.audit`,
+    calls it so); the engines wrap it with the run's fault injection
+    (:mod:`pflalign.engines.faults`)."""
     call = begin(action, settings, client_id, config, arrays, saved, node)
     if not isinstance(call, Call):
         return call
@@ -237,7 +238,7 @@ def counted(upload: Upload, num_train: int) -> Upload:
 
 def evaluation_reply(client_id: int, scores: Mapping[str, float | int]) -> Metrics:
     """An evaluation reply's metrics: the client's id, its rule's ``scores`` and this process's
-    metrics (:func:`~pflalign.process.memory.process_metrics`)."""
+    metrics (:func:`~pflalign.wire.protocol.process_metrics`)."""
     return {PARTITION_ID: client_id, **scores, **process_metrics()}
 
 
@@ -245,7 +246,7 @@ def train_reply(client_id: int, upload: Upload, saved: State | None, kept: State
                 seconds: float) -> tuple[Metrics, ReplyArrays]:
     """A training reply's metrics and array records (the model first) from a client's upload,
     the state it had (``saved``) and the state it keeps (``kept``; None: ``saved``); the
-    metrics end with this process's (:func:`~pflalign.process.memory.process_metrics`)."""
+    metrics end with this process's (:func:`~pflalign.wire.protocol.process_metrics`)."""
     metrics = {PARTITION_ID: client_id, **upload.metrics,
                HAD_STATE: int(bool(saved)), KEPT_STATE: int(bool(saved if kept is None else kept)),
                CLIENT_SECONDS: seconds, **process_metrics()}

@@ -13,9 +13,8 @@ neither Ray nor flwr.
 from __future__ import annotations
 
 import contextlib
-import io
 import traceback
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -26,32 +25,11 @@ from pflalign.engines.faults import ClientDropout, with_faults
 from pflalign.engines.host import discovery, handle, to_torch
 from pflalign.engines.store import ClientStateStore
 from pflalign.outputs.results import Reporter
-from pflalign.process.caches import cached
 from pflalign.settings.schema import Settings
 from pflalign.wire.messages import ClientInfo, Exchange, Outgoing, Reply
 from pflalign.wire.protocol import NUM_TEST, NUM_TRAIN, RESTORE, UNSEEN
 from pflalign.wire.state import State
-
-
-@cached(maxsize=256)
-def _npy_header_bytes(dtype: str, shape: tuple[int, ...]) -> int:
-    buffer = io.BytesIO()
-    header = {"descr": dtype, "fortran_order": False, "shape": shape}
-    np.lib.format.write_array_header_1_0(buffer, header)
-    return buffer.tell()
-
-
-def npy_bytes(array: np.ndarray | torch.Tensor) -> int:
-    """The bytes of ``array`` in NumPy's .npy format: what a Flower ``Array`` carries."""
-    if isinstance(array, torch.Tensor):
-        array = array.detach().cpu().numpy()
-    array = np.asarray(array)
-    return _npy_header_bytes(np.lib.format.dtype_to_descr(array.dtype),
-                             tuple(array.shape)) + array.nbytes
-
-
-def records_bytes(records: Iterable[Mapping[str, np.ndarray | torch.Tensor]]) -> int:
-    return sum(npy_bytes(a) for record in records for a in record.values())
+from pflalign.wire.traffic import records_bytes, sent_bytes
 
 
 def sent_records(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict]:
@@ -61,12 +39,6 @@ def sent_records(arrays: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, di
     return {name: ({k: np.array(v, order="C", copy=True) for k, v in record.items()}
                    if name == RESTORE else {k: np.ascontiguousarray(v) for k, v in record.items()})
             for name, record in arrays.items()}
-
-
-def sent_bytes(sent: Mapping[str, Mapping[str, np.ndarray]]) -> int:
-    """The bytes :func:`sent_records` carry down, a restored state aside (no round of the run
-    sends it)."""
-    return records_bytes(record for name, record in sent.items() if name != RESTORE)
 
 
 def failure_reply(client: int, err: Exception) -> Reply:

@@ -172,7 +172,8 @@ def privacy_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
 
 
 def audit_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
-    """What the evaluation audit (:mod:`pflalign.run.audit`) says of the table's accuracies."""
+    """What the evaluation audit (:mod:`pflalign.round.features.audit`) says of the table's
+    accuracies."""
     finals = {name: result.get("final", {}) for name, result in methods.items()}
     audited = {name: final["eval-audited"] for name, final in finals.items()
                if "eval-audited" in final}

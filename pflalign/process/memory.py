@@ -1,15 +1,13 @@
 """This process's identity and peak resident memory, as a client's reply and results.json report
-them (``processes`` of a method entry, :class:`pflalign.run.rounds.RoundLoop`)."""
+them (a reply's process metrics, :func:`pflalign.wire.protocol.process_metrics`; the
+``processes`` of a method entry, :mod:`pflalign.round.features.telemetry`)."""
 
 from __future__ import annotations
 
-import os
 import resource
 import socket
 import sys
 import zlib
-
-from pflalign.wire.protocol import PROCESS_HOST, PROCESS_ID, PROCESS_PEAK_RSS_MB
 
 
 def peak_rss_mb() -> float:
@@ -23,9 +21,3 @@ def host_id() -> int:
     """An integer id of this machine: the CRC-32 of its host name (a reply's metrics are
     numbers; two processes with one id and one pid are one process)."""
     return zlib.crc32(socket.gethostname().encode())
-
-
-def process_metrics() -> dict[str, int | float]:
-    """The process metrics of a training or evaluation reply: this machine's :func:`host_id`,
-    this process's id and its :func:`peak_rss_mb` so far."""
-    return {PROCESS_HOST: host_id(), PROCESS_ID: os.getpid(), PROCESS_PEAK_RSS_MB: peak_rss_mb()}

@@ -474,7 +474,7 @@ def _check_privacy(values: Mapping[str, Value]) -> None:
 def _check_local_privacy(values: Mapping[str, Value]) -> None:
     """``dp = local``: nothing of a client's own may reach the server outside its noised
     upload (the audits send its saved state; on the Flower engine no checkpoint asks for it,
-    :meth:`~pflalign.run.rounds.RoundLoop.write_checkpoint`), and the clip is each client's own
+    :meth:`~pflalign.round.loop.RoundLoop.write_checkpoint`), and the clip is each client's own
     (no adaptive clip, which needs the server to count)."""
     for key in ("eval-audit-fraction", "train-audit-fraction"):
         if float(values[key]) > 0:

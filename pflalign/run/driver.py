@@ -15,7 +15,7 @@ session (:mod:`pflalign.engines.base`) and runs :func:`run_methods` over it. Thr
 All three run the same methods through the same round loop and the same client-side handler
 (:mod:`pflalign.engines.host`), so they give the same metrics. :func:`run_methods` runs a
 config's method entries one after another over whichever engine it is given, checkpointing each
-(:mod:`pflalign.run.checkpoint`) and, with ``resume``, continuing a killed run where it stopped.
+(:mod:`pflalign.round.checkpoint`) and, with ``resume``, continuing a killed run where it stopped.
 """
 
 from __future__ import annotations
@@ -30,17 +30,16 @@ from pathlib import Path
 import torch
 
 from pflalign.data.federated import federated_dataset
-from pflalign.engines.base import EngineFactory, Session
+from pflalign.engines.base import Engine, EngineFactory, Session
 from pflalign.methods.registry import METHODS, method_overrides
 from pflalign.models.language import LoraSpec, is_language_model, run_summary
 from pflalign.models.registry import batch_norm_keys, head_of, model_template
 from pflalign.models.user import is_user_model
 from pflalign.outputs.results import Reporter, comparison_table, new_results, write_results
 from pflalign.process.interrupt import Interrupted, check_stop
-from pflalign.run.checkpoint import Checkpoint, comparable
-from pflalign.run.config import method_choices
-from pflalign.run.gga_warm_start import AnnealedWarmStart
-from pflalign.run.rounds import RoundLoop
+from pflalign.round.checkpoint import Checkpoint, comparable
+from pflalign.round.loop import RoundLoop
+from pflalign.run.config import MethodChoice, method_choices
 from pflalign.server.runtime import ServerRuntime
 from pflalign.settings.options import ConfigError
 from pflalign.settings.schema import ENGINES, Settings
@@ -164,13 +163,32 @@ def check_model_parts(settings: Settings) -> None:
             raise ConfigError(f"Method entry '{choice.label}': {err}") from None
 
 
+def entry_settings(settings: Settings, choice: MethodChoice) -> tuple[dict, Settings]:
+    """A method entry's overrides, and its own settings: the overrides applied, and 'methods'
+    naming just this entry."""
+    overrides = method_overrides(METHODS[choice.name], settings, dict(choice.overrides))
+    return overrides, (settings.replace({**overrides, "methods": choice.label}) if overrides
+                       else settings)
+
+
+def entry_loop(settings: Settings, label: str, name: str, engine: Engine,
+               reporter: Reporter | None = None) -> tuple[RoundLoop, State]:
+    """The round loop of the method entry ``label`` (method ``name``, its own ``settings``) over
+    ``engine``, and its initial model: what the driver runs, and what a Flower strategy of the
+    method (:mod:`strategies.methods`) drives between its exchanges."""
+    model, trainable = initial_model(settings)
+    server = ServerRuntime(settings, label, model, trainable, template_model(settings),
+                           federated_dataset(settings).dataset.num_classes)
+    return RoundLoop(server, METHODS[name].build(settings), engine, reporter), model
+
+
 def run_methods(settings: Settings, make_engine: EngineFactory,
                 reporter: Reporter | None = None, resume: bool = False) -> dict:
     """Run every method entry of ``settings`` on the same partition, seed and clients, each over
     ``make_engine(its settings)``; write ``results.json`` after each and return the results.
 
     Every ``checkpoint-every`` rounds an entry's state is written to its checkpoint
-    (:mod:`pflalign.run.checkpoint`), which is removed once the entry's results are written. With
+    (:mod:`pflalign.round.checkpoint`), which is removed once the entry's results are written. With
     ``resume``, the entries already finished in ``out-dir``'s ``results.json`` (which must have
     been written with the same config, :func:`previous_results`) are kept, not run again; the
     others run, each from its checkpoint when it has one, and ``results.json`` ends up as an
@@ -204,11 +222,8 @@ def run_methods(settings: Settings, make_engine: EngineFactory,
         for choice in choices:
             check_stop()
             spec = METHODS[choice.name]
-            overrides = method_overrides(spec, settings, dict(choice.overrides))
+            overrides, method_settings = entry_settings(settings, choice)
             running = (choice.label, spec.name, overrides, None)
-            # the entry's own settings: its overrides, and 'methods' naming just this entry
-            method_settings = (settings.replace({**overrides, "methods": choice.label})
-                               if overrides else settings)
             checkpoint = Checkpoint.for_entry(settings.run.out_dir, choice.label,
                                               method_settings)
             if choice.label in kept:
@@ -221,15 +236,9 @@ def run_methods(settings: Settings, make_engine: EngineFactory,
                     and "model" not in dict(choice.overrides)):
                 reporter.info(f"[{choice.label}] runs on model {method_settings.run.model} (the "
                               "method needs batch norm).")
-            model, trainable = initial_model(method_settings)
-            server = ServerRuntime(method_settings, choice.label, model, trainable,
-                                   template_model(method_settings),
-                                   federated_dataset(method_settings).dataset.num_classes)
-            loop = RoundLoop(server, spec.build(method_settings), make_engine(method_settings),
-                             reporter)
+            loop, model = entry_loop(method_settings, choice.label, spec.name,
+                                     make_engine(method_settings), reporter)
             running = (choice.label, spec.name, overrides, loop)
-            if method_settings.gga.enabled:
-                loop.hooks.append(AnnealedWarmStart(method_settings.gga, loop))
             entry = {**loop.run(model, checkpoint), "method": spec.name,
                      "overrides": overrides}
             note = loop.engine.memory_note()

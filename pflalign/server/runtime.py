@@ -3,7 +3,7 @@
 A :class:`ServerRuntime` is what a method's server rules work with (:mod:`pflalign.methods.base`):
 the run's clients as discovered, which entries of the model are exchanged, the round's sampled
 clients, and the run's aggregation rule. It holds no method state and knows no engine; the round
-loop (:mod:`pflalign.run.rounds`) owns one per method entry.
+loop (:mod:`pflalign.round.loop`) owns one per method entry.
 """
 
 from __future__ import annotations

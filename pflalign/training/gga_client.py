@@ -1,4 +1,4 @@
-"""The client's side of the federated annealed warm start (:mod:`pflalign.run.gga_warm_start`): its
+"""The client's side of the federated annealed warm start (:mod:`pflalign.round.features.gga`): its
 answer to an annealing round, and the names of that exchange's records and config entries. The
 client handler (:mod:`pflalign.engines.host`) imports this, never the server's round hook.
 """

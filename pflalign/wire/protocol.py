@@ -8,8 +8,11 @@ the server validates it against these names (:mod:`pflalign.server.runtime`).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from pflalign.process.memory import host_id, peak_rss_mb
 
 # --- records of a message ---------------------------------------------------------------------
 MODEL = "arrays"  #: the model (or its shared part) sent to or uploaded by a client
@@ -116,3 +119,10 @@ EVAL_METRICS: Mapping[str, Metric] = {
     PARTITION_ID: ID, NUM_TEST: SAMPLES, PERSONAL_CORRECT: COUNT, PERSONAL_LOSS: LOSS, **PROCESS}
 #: ... and those of a method with a global model
 GLOBAL_EVAL_METRICS: Mapping[str, Metric] = {GLOBAL_CORRECT: COUNT, GLOBAL_LOSS: LOSS}
+
+
+def process_metrics() -> dict[str, int | float]:
+    """The process metrics of a training or evaluation reply: this machine's
+    :func:`~pflalign.process.memory.host_id`, this process's id and its
+    :func:`~pflalign.process.memory.peak_rss_mb` so far."""
+    return {PROCESS_HOST: host_id(), PROCESS_ID: os.getpid(), PROCESS_PEAK_RSS_MB: peak_rss_mb()}

@@ -36,16 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
-from pflalign.engines.base import Engine
-from pflalign.engines.sequential import records_bytes, sent_bytes
-from pflalign.methods.base import Method
 from pflalign.process.interrupt import check_stop
+from pflalign.round.features.clock import SimulatedClock
+from pflalign.round.synchronous import Scheduler
 from pflalign.server.buffered import (
     Flight,
     Schedule,
@@ -54,46 +52,10 @@ from pflalign.server.buffered import (
     rebase,
     staleness_weight,
 )
-from pflalign.server.clock import Availability, DeviceProfiles, WindowAvailability
-from pflalign.server.runtime import ServerRuntime
-from pflalign.server.validation import ReplyValidator
-from pflalign.wire.messages import ClientInfo, Exchange, Outgoing, Payload, Reply, Stale, Update
+from pflalign.wire.messages import Outgoing, Reply, Stale, Update
 from pflalign.wire.protocol import MODEL, NUM_EXAMPLES, PARTITION_ID, TRAIN
-from pflalign.wire.state import ServerState, State
-
-
-class Loop(Protocol):
-    """What asynchronous rounds use of their round loop (:class:`pflalign.run.rounds.RoundLoop`,
-    which owns them)."""
-
-    server: ServerRuntime
-    method: Method
-    engine: Engine
-    state: ServerState
-    validator: ReplyValidator
-    profiles: DeviceProfiles | None
-    availability: Availability | WindowAvailability | None
-    sim_time: float
-    saved_state: set[int]
-
-    def message(self, client: int, payload: Payload, server_round: int) -> Outgoing: ...
-
-    def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange: ...
-
-    def prepared(self, action: str, messages: Sequence[Outgoing]) -> list[Outgoing]: ...
-
-    def delivered(self, replies: Iterable[Reply]) -> None: ...
-
-    def charged_samples(self, info: ClientInfo) -> int: ...
-
-    def dispatched(self, clients: Iterable[int]) -> None: ...
-
-    def check_kept_state(self, updates: Sequence[Update]) -> None: ...
-
-    def note_processes(self, replies: Iterable[Mapping[str, float]]) -> None: ...
-
-    def aggregate_updates(self, server_round: int, updates: Sequence[Update], row: dict,
-                          lr: float = 1.0) -> dict: ...
+from pflalign.wire.state import State
+from pflalign.wire.traffic import records_bytes, sent_bytes
 
 #: seconds between two polls for replies in real time
 POLL_SECONDS = 0.05
@@ -124,12 +86,14 @@ class Arrivals:
     rejected: int = 0
 
 
-class BufferedRounds:
-    """The asynchronous rounds of one :class:`~pflalign.run.rounds.RoundLoop` on the simulated
-    clock (see the module docstring)."""
+class BufferedRounds(Scheduler):
+    """The asynchronous rounds of one :class:`~pflalign.round.loop.RoundLoop` on the simulated
+    clock (see the module docstring), which is the clock feature's
+    (:class:`~pflalign.round.features.clock.SimulatedClock`)."""
 
-    def __init__(self, loop: Loop):
-        self.loop = loop
+    def __init__(self, loop, clock: SimulatedClock | None):
+        super().__init__(loop)
+        self.clock = clock
         run = loop.server.settings.run
         pool = loop.server.training_clients()
         self.concurrency, self.buffer_size = async_sizes(len(pool), run.fraction_train,
@@ -149,6 +113,10 @@ class BufferedRounds:
         #: the round's arrived, usable updates with the version each trained from
         self.buffer: list[tuple[Update, int]] = []
 
+    def describe(self) -> str:
+        return (f"asynchronous: {self.concurrency} clients in flight, aggregating every "
+                f"{self.buffer_size} arrivals")
+
     # --- dispatching and training --------------------------------------------------------------
     def fill(self, server_round: int) -> int:
         """Dispatch clients until ``concurrency`` are in flight (or none is left to dispatch),
@@ -160,17 +128,18 @@ class BufferedRounds:
             candidates = self.candidates(pool, self.schedule.flying())
             if not candidates:
                 break
-            start = loop.sim_time
-            if loop.availability is not None:
-                reachable = loop.availability.available(candidates, start)
+            clock = self.clock
+            start = clock.now
+            if clock.availability is not None:
+                reachable = clock.availability.available(candidates, start)
                 if not reachable:  # the slot stays empty until a client can be reached
-                    start = loop.availability.next_opening(candidates, start)
-                    reachable = loop.availability.available(candidates, start)
+                    start = clock.availability.next_opening(candidates, start)
+                    reachable = clock.availability.available(candidates, start)
                 candidates = reachable
             client = draw_client(candidates, server.seed, self.schedule.seq)
             message, down = self.dispatched(client, server_round)
-            samples = loop.charged_samples(server.clients[client])
-            earliest = start + loop.profiles.seconds(client, down, samples, 0)
+            samples = clock.charged_samples(server.clients[client])
+            earliest = start + clock.seconds(client, down, samples, 0)
             flight = self.schedule.dispatch(client, self.version, start, earliest, down, samples)
             loop.dispatched([client])
             self.messages[flight.seq] = message
@@ -207,7 +176,7 @@ class BufferedRounds:
                 flight.client, f"client {flight.client}",
                 error="gave no reply the server could attribute to it")
             if reply.error is None:
-                flight.arrival = flight.start + loop.profiles.seconds(
+                flight.arrival = flight.start + self.clock.seconds(
                     flight.client, flight.down, flight.samples,
                     records_bytes(reply.arrays.values()))
                 # it trained now, from the state it had: a client known to keep state that
@@ -218,7 +187,7 @@ class BufferedRounds:
                 flight.arrival = flight.earliest
             self.replies[flight.seq] = reply
 
-    def train_all(self) -> None:
+    def before_evaluation(self) -> None:
         """Train every client in flight that has not trained yet (before an evaluation or a
         checkpoint)."""
         untrained = sorted(self.schedule.untrained(), key=lambda f: f.seq)
@@ -228,8 +197,8 @@ class BufferedRounds:
     # --- a round -------------------------------------------------------------------------------
     def round(self, server_round: int) -> tuple[dict, int, int]:
         """One aggregation: its row entries, and the bytes sent down and up in it."""
-        loop = self.loop
-        begun = loop.sim_time
+        loop, clock = self.loop, self.clock
+        begun = clock.now
         down = self.fill(server_round)  # the first round's clients (later ones: none to add)
         arrivals = Arrivals()
         self.buffer = []
@@ -239,7 +208,7 @@ class BufferedRounds:
                 self.train(needed)
                 continue
             flight = self.schedule.next_arrival()
-            loop.sim_time = max(loop.sim_time, float(flight.arrival))
+            clock.advance_to(flight.arrival)
             reply = self.replies.pop(flight.seq)
             self.arrive(reply, flight.version, arrivals,
                         records_bytes(reply.arrays.values()) if reply.error is None else 0)
@@ -248,7 +217,7 @@ class BufferedRounds:
         row = self.aggregate(server_round, arrivals)
         if server_round < loop.server.rounds:  # the arrival that filled the buffer is replaced
             down += self.fill(server_round + 1)
-        row.update({"sim-seconds": loop.sim_time - begun, "sim-time": loop.sim_time,
+        row.update({"sim-seconds": clock.now - begun, "sim-time": clock.now,
                     "in-flight": len(self.schedule.flights)})
         return row, down, arrivals.bytes_up
 
@@ -283,17 +252,16 @@ class BufferedRounds:
         updates, staleness = self.rebased(self.buffer)
         self.buffer = []
         updates.sort(key=lambda u: u.client)  # the order a synchronous round aggregates in
-        updates, too_large = loop.validator.bound_updates(updates, loop.state.model)
-        loop.note_processes(u.metrics for u in updates)
-        row: dict = {"clients-trained": len(updates), "arrivals": arrivals.count,
+        row: dict = {"clients-trained": 0, "arrivals": arrivals.count,
                      "failures": arrivals.failed, "timeouts": arrivals.timed_out,
-                     "rejected": arrivals.rejected + too_large}
+                     "rejected": arrivals.rejected}
+        updates = loop.bound(server_round, updates, row)
+        row["clients-trained"] = len(updates)
+        loop.accepted(u.metrics for u in updates)
         if staleness:
             row.update({"staleness-mean": float(np.mean(staleness)),
                         "staleness-max": int(max(staleness))})
-        if loop.validator.largest_ratio is not None:
-            row["norm-ratio-max"] = float(loop.validator.largest_ratio)
-        row = loop.aggregate_updates(server_round, updates, row, self.lr)
+        row = loop.aggregate(server_round, updates, row, self.lr)
         self.version = server_round
         self.forget_bases()
         return row
@@ -326,9 +294,9 @@ class BufferedRounds:
 
     # --- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, State]:
-        """What a checkpoint keeps (call :meth:`train_all` first): JSON metadata (the flights,
-        the dispatch count, each trained flight's reply without its arrays) and the arrays (the
-        replies' records and the base models), named ``reply|seq|record|key`` and
+        """What a checkpoint keeps (call :meth:`before_evaluation` first): JSON metadata (the
+        flights, the dispatch count, each trained flight's reply without its arrays) and the arrays
+        (the replies' records and the base models), named ``reply|seq|record|key`` and
         ``base|version|key``."""
         if self.messages:
             raise RuntimeError("train every client in flight before saving the schedule")
@@ -390,8 +358,8 @@ class RealTimeRounds(BufferedRounds):
     the row's ``eval-busy``), and no checkpoint is written (the replies in flight cannot be
     kept)."""
 
-    def __init__(self, loop: Loop):
-        super().__init__(loop)
+    def __init__(self, loop):
+        super().__init__(loop, None)
         #: the clients in flight, with the version each trains from
         self.flights: dict[int, int] = {}
         self.draws = 0
@@ -419,8 +387,12 @@ class RealTimeRounds(BufferedRounds):
             return 0
         return self.loop.engine.submit(TRAIN, self.loop.prepared(TRAIN, messages))
 
-    def train_all(self) -> None:
+    def before_evaluation(self) -> None:
         """Nothing: a real client trains when its message reaches it."""
+
+    def checkpoint_refusal(self, server_round: int) -> str | None:
+        return ("no checkpoints are written in real-time asynchronous rounds (the replies in "
+                "flight cannot be kept); a killed run starts over.")
 
     def round(self, server_round: int) -> tuple[dict, int, int]:
         loop = self.loop

@@ -2,7 +2,9 @@
 
 A run's state at the end of round r is small and explicit: the server state (and the one before the
 latest aggregation, for a rollback), every client's method state, the finished rounds' rows, the
-latest evaluation's per-client results, the clients known to keep state, and any round hook's state.
+latest evaluation's per-client results, the clients known to keep state, each round feature's
+state under its name (:mod:`pflalign.round.feature`) and the scheduler's (FedBuff's clients in
+flight).
 Nothing else is needed: every random draw is derived from (seed, round, client, stream)
 (:mod:`pflalign.server.sampling`, :func:`pflalign.training.loops.make_generator`), so round r + 1
 run in a new process is the round r + 1 of the uninterrupted run. The process-wide torch and NumPy
@@ -30,18 +32,21 @@ import numpy as np
 import torch
 
 from pflalign.outputs.results import slug
+from pflalign.server.validation import ClientFailure, state_problem
 from pflalign.settings.options import ConfigError
 from pflalign.settings.schema import ADDED_KEYS, NON_RUN_KEYS
+from pflalign.wire.messages import Payload
+from pflalign.wire.protocol import CLIENT_STATE, ID, PARTITION_ID, STATE, STATE_CHUNK
 from pflalign.wire.state import State, atomic_write
 
 CHECKPOINT_FORMAT = "pflalign-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: keys that change nothing a run computes: left out of the fingerprints
 DIRECTORY = "checkpoints"
 
 #: array groups of a checkpoint file
-SERVER, BEFORE, CLIENT, RNG, BUFFERED = ("server", "before-aggregation", "client", "rng",
-                                         "buffered")
+SERVER, BEFORE, CLIENT, RNG, SCHEDULER = ("server", "before-aggregation", "client", "rng",
+                                          "scheduler")
 
 
 def _digest(payload: object) -> str:
@@ -84,25 +89,18 @@ class Snapshot:
     saved_state: list[int]
     #: the latest evaluation's metrics (what the final metrics are made of)
     last_eval: dict
-    #: each round hook's :meth:`state_dict`, in the federation's order
-    hooks: list[dict] = field(default_factory=list)
-    #: the update-norm bound's recent accepted norms, by part
-    #: (:attr:`~pflalign.server.validation.ReplyValidator.norm_history`)
-    norms: dict = field(default_factory=dict)
+    #: each round feature's :meth:`~pflalign.round.feature.RoundFeature.state_dict`, by name
+    features: dict = field(default_factory=dict)
     #: the process-wide generators: ``torch`` (its state) and ``numpy`` (MT19937 keys)
     rng_arrays: State = field(default_factory=dict)
     #: the rest of NumPy's generator state (position, cached Gaussian)
     rng_meta: dict = field(default_factory=dict)
-    #: ``mode = async``: the clients in flight and their replies (JSON metadata and arrays,
-    #: :meth:`~pflalign.run.asynchronous.BufferedRounds.state_dict`)
-    buffered: dict = field(default_factory=dict)
+    #: the scheduler's state: ``mode = async``'s clients in flight and their replies (JSON
+    #: metadata and arrays, :meth:`~pflalign.round.fedbuff.BufferedRounds.state_dict`)
+    scheduler: dict = field(default_factory=dict)
+    scheduler_arrays: State = field(default_factory=dict)
     #: per client id (a string): trainings sent and updates aggregated (RoundLoop.usage)
     usage: dict = field(default_factory=dict)
-    #: ``dp = central``: the clip and the accountant's history (CentralPrivacy.state_dict)
-    privacy: dict = field(default_factory=dict)
-    #: the key of the audits' draws (Audit.secret)
-    audit_secret: int = 0
-    buffered_arrays: State = field(default_factory=dict)
 
 
 def capture_rng() -> tuple[State, dict]:
@@ -221,17 +219,16 @@ class Checkpoint:
             for cid, state in pairs:
                 yield CLIENT, int(cid), state
             yield RNG, None, snapshot.rng_arrays
-            if snapshot.buffered_arrays:
-                yield BUFFERED, None, snapshot.buffered_arrays
+            if snapshot.scheduler_arrays:
+                yield SCHEDULER, None, snapshot.scheduler_arrays
 
         meta = {"format": CHECKPOINT_FORMAT, "version": FORMAT_VERSION, "label": self.label,
                 "fingerprint": self.fingerprint, "round": snapshot.round,
                 "has-before-aggregation": snapshot.before_aggregation is not None,
                 "rounds": snapshot.rounds, "client-results": snapshot.client_results,
                 "saved-state": sorted(snapshot.saved_state), "last-eval": snapshot.last_eval,
-                "hooks": snapshot.hooks, "rng": snapshot.rng_meta, "norms": snapshot.norms,
-                "buffered": snapshot.buffered, "usage": snapshot.usage,
-                "privacy": snapshot.privacy, "audit-secret": snapshot.audit_secret}
+                "features": snapshot.features, "rng": snapshot.rng_meta,
+                "scheduler": snapshot.scheduler, "usage": snapshot.usage}
         atomic_write(self.path, lambda handle: _write_archive(handle, meta, groups()))
         return self.path
 
@@ -277,11 +274,9 @@ class Checkpoint:
             before_aggregation=before, clients=StoredStates(archive, index),
             rounds=meta["rounds"], client_results=meta["client-results"],
             saved_state=[int(c) for c in meta["saved-state"]], last_eval=meta["last-eval"],
-            hooks=meta["hooks"], rng_arrays=groups.get((RNG, None), {}), rng_meta=meta["rng"],
-            norms=meta.get("norms", {}), buffered=meta.get("buffered", {}),
-            usage=meta.get("usage", {}), privacy=meta.get("privacy", {}),
-            audit_secret=int(meta.get("audit-secret", 0)),
-            buffered_arrays=groups.get((BUFFERED, None), {}))
+            features=meta["features"], rng_arrays=groups.get((RNG, None), {}),
+            rng_meta=meta["rng"], scheduler=meta["scheduler"], usage=meta["usage"],
+            scheduler_arrays=groups.get((SCHEDULER, None), {}))
 
     def remove(self) -> None:
         """Remove the checkpoint (and temporary files a killed write left beside it), and the
@@ -291,3 +286,95 @@ class Checkpoint:
                 path.unlink()
         with contextlib.suppress(OSError):
             self.path.parent.rmdir()  # only when empty
+
+
+# --- a round loop's checkpoints -----------------------------------------------------------------
+class _NoCheckpoint(Exception):
+    """A client's state cannot be had: no checkpoint is written this time (the message says
+    why)."""
+
+
+def write_checkpoint(loop, checkpoint: Checkpoint, server_round: int,
+                     last_eval: Mapping[str, float]) -> None:
+    """Write ``loop``'s state after ``server_round`` to ``checkpoint``; when a client's state
+    cannot be had (or a feature or the scheduler says none may be written), warn and keep
+    the previous checkpoint, which is still a consistent earlier point of the run."""
+    refusal = next((why for why in (
+        *(f.checkpoint_refusal(loop, server_round) for f in loop.features),
+        loop.scheduler.checkpoint_refusal(server_round)) if why), None)
+    if refusal:
+        if server_round == checkpoint.every:  # said once
+            loop.warn(refusal)
+        return
+    loop.scheduler.before_evaluation()  # replies in flight are kept, never messages
+    scheduler, scheduler_arrays = loop.scheduler.state_dict()
+    rng_arrays, rng_meta = capture_rng()
+    snapshot = Snapshot(
+        round=server_round, server=loop.state.to_arrays(),
+        before_aggregation=(None if loop.before_aggregation is None
+                            else loop.before_aggregation.to_arrays()),
+        clients={}, rounds=loop.rounds, client_results=loop.client_results,
+        saved_state=sorted(loop.saved_state), last_eval=dict(last_eval),
+        features={f.name: f.state_dict() for f in loop.features},
+        usage={str(cid): counts for cid, counts in loop.usage.items()},
+        rng_arrays=rng_arrays, rng_meta=rng_meta, scheduler=scheduler,
+        scheduler_arrays=scheduler_arrays)
+    try:
+        checkpoint.write(snapshot, client_states(loop, server_round))
+    except _NoCheckpoint as reason:
+        loop.warn(f"no checkpoint after round {server_round}: {reason}.")
+
+def client_states(loop, server_round: int) -> Iterator[tuple[int, State]]:
+    """The method state of every client that keeps one, in client order, as ``(id, state)``
+    pairs: a state still to be restored as it is, the others asked of the clients
+    :data:`STATE_CHUNK` at a time (a :data:`~pflalign.wire.protocol.STATE` exchange, which
+    no round's bytes count), so that a checkpoint never holds every client's state at once.
+    :class:`_NoCheckpoint` when a client does not give it."""
+    order = sorted(loop.saved_state)
+    for start in range(0, len(order), STATE_CHUNK):
+        chunk = order[start:start + STATE_CHUNK]
+        ask = [cid for cid in chunk if cid not in loop.pending_restore]
+        states: dict[int, State] = {}
+        if ask:
+            exchange = loop.exchange(STATE, [loop.message(cid, Payload(), server_round)
+                                             for cid in ask])
+            for reply in exchange.replies:
+                try:
+                    loop.validator.validate(reply, {}, {PARTITION_ID: ID}, (CLIENT_STATE,))
+                except ClientFailure as failure:
+                    raise _NoCheckpoint(str(failure)) from None
+                state = dict(reply.arrays.get(CLIENT_STATE, {}))
+                problem = state_problem(loop.method.ClientState, state, loop.server.initial)
+                if problem:
+                    raise _NoCheckpoint(f"{reply.who}'s saved state was rejected: {problem}")
+                states[reply.sender] = state
+            missing = sorted(set(ask) - set(states))
+            if missing:
+                raise _NoCheckpoint(f"clients {missing} did not give their state")
+        for cid in chunk:
+            yield cid, (loop.pending_restore[cid] if cid in loop.pending_restore
+                        else states.pop(cid))
+
+def restore(loop, snapshot: Snapshot) -> dict[str, float]:
+    """Continue from ``snapshot``: the server state, rows, client results, features and
+    scheduler as they were after its round, each client's state pending until that client's
+    next message. Returns the latest evaluation's metrics."""
+    names = sorted(f.name for f in loop.features)
+    if sorted(snapshot.features) != names:
+        raise ConfigError(f"The checkpoint of '{loop.label}' holds the state of the round "
+                          f"features {sorted(snapshot.features)}, this run has {names}; "
+                          f"remove it to run '{loop.label}' from round 1.")
+    for feature in loop.features:
+        feature.load_state_dict(snapshot.features[feature.name])
+    loop.state = loop.method.ServerState.from_arrays(snapshot.server)
+    loop.before_aggregation = (None if snapshot.before_aggregation is None else
+                               loop.method.ServerState.from_arrays(
+                                   snapshot.before_aggregation))
+    loop.rounds = list(snapshot.rounds)
+    loop.client_results = list(snapshot.client_results)
+    loop.saved_state = set(snapshot.saved_state)
+    loop.usage = {int(cid): list(counts) for cid, counts in snapshot.usage.items()}
+    loop.pending_restore = nonempty(snapshot.clients)  # each read when it is sent
+    restore_rng(snapshot.rng_arrays, snapshot.rng_meta)
+    loop.scheduler.load_state_dict(snapshot.scheduler, snapshot.scheduler_arrays)
+    return dict(snapshot.last_eval)

@@ -11,8 +11,10 @@ clients' gradient agreement and accepts the best one that beats the anchor withi
 global model there (:func:`pflalign.training.gga.apply_candidate`), and the round continues. One
 message exchange per annealing round; its bytes and seconds are recorded in the round's row.
 
-:class:`AnnealedWarmStart` is a :class:`~pflalign.run.rounds.RoundHook`: it wraps a round loop's
-rounds and never branches inside a method or the round loop.
+:class:`AnnealedWarmStart` is a round feature (:mod:`pflalign.round.feature`), on with ``gga =
+true``: it wraps a round loop's rounds and never branches inside a method or the round loop.
+Every candidate and batch is drawn from (seed, round) and the accepted moves are in the server
+state, so a checkpoint keeps nothing of it.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import time
 import numpy as np
 import torch
 
+from pflalign.methods.base import Method
 from pflalign.models.registry import head_keys
-from pflalign.run.rounds import RoundLoop
+from pflalign.round.feature import RoundFeature, Traffic, register
 from pflalign.server.validation import ClientFailure
-from pflalign.settings.schema import GGAParams
+from pflalign.settings.schema import Settings
 from pflalign.training.gga import apply_candidate, choose_candidate
 from pflalign.training.gga_client import CANDIDATES, GGA_ACTION, PERTURB, SKETCH, losses_key
 from pflalign.wire.messages import Payload
@@ -42,11 +45,19 @@ from pflalign.wire.protocol import (
 )
 
 
-class AnnealedWarmStart:
-    """The warm start as a round hook over any round loop (see the module docstring)."""
+@register
+class AnnealedWarmStart(RoundFeature):
+    """The warm start as a round feature over any round loop (see the module docstring)."""
 
-    def __init__(self, params: GGAParams, loop: RoundLoop):
+    name = "gga"
+
+    @classmethod
+    def wanted(cls, settings: Settings, method: Method) -> bool:
+        return settings.gga.enabled
+
+    def __init__(self, loop):
         server = loop.server
+        params = server.settings.gga
         self.params = params
         head = set(head_keys(server.template_model()))
         #: the featurizer: trainable shared entries outside the classifier (3.2 step 4.1)
@@ -55,21 +66,10 @@ class AnnealedWarmStart:
         wanted = params.sketch_dim
         self.sketch_shape = (params.candidates + 1, wanted if 0 < wanted < dims else dims)
 
-    def state_dict(self) -> dict:
-        """What a checkpoint keeps of the hook: nothing, since every candidate and batch is drawn
-        from (seed, round) and the accepted moves are in the server state."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from a checkpoint's :meth:`state_dict` (which is empty)."""
-        if state:
-            raise ValueError(f"The warm start keeps no state between rounds, got {sorted(state)}.")
-
     def active(self, server_round: int) -> bool:
         return self.params.start <= server_round <= self.params.end
 
-    def before_training(self, loop: RoundLoop, server_round: int,
-                        ) -> tuple[dict[str, float], int, int]:
+    def before_training(self, loop, server_round: int) -> Traffic:
         if not self.active(server_round):
             return {}, 0, 0
         server, p = loop.server, self.params
@@ -108,7 +108,7 @@ class AnnealedWarmStart:
                                  "gga-bytes-down": exchange.bytes_down}
         if len(sketches) < 2:
             loop.warn(f"GGA round {server_round}: fewer than two usable replies; the "
-                            "global model is kept.")
+                      "global model is kept.")
             row.update({"gga-accepted": 0.0, "gga-seconds": time.perf_counter() - started})
             return row, exchange.bytes_down, exchange.bytes_up
         best, scores, mean_loss = choose_candidate(losses, sketches, weights, p.tolerance,

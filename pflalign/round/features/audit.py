@@ -1,4 +1,4 @@
-"""Verifiable evaluation: the server recomputes a seeded sample of clients' evaluation replies.
+"""Verifiable evaluation and training: the server recomputes a seeded sample of clients' replies.
 
 A client's evaluation reply is a claim (its correct counts and losses on its test split). Every
 evaluation round, :class:`EvaluationAudit` draws ``eval-audit-fraction`` of the clients that
@@ -34,16 +34,18 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from pflalign.engines.host import handle, to_torch
 from pflalign.methods.base import Method
+from pflalign.round.feature import RoundFeature, TrainingRound, register
 from pflalign.server.runtime import ServerRuntime
 from pflalign.server.validation import ClientFailure, Collected, ReplyValidator, state_problem
-from pflalign.wire.messages import Exchange, Outgoing
+from pflalign.settings.schema import Settings
+from pflalign.wire.messages import Exchange, Outgoing, Payload
 from pflalign.wire.protocol import (
     CLIENT_SECONDS,
     CLIENT_STATE,
@@ -298,3 +300,54 @@ class Audit:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         return metrics, reply
+
+
+@register
+class Audits(RoundFeature):
+    """The evaluation and training audits as a round feature. Every run has it: its rows count
+    what was audited (zero at fraction 0), and its result names the key of the draws."""
+
+    name = "audit"
+
+    @classmethod
+    def wanted(cls, settings: Settings, method: Method) -> bool:
+        return True
+
+    def __init__(self, loop):
+        self.audit = Audit(loop.server, loop.method, loop.validator, loop.warn)
+        #: the sampled clients' states asked for before this round's training was sent
+        self.pending: tuple[dict, AuditOutcome] = ({}, AuditOutcome(good=[]))
+
+    def sending(self, loop, training: TrainingRound) -> None:
+        self.pending = self.audit.training_states(
+            training.number, [m.client for m in training.messages], loop.pending_restore,
+            loop.exchange, lambda cid: loop.message(cid, Payload(), training.number))
+
+    def checked(self, loop, training: TrainingRound, collected: Collected) -> Collected:
+        states, outcome = self.pending
+        self.pending = ({}, AuditOutcome(good=[]))
+        outcome = self.audit.check_training(training.number, training.messages, collected,
+                                            states, outcome)
+        training.row.update({"train-audited": outcome.audited,
+                             "train-audit-rejected": outcome.rejected})
+        return replace(collected, good=outcome.good, rejected=collected.rejected
+                       + outcome.rejected)
+
+    def evaluated(self, loop, server_round: int, messages: Sequence[Outgoing],
+                  collected: Collected, metrics: dict) -> Collected:
+        outcome = self.audit.check_evaluation(
+            server_round, messages, collected, loop.exchange,
+            lambda cid: loop.message(cid, Payload(), server_round))
+        metrics.update({"eval-audited": outcome.audited, "eval-audit-rejected": outcome.rejected})
+        return replace(collected, good=outcome.good, rejected=collected.rejected
+                       + outcome.rejected)
+
+    def result(self, loop) -> dict:
+        return {"audit-secret": self.audit.secret}
+
+    def state_dict(self) -> dict:
+        return {"secret": self.audit.secret}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        if state.get("secret"):
+            self.audit.secret = int(state["secret"])

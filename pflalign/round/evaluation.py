@@ -1,0 +1,115 @@
+"""An evaluation round: its messages, the replies' checks, and the metrics they give.
+
+Seen clients give ``personal-acc`` (every test sample pooled), its spread and worst decile
+(:func:`~pflalign.server.metrics.accuracy_summary`), the personal loss (sample-weighted and
+median), ``global-acc`` for a method with a global model, perplexities for a next-token model,
+and ``personal-acc-next`` where clients report it; unseen clients give ``unseen-acc``. Each
+evaluated client's own accuracy goes to the run's per-client results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pflalign.methods.base import Method
+from pflalign.models.language import is_language_model
+from pflalign.server.metrics import accuracy_summary
+from pflalign.server.runtime import ServerRuntime
+from pflalign.server.validation import Collected
+from pflalign.wire.messages import Exchange, Outgoing
+from pflalign.wire.protocol import (
+    EVALUATE,
+    GLOBAL_CORRECT,
+    GLOBAL_LOSS,
+    NEXT_CORRECT,
+    NUM_TEST,
+    PARTITION_ID,
+    PERSONAL_CORRECT,
+    PERSONAL_LOSS,
+)
+
+
+def evaluation_metrics(server: ServerRuntime, method: Method,
+                       rows: Sequence[Mapping[str, float]]) -> tuple[dict, list[dict]]:
+    """The round's metrics from the accepted evaluation replies ``rows``, and the per-client
+    results."""
+    metrics: dict = {}
+    info = {int(m[PARTITION_ID]): server.clients[int(m[PARTITION_ID])] for m in rows}
+    seen = [m for m in rows if not info[int(m[PARTITION_ID])].unseen]
+    unseen = [m for m in rows if info[int(m[PARTITION_ID])].unseen]
+    if seen:
+        metrics.update(accuracy_summary([m[PERSONAL_CORRECT] for m in seen],
+                                        [m[NUM_TEST] for m in seen]))
+        metrics[PERSONAL_LOSS] = float(np.average(
+            [m[PERSONAL_LOSS] for m in seen], weights=[m[NUM_TEST] for m in seen]))
+        metrics[f"{PERSONAL_LOSS}-median"] = float(np.median([m[PERSONAL_LOSS] for m in seen]))
+        tested = sum(m[NUM_TEST] for m in seen)
+        # a next-token model (a language model, or LEAF's character LSTM): the perplexity of
+        # every seen client's test tokens together
+        language = (is_language_model(server.settings.run.model)
+                    or server.settings.run.model == "char-lstm")
+        if language:
+            metrics["personal-ppl"] = float(np.exp(metrics[PERSONAL_LOSS]))
+        if method.has_global_model and all(GLOBAL_CORRECT in m for m in seen):
+            metrics["global-acc"] = sum(m[GLOBAL_CORRECT] for m in seen) / tested
+            if language and all(GLOBAL_LOSS in m for m in seen):
+                metrics["global-ppl"] = float(np.exp(np.average(
+                    [m[GLOBAL_LOSS] for m in seen], weights=[m[NUM_TEST] for m in seen])))
+        if all(NEXT_CORRECT in m for m in seen):
+            metrics["personal-acc-next"] = sum(m[NEXT_CORRECT] for m in seen) / tested
+    if unseen:
+        metrics["unseen-acc"] = (sum(m[PERSONAL_CORRECT] for m in unseen)
+                                 / sum(m[NUM_TEST] for m in unseen))
+    clients = [{"id": cid, "unseen": info[cid].unseen, "num-train": info[cid].num_train,
+                "num-test": int(m[NUM_TEST]), "personal-acc": m[PERSONAL_CORRECT] / m[NUM_TEST]}
+               for m in rows for cid in [int(m[PARTITION_ID])]]
+    return metrics, clients
+
+
+@dataclass
+class Evaluation:
+    """An evaluation round's messages: the clients it wants, those it leaves out (training in
+    flight), and, once it came back, the exchange."""
+
+    number: int
+    wanted: list[int]
+    busy: set[int]
+    messages: list[Outgoing]
+    exchange: Exchange | None = None
+
+
+def evaluation_round(loop, server_round: int) -> Evaluation:
+    """An evaluation round's messages: every client the method evaluates (a sample of them
+    under ``eval-fraction``) but those training in flight (real-time FedBuff)."""
+    server, method = loop.server, loop.method
+    wanted = server.largest_first(server.eval_sample(method.eval_clients(server),
+                                                     server_round))
+    busy = loop.scheduler.busy() & set(wanted)
+    messages = [loop.message(cid, method.eval_payload(server, loop.state, cid, server_round),
+                             server_round) for cid in wanted if cid not in busy]
+    return Evaluation(server_round, wanted, busy, messages)
+
+
+def evaluate(loop, evaluation: Evaluation) -> tuple[dict, int, int, Collected]:
+    """The metrics of ``evaluation`` (exchanged now unless it already was), its bytes down and
+    up, and its validated replies before the features' checks."""
+    server, method, server_round = loop.server, loop.method, evaluation.number
+    exchange = evaluation.exchange or loop.exchange(EVALUATE, evaluation.messages)
+    collected = loop.validator.collect(exchange.replies, {}, method.reply_metrics(EVALUATE))
+    extra: dict = {}
+    checked = collected
+    for feature in loop.features:
+        checked = feature.evaluated(loop, server_round, evaluation.messages, checked, extra)
+    rows = [m for m, _ in checked.good]
+    loop.accepted(rows)
+    metrics: dict = {"eval-failures": collected.failed + checked.rejected,
+                     "eval-rejected": checked.rejected, "evaluated": len(rows),
+                     "eval-clients": len(evaluation.wanted), **extra}
+    if evaluation.busy:
+        metrics["eval-busy"] = len(evaluation.busy)
+    summary, loop.client_results = evaluation_metrics(server, method, rows)
+    metrics.update(summary)
+    return metrics, exchange.bytes_down, exchange.bytes_up, collected

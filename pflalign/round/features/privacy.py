@@ -1,0 +1,142 @@
+"""Differential privacy as round features: central DP-FedAvg, and local DP's accounting.
+
+``dp = central`` (:class:`CentralDP`; McMahan et al., ICLR 2018): the round's updates are
+replaced, before the method's rule aggregates them, by one release: each client's update
+clipped to ``dp-clip`` (adapted under ``dp-clipping = adaptive``, Andrew et al. 2021), their sum
+noised and divided by the expected clients a round
+(:class:`~pflalign.server.privacy.CentralPrivacy`); a round that drew nobody releases the noise
+alone; every training round is accounted and its row reports the epsilon spent. No aggregation
+is rolled back for the clients' losses (which the release does not privatize). The clip and the
+accountant's history are what a checkpoint keeps.
+
+``dp = local`` (:class:`LocalDPAccounting`): each client clips and noises its own update before
+it leaves (the client's side, :func:`~pflalign.server.privacy.local_release`); the server only
+reports what the client that trained most often has spent. A method that uploads nothing
+reports epsilon 0 under either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from pflalign.methods.base import Method
+from pflalign.round.feature import RoundFeature, register
+from pflalign.server.aggregation import FlatSpec
+from pflalign.server.privacy import (
+    CentralPrivacy,
+    epsilon_of,
+    local_multiplier,
+    privacy_warnings,
+    run_noise_multiplier,
+)
+from pflalign.server.sampling import expected_clients
+from pflalign.settings.schema import Settings
+from pflalign.wire.messages import Update
+
+
+@register
+class CentralDP(RoundFeature):
+    """``dp = central`` for a method whose clients upload their model."""
+
+    name = "central-dp"
+    forbids_rollback = True
+    #: a round that drew no client still releases (the noise alone)
+    releases_without_updates = True
+
+    @classmethod
+    def wanted(cls, settings: Settings, method: Method) -> bool:
+        return settings.run.dp == "central" and method.uploads_model
+
+    def __init__(self, loop):
+        self.server = loop.server
+        self.privacy: CentralPrivacy | None = None
+
+    def start(self, loop) -> None:
+        """The clip, noise and accountant of this run: the released entries are the exchanged
+        floating-point arrays, the denominator the expected clients a round."""
+        server, run = loop.server, loop.server.settings.run
+        shared = server.shared_model(loop.state)
+        spec = FlatSpec.of({k: v for k, v in shared.items() if np.asarray(v).dtype.kind == "f"})
+        expected = expected_clients(run.sampling, run.fraction_train,
+                                    len(server.training_clients()))
+        self.privacy = CentralPrivacy(run, server.private_key, spec, expected)
+        loop.reporter.info(
+            f"[{loop.label}] dp = central: each update clipped to "
+            f"{run.dp_clip:g}{' (adaptive)' if self.privacy.adaptive else ''}, noise "
+            f"multiplier {self.privacy.noise_multiplier:.4g}"
+            f"{' (from dp-epsilon)' if run.dp_epsilon else ''}, sum over {expected:g} expected "
+            f"clients, sample rate {self.privacy.accountant.sample_rate:g}; the clip replaces "
+            "the update-norm bound")
+        for text in privacy_warnings(run, len(server.training_clients())):
+            loop.warn(text)
+
+    def release(self, loop, server_round: int, updates: Sequence[Update], row: dict,
+                ) -> list[Update]:
+        """The round's updates as the one update the method's server rule aggregates: the model
+        the round started from plus the clipped updates' noised sum over the expected
+        clients."""
+        shared = loop.server.shared_model(loop.state)
+        release = self.privacy.release(shared, [u.model for u in updates], server_round)
+        row.update(release.entries)
+        return [Update(client=-1, num_examples=1, metrics={}, model={**shared, **release.model})]
+
+    def trained(self, loop, server_round: int, row: dict) -> None:
+        row.update(self.privacy.account())
+
+    def state_dict(self) -> dict:
+        return self.privacy.state_dict()
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.privacy.load_state_dict(dict(state))
+        if self.privacy.seed != self.server.private_key:  # dp-secure's key, as it was
+            self.server.private_key = self.privacy.seed
+            self.server.forget_samples()
+
+
+@register
+class LocalDPAccounting(RoundFeature):
+    """The epsilon of ``dp = local`` (and of a method that uploads nothing under any dp)."""
+
+    name = "local-dp"
+
+    @classmethod
+    def wanted(cls, settings: Settings, method: Method) -> bool:
+        return settings.run.dp != "off" and not CentralDP.wanted(settings, method)
+
+    def __init__(self, loop):
+        self.run = loop.server.settings.run
+        self.uploads = loop.method.uploads_model
+
+    def start(self, loop) -> None:
+        if self.run.dp == "local":
+            loop.reporter.info(
+                f"[{loop.label}] dp = local: each client clips its update to "
+                f"{self.run.dp_clip:g} and adds noise of multiplier "
+                f"{run_noise_multiplier(self.run):.4g} before it leaves")
+        if self.uploads:
+            for text in privacy_warnings(self.run, len(loop.server.training_clients())):
+                loop.warn(text)
+
+    def trained(self, loop, server_round: int, row: dict) -> None:
+        """The row's epsilon: what the client that trained most often so far has spent, each of
+        its uploads a Gaussian release at :func:`~pflalign.server.privacy.local_multiplier` (no
+        amplification: a client knows when it takes part); for a method that uploads nothing,
+        0; without noise, none (there is no guarantee)."""
+        if not self.uploads:
+            row["dp-epsilon"] = 0.0
+            return
+        multiplier = run_noise_multiplier(self.run)
+        if multiplier == 0:
+            return
+        trainings = max((sent for sent, _ in loop.usage.values()), default=0)
+        row["dp-epsilon"] = epsilon_of([(local_multiplier(multiplier), 1.0, trainings)],
+                                       self.run.dp_delta)
+
+    def checkpoint_refusal(self, loop, server_round: int) -> str | None:
+        if self.run.dp == "local" and self.run.engine == "flower" and loop.saved_state:
+            return ("no checkpoints are written under dp = 'local' on the Flower engine: they "
+                    "would ask the clients for their saved state, which must not leave them; a "
+                    "killed run starts over.")
+        return None
