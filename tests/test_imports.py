@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 PACKAGES = ("pflalign", "clients", "strategies")
@@ -25,6 +26,7 @@ FOLDER_LAYERS = {
     "pflalign/process": 1, "pflalign/settings": 1, "pflalign/wire": 1,
     "pflalign/data": 2, "pflalign/models": 2, "pflalign/outputs": 2,
     "pflalign/training": 3, "pflalign/training/optim": 3, "pflalign/server": 3,
+    "pflalign/optim": 3,  # deprecated: the optimizers' old place, an alias for one release
     "pflalign/methods": 4,
     "pflalign/engines": 5,
     "pflalign/round": 6, "pflalign/round/features": 6,  # the round: loop, schedulers, features
@@ -193,8 +195,11 @@ def test_package_faces_define_nothing():
         body = ast.parse(face.read_text()).body
         code = [node for node in body if not (isinstance(node, ast.Expr)
                                               and isinstance(node.value, ast.Constant))]
-        if face == ROOT / "pflalign" / "__init__.py":  # the package's version
-            assert [ast.unparse(node) for node in code] == ["__version__ = '0.1.0'"]
+        if face == ROOT / "pflalign" / "__init__.py":  # the public face: names loaded lazily
+            assert [ast.unparse(node) for node in code if isinstance(
+                node, ast.Import | ast.ImportFrom)] == ["from importlib import import_module"]
+            continue
+        if face == ROOT / "pflalign" / "optim" / "__init__.py":  # deprecated alias
             continue
         for node in code:
             if isinstance(node, ast.ImportFrom):
@@ -223,3 +228,29 @@ def test_a_client_process_does_not_load_the_round_loop():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
     assert out.strip() == "['pflalign.run.config']"
+
+
+def test_the_public_face_loads_each_name_from_its_module_and_nothing_eagerly():
+    """``from pflalign import PFLAlign, GENIE, build_model, ...``: each public name is the
+    library's own object, loaded when first used (importing pflalign loads neither torch nor
+    flwr); the old place of the optimizers still works, with a DeprecationWarning."""
+    import pflalign
+    from pflalign.models.registry import build_model
+    from pflalign.training.optim import GENIE, PFLAlign
+
+    assert pflalign.PFLAlign is PFLAlign and pflalign.GENIE is GENIE
+    assert pflalign.build_model is build_model
+    for name in pflalign.__all__:
+        assert getattr(pflalign, name) is not None, name
+        module = pflalign._PUBLIC[name]
+        assert module.startswith("pflalign."), (name, module)  # never flwr's side
+    code = ("import sys, pflalign; assert 'torch' not in sys.modules; "
+            "from pflalign import PFLAlign; assert 'torch' in sys.modules; "
+            "assert not any(m == 'flwr' or m.startswith('flwr.') for m in sys.modules); "
+            "import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            "try:\n    import pflalign.optim\nexcept DeprecationWarning as w:\n    print(w)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    assert out.startswith("pflalign.optim is deprecated: import the optimizers from pflalign")
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        pflalign.Nope  # noqa: B018
