@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from pflalign.run.cli import main
+from strategies.simulation import main  # the CLI, with the Flower engine registered
 
 __all__ = ["main"]
 

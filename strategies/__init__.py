@@ -10,6 +10,7 @@ from pflalign.engines.flower_process import set_flower_environment
 
 set_flower_environment()
 
+import strategies.simulation  # noqa: E402,F401,I001  (registers engine = flower)
 from strategies.methods import (  # noqa: E402  (after the environment is set)
     APFL,
     GPFL,

@@ -192,10 +192,10 @@ def test_fedrep_body_phase_leaves_the_head_alone():
 
 def test_fedbn_runs_on_cnn_bn_and_keeps_every_batch_norm_entry_local():
     settings = build_settings(SMALL)
-    overrides = method_overrides(METHODS["fedbn"], settings, {})
+    overrides = method_overrides(METHODS["fedbn"], settings.run.model, {})
     assert overrides == {"model": "cnn-bn"}
     with pytest.raises(ConfigError, match="batch norm"):
-        method_overrides(METHODS["fedbn"], build_settings({**SMALL, "model": "mlp"}), {})
+        method_overrides(METHODS["fedbn"], "mlp", {})
     method, client = _build("fedbn", model="cnn-bn")
     bn = batch_norm_keys(client.layout)
     shared = {k: v for k, v in global_state(client).items() if k not in bn}

@@ -11,6 +11,7 @@ takes its folder's layer, and a new folder must be given one here.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -254,3 +255,16 @@ def test_the_public_face_loads_each_name_from_its_module_and_nothing_eagerly():
     assert out.startswith("pflalign.optim is deprecated: import the optimizers from pflalign")
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         pflalign.Nope  # noqa: B018
+
+
+def test_method_files_read_typed_settings_only():
+    """A method reads its settings through their typed views (``settings.run.dp``, its Params),
+    never by a key string: a renamed or moved key then fails where it is read, not silently."""
+    reads = re.compile(r"""\b(settings|values|merged)\s*(\[\s*["']|\.get\(\s*["'])""")
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path in sorted((ROOT / "pflalign" / "methods").glob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if reads.search(line)]
+    assert found == []
+    assert reads.search('        if settings["pflalign-state"] == "server":')  # the pattern bites
+    assert reads.search("    model = overrides.get('model', settings.get('model'))")

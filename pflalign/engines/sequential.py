@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pflalign.data.federated import federated_dataset
-from pflalign.engines.base import Engine, EngineFactory
+from pflalign.engines.base import Engine, EngineFactory, register_engine
 from pflalign.engines.faults import ClientDropout, with_faults
 from pflalign.engines.host import discovery, handle, to_torch
 from pflalign.engines.store import ClientStateStore
@@ -139,3 +139,6 @@ def session(settings: Settings, reporter: Reporter, ray_address: str | None,
     up (it runs in this process, never on a cluster: :func:`pflalign.run.driver.check_resources`
     refuses ``ray_address`` for it)."""
     yield SequentialEngine
+
+
+register_engine("sequential", session=session)

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from pflalign.data.federated import federated_dataset
-from pflalign.engines.base import Engine, EngineFactory
+from pflalign.engines.base import Engine, EngineFactory, register_engine
 from pflalign.engines.batched import BatchedEngine
 from pflalign.engines.ray_cluster import LOOPBACK_HOSTS, check_ray_address, parse_ray_address
 from pflalign.outputs.results import Reporter
@@ -576,3 +576,6 @@ def session(settings: Settings, reporter: Reporter, ray_address: str | None,
             pool.close()
         if started_here:
             ray.shutdown()
+
+
+register_engine("batched", session=session)

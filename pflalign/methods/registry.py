@@ -148,12 +148,13 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
 
 
 
-def method_overrides(spec: MethodSpec, settings: Mapping[str, Any],
+def method_overrides(spec: MethodSpec, model: str,
                      entry_overrides: Mapping[str, Any]) -> dict[str, Any]:
     """The config changes a method entry runs with: the spec's fixed keys, the entry's own, and
-    for a method that needs batch norm the batch-norm version of a model without it."""
+    for a method that needs batch norm the batch-norm version of the run's ``model`` when it has
+    none."""
     overrides = {**spec.overrides, **entry_overrides}
-    model = overrides.get("model", settings["model"])
+    model = overrides.get("model", model)
     registered = MODELS.get(str(model))
     if (spec.needs_batch_norm and "model" not in entry_overrides and registered is not None
             and registered.batch_norm_version):

@@ -242,7 +242,7 @@ def _check_entry(choice: MethodChoice, merged: Mapping[str, Value],
                  settings: Settings | None = None) -> None:
     """A method entry's checks: its model fits the data, and its method accepts its settings."""
     spec = METHODS[choice.name]
-    overrides = method_overrides(spec, merged, dict(choice.overrides))
+    overrides = method_overrides(spec, str(merged["model"]), dict(choice.overrides))
     _check_model_fits_data({**merged, **overrides}, choice.label)
     if overrides:  # an entry's own fraction-train or rounds changes its noise and its budget
         try:

@@ -1,8 +1,9 @@
 """The experiment driver: a config's method entries run one after another on its engine.
 
 :func:`simulate` is the one entry point from settings to results: it looks the run's ``engine``
-up in the engine registry (:data:`pflalign.settings.schema.ENGINES`), opens that engine's
-session (:mod:`pflalign.engines.base`) and runs :func:`run_methods` over it. Three engines exist:
+up in the engine registry (:data:`pflalign.engines.base.ENGINE_RUNS`, which each engine's
+module fills when imported), opens that engine's session (:mod:`pflalign.engines.base`) and runs
+:func:`run_methods` over it. Three engines exist:
 
 - ``flower``: Flower messages through a Grid, in a simulation on Ray or a real deployment
   (``strategies/`` and ``clients/``, the only code that imports flwr);
@@ -20,7 +21,6 @@ config's method entries one after another over whichever engine it is given, che
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import time
@@ -29,8 +29,10 @@ from pathlib import Path
 
 import torch
 
+import pflalign.engines.sequential  # noqa: F401  (registers engine = sequential)
+import pflalign.engines.workers  # noqa: F401  (registers engine = batched)
 from pflalign.data.federated import federated_dataset
-from pflalign.engines.base import Engine, EngineFactory, Session
+from pflalign.engines.base import ENGINE_RUNS, Engine, EngineFactory
 from pflalign.methods.registry import METHODS, method_overrides
 from pflalign.models.language import LoraSpec, is_language_model, run_summary
 from pflalign.models.registry import batch_norm_keys, head_of, model_template
@@ -42,7 +44,7 @@ from pflalign.round.loop import RoundLoop
 from pflalign.run.config import MethodChoice, method_choices
 from pflalign.server.runtime import ServerRuntime
 from pflalign.settings.options import ConfigError
-from pflalign.settings.schema import ENGINES, Settings
+from pflalign.settings.schema import Settings
 from pflalign.wire.state import State
 
 
@@ -113,12 +115,6 @@ def previous_results(settings: Settings) -> dict | None:
     return previous
 
 
-def _attribute(where: str) -> object:
-    """The object a registry names as ``module:attribute``."""
-    module, _, name = where.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def simulate(settings: Settings, reporter: Reporter | None = None, *, resume: bool = False,
              ray_address: str | None = None, verbose: bool = False,
              client_app: object | None = None) -> dict:
@@ -130,15 +126,17 @@ def simulate(settings: Settings, reporter: Reporter | None = None, *, resume: bo
     ``verbose`` (Flower's own log lines) and ``client_app`` (a ClientApp serving the clients in
     place of the project's, for a test) concern the Flower engine only."""
     reporter = reporter or Reporter()
-    spec = ENGINES[settings.run.engine]
-    if spec.runner is not None:
-        runner = _attribute(spec.runner)
-        return runner(settings, reporter, resume=resume, ray_address=ray_address,  # type: ignore
-                      verbose=verbose, client_app=client_app)
+    engine = ENGINE_RUNS.get(settings.run.engine)
+    if engine is None:  # declared, and registered only by a module above the library
+        raise ConfigError(f"engine = {settings.run.engine!r} is registered by importing "
+                          "strategies (Flower's side, which the library never imports): `import "
+                          "strategies` before running it, or run `python simulate.py`.")
+    if engine.runner is not None:
+        return engine.runner(settings, reporter, resume=resume, ray_address=ray_address,
+                             verbose=verbose, client_app=client_app)
     federated_dataset(settings)  # data and partition errors surface here, before any training
     check_resources(settings, ray_address)
-    session: Session = _attribute(spec.session)  # type: ignore[assignment]
-    with session(settings, reporter, ray_address) as make_engine:
+    with engine.session(settings, reporter, ray_address) as make_engine:
         return run_methods(settings, make_engine, reporter, resume=resume)
 
 
@@ -150,7 +148,7 @@ def check_model_parts(settings: Settings) -> None:
         return
     for choice in method_choices(settings):
         spec = METHODS[choice.name]
-        method_settings = settings.replace(method_overrides(spec, settings,
+        method_settings = settings.replace(method_overrides(spec, settings.run.model,
                                                             dict(choice.overrides)))
         model = template_model(method_settings)()
         try:
@@ -166,7 +164,8 @@ def check_model_parts(settings: Settings) -> None:
 def entry_settings(settings: Settings, choice: MethodChoice) -> tuple[dict, Settings]:
     """A method entry's overrides, and its own settings: the overrides applied, and 'methods'
     naming just this entry."""
-    overrides = method_overrides(METHODS[choice.name], settings, dict(choice.overrides))
+    overrides = method_overrides(METHODS[choice.name], settings.run.model,
+                                 dict(choice.overrides))
     return overrides, (settings.replace({**overrides, "methods": choice.label}) if overrides
                        else settings)
 

@@ -22,29 +22,14 @@ import torch
 from pflalign.settings.options import Value
 from pflalign.settings.params import Params, log_range, param
 
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """An engine the ``engine`` key names: what it does (the key's help text), and where it lives
-    (``module:attribute``, imported by the driver, :func:`pflalign.run.driver.simulate`, only
-    when a run uses it): either its ``session`` (:data:`pflalign.engines.base.Session`), or for
-    an engine whose framework runs the round loop in a process of its own (Flower's ServerApp),
-    a ``runner`` that runs a whole config."""
-
-    summary: str
-    session: str | None = None
-    runner: str | None = None
-
-
-#: the engines, by the name the ``engine`` key takes: the one registry of them
+#: the engines the ``engine`` key names, with what each does (the key's help text): the
+#: declaration, for the config and its docs; each engine's module registers how it runs when it
+#: is imported (:func:`pflalign.engines.base.register_engine`)
 ENGINES = {
-    "flower": EngineSpec("a Flower simulation on Ray, the same ClientApp and ServerApp as a "
-                         "deployment", runner="strategies.simulation:simulate"),
-    "sequential": EngineSpec("every client in turn in this process, without Ray or Flower",
-                             session="pflalign.engines.sequential:session"),
-    "batched": EngineSpec("a round's clients trained together in this process, in cohorts of "
-                          "cohort-size, on the GPU when client-resources-num-gpus > 0, or on "
-                          "batched-workers Ray actors", session="pflalign.engines.workers:session"),
+    "flower": "a Flower simulation on Ray, the same ClientApp and ServerApp as a deployment",
+    "sequential": "every client in turn in this process, without Ray or Flower",
+    "batched": "a round's clients trained together in this process, in cohorts of cohort-size, "
+               "on the GPU when client-resources-num-gpus > 0, or on batched-workers Ray actors",
 }
 #: what a dataset's samples are: ``image`` (uint8 N x C x H x W, normalised per channel),
 #: ``tokens`` (uint8 N x L indices into a vocabulary of ``num_classes`` symbols, given to the
@@ -314,8 +299,8 @@ class RunConfig(Params):
         minimum=0.0, maximum=1.0, exclusive_minimum=True, group='federation')
     engine: str = param(
         'flower',
-        'How the clients run: ' + '; '.join(f'{name} ({spec.summary})'
-                                            for name, spec in ENGINES.items())
+        'How the clients run: ' + '; '.join(f'{name} ({summary})'
+                                            for name, summary in ENGINES.items())
         + '. Every engine gives the same metrics.',
         choices=tuple(ENGINES), group='simulation', scope='run')
     cohort_size: int = param(
