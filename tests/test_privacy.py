@@ -15,6 +15,7 @@ from harness import three_engines
 from pflalign.server import privacy
 from pflalign.server.aggregation import FlatSpec
 from pflalign.settings.options import ConfigError
+from pflalign.training import privacy as local_dp
 from pflalign.wire.protocol import MODEL
 
 
@@ -317,18 +318,18 @@ def test_a_local_release_clips_the_clients_update_as_one_vector_and_adds_its_noi
     received = {"w": np.ones((2, 2), np.float32), "b": np.zeros(2, np.float32)}
     upload = {"w": np.array([[4, 1], [1, 1]], np.float32), "b": np.array([4, 0], np.float32),
               "count": np.array(7)}
-    out = privacy.local_release(upload, received, bound=2.5, std=0.0, rng=privacy.noise_rng(0, 1))
+    out = local_dp.local_release(upload, received, bound=2.5, std=0.0, rng=privacy.noise_rng(0, 1))
     # the update (3, 0, 0, 0 | 4, 0) has norm 5: halved to the clip; an integer counter (which
     # would tell the client's steps) leaves as received, or as zero when it was not sent
     np.testing.assert_array_equal(out["w"], [[2.5, 1], [1, 1]])
     np.testing.assert_array_equal(out["b"], [2, 0])
     assert out["w"].dtype == np.float32 and out["count"] == 0
-    sent_count = privacy.local_release(upload, {**received, "count": np.array(3)}, 2.5, 0.0,
+    sent_count = local_dp.local_release(upload, {**received, "count": np.array(3)}, 2.5, 0.0,
                                        privacy.noise_rng(0, 1))
     assert sent_count["count"] == 3
-    noised = privacy.local_release(upload, received, 2.5, 0.1,
-                                   privacy.noise_rng(0, 1, privacy.LOCAL_NOISE_STREAM, 5))
-    noise = privacy.noise_rng(0, 1, privacy.LOCAL_NOISE_STREAM, 5).normal(0.0, 0.1, 6)
+    noised = local_dp.local_release(upload, received, 2.5, 0.1,
+                                   privacy.noise_rng(0, 1, local_dp.LOCAL_NOISE_STREAM, 5))
+    noise = privacy.noise_rng(0, 1, local_dp.LOCAL_NOISE_STREAM, 5).normal(0.0, 0.1, 6)
     np.testing.assert_array_equal(noised["b"], (np.array([2.0, 0.0]) + noise[4:]).astype(
         np.float32))
 
@@ -347,7 +348,7 @@ def test_under_dp_secure_the_noise_is_not_the_seeds_and_has_its_scale():
     received = Received(server_round=3, arrays={MODEL: {"w": torch.zeros(size)}})
     upload = Upload(model={"w": torch.full((size,), 0.1)})  # norm 14.1: clipped to 1
     clipped = np.full(size, 0.1) * (clip / np.linalg.norm(np.full(size, 0.1)))
-    seeded = privacy.noise_rng(0, 3, privacy.LOCAL_NOISE_STREAM, 7).normal(0.0, z * clip, size)
+    seeded = local_dp.noise_rng(0, 3, local_dp.LOCAL_NOISE_STREAM, 7).normal(0.0, z * clip, size)
     for secure in (False, True):
         run = build_settings({"dp": "local", "methods": "fedavg", "eval-audit-fraction": 0.0,
                               "dp-clip": clip, "dp-noise-multiplier": z,
@@ -422,7 +423,7 @@ def assert_uploads_clipped_and_noised(uploads: Path, seed: int, clip: float, z: 
         order = [k for k in upload if upload[k].dtype.kind == "f"]  # the client's packing order
         arrived = np.concatenate([upload[k].reshape(-1).astype(np.float64) for k in order])
         base = np.concatenate([sent[k].reshape(-1).astype(np.float64) for k in order])
-        noise = privacy.noise_rng(seed, server_round, privacy.LOCAL_NOISE_STREAM, client).normal(
+        noise = local_dp.noise_rng(seed, server_round, local_dp.LOCAL_NOISE_STREAM, client).normal(
             0.0, z * clip, base.size)
         assert np.linalg.norm(arrived - base) > 10 * clip  # the noise is there...
         update = arrived - base - noise

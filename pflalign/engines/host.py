@@ -31,17 +31,13 @@ from pflalign.data.node import NodeData
 from pflalign.methods.base import Method
 from pflalign.methods.registry import METHODS
 from pflalign.process.caches import cached
-from pflalign.server.privacy import (
-    LOCAL_NOISE_STREAM,
-    local_release,
-    noise_rng,
-    run_noise_multiplier,
-)
+from pflalign.server.privacy import run_noise_multiplier
 from pflalign.settings.options import Value
 from pflalign.settings.schema import RunConfig, Settings
 from pflalign.training.client import ClientRuntime
 from pflalign.training.gga_client import GGA_ACTION, client_answer
 from pflalign.training.loops import configure_threads, pick_device
+from pflalign.training.privacy import LOCAL_NOISE_STREAM, local_release, noise_rng
 from pflalign.training.runs import Rule, complete
 from pflalign.wire.messages import Received, Upload
 from pflalign.wire.protocol import (
@@ -206,7 +202,7 @@ def finish(call: Call, result: object) -> tuple[Metrics, ReplyArrays, State | No
 def privatized(upload: Upload, received: Received, run: RunConfig, client_id: int) -> Upload:
     """``dp = local``: the upload as it leaves the client, its model's update over the model it
     received clipped to ``dp-clip`` and noised with ``dp-noise-multiplier x dp-clip``
-    (:func:`~pflalign.server.privacy.local_release`), from the client's own generator for the
+    (:func:`~pflalign.training.privacy.local_release`), from the client's own generator for the
     round (the same on every engine). Nothing else of the upload may leave: a method that
     uploads other records cannot run under dp (:attr:`~pflalign.methods.base.Method.private`)."""
     if upload.model is None:
