@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from strategies.simulation import main  # the CLI, with the Flower engine registered
+from pflalign.run.cli import main
 
 __all__ = ["main"]
 

@@ -25,7 +25,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import strategies  # noqa: E402,F401,I001  (registers engine = flower, which (a) runs on)
 from pflalign.outputs.results import Reporter  # noqa: E402
 from pflalign.run.config import resolve  # noqa: E402
 from pflalign.run.driver import simulate as simulate_run  # noqa: E402

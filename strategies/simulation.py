@@ -45,7 +45,6 @@ from pflalign.process.interrupt import (
     reinstall_handlers,
     request_stop,
 )
-from pflalign.run.cli import main as cli_main
 from pflalign.run.driver import check_resources
 from pflalign.settings.options import ConfigError
 from pflalign.settings.schema import Settings
@@ -175,12 +174,6 @@ def simulate(settings: Settings, reporter: Reporter | None = None, verbose: bool
     if not collected:
         raise RuntimeError("The simulation ended without results; see the log above.")
     return collected[0]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``simulate.py``'s command line (:func:`pflalign.run.cli.main`) with every engine
-    registered, the Flower engine included: the installed ``pflalign`` command."""
-    return cli_main(argv)
 
 
 register_engine("flower", runner=simulate)

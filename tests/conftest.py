@@ -15,7 +15,6 @@ from pflalign.data.datasets import DEBIAN_FASHION_MNIST  # noqa: E402
 from pflalign.engines.flower_process import set_flower_environment  # noqa: E402
 
 set_flower_environment()
-import strategies  # noqa: E402,F401,I001  (registers engine = flower for runs in this process)
 # transformers never tries the network in the tests (a subprocess inherits it)
 os.environ["HF_HUB_OFFLINE"] = "1"
 

@@ -11,8 +11,8 @@ registers how it runs when its module is imported (:func:`register_engine`): its
 workers, a cluster's address) and gives the driver a factory of the engine for each method
 entry; or, for an engine whose framework runs the round loop in a process of its own (Flower's
 ServerApp, in the app layer: ``strategies/simulation.py``), a runner of a whole config. The
-driver imports the in-process engines' modules; the Flower engine is registered by importing
-``strategies``, which the library itself never imports.
+driver imports the in-process engines' modules, and the Flower engine's only when a run uses it
+(:func:`pflalign.run.driver.flower_engine`).
 """
 
 from __future__ import annotations

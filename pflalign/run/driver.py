@@ -2,7 +2,8 @@
 
 :func:`simulate` is the one entry point from settings to results: it looks the run's ``engine``
 up in the engine registry (:data:`pflalign.engines.base.ENGINE_RUNS`, which each engine's
-module fills when imported), opens that engine's session (:mod:`pflalign.engines.base`) and runs
+module fills when imported; the Flower engine's, of the app layer, only when a run uses it:
+:func:`flower_engine`), opens that engine's session (:mod:`pflalign.engines.base`) and runs
 :func:`run_methods` over it. Three engines exist:
 
 - ``flower``: Flower messages through a Grid, in a simulation on Ray or a real deployment
@@ -115,6 +116,13 @@ def previous_results(settings: Settings) -> dict | None:
     return previous
 
 
+def flower_engine() -> None:
+    """Register the Flower engine: its module is the app layer's (``strategies/simulation.py``,
+    over Flower and Ray), imported here only when a run uses it, so that the library loads
+    neither otherwise. The one import up from the library, named in tests/test_imports.py."""
+    import strategies.simulation  # noqa: F401  (registers engine = flower)
+
+
 def simulate(settings: Settings, reporter: Reporter | None = None, *, resume: bool = False,
              ray_address: str | None = None, verbose: bool = False,
              client_app: object | None = None) -> dict:
@@ -126,11 +134,9 @@ def simulate(settings: Settings, reporter: Reporter | None = None, *, resume: bo
     ``verbose`` (Flower's own log lines) and ``client_app`` (a ClientApp serving the clients in
     place of the project's, for a test) concern the Flower engine only."""
     reporter = reporter or Reporter()
-    engine = ENGINE_RUNS.get(settings.run.engine)
-    if engine is None:  # declared, and registered only by a module above the library
-        raise ConfigError(f"engine = {settings.run.engine!r} is registered by importing "
-                          "strategies (Flower's side, which the library never imports): `import "
-                          "strategies` before running it, or run `python simulate.py`.")
+    if settings.run.engine == "flower" and "flower" not in ENGINE_RUNS:
+        flower_engine()  # registers it
+    engine = ENGINE_RUNS[settings.run.engine]
     if engine.runner is not None:
         return engine.runner(settings, reporter, resume=resume, ray_address=ray_address,
                              verbose=verbose, client_app=client_app)
