@@ -117,10 +117,6 @@ class RoundLoop:
     def label(self) -> str:
         return self.server.label
 
-    def feature(self, name: str) -> RoundFeature | None:
-        """The run's feature called ``name`` (None when the config did not turn it on)."""
-        return next((f for f in self.features if f.name == name), None)
-
     def message(self, client: int, payload: Payload, server_round: int) -> Outgoing:
         return Outgoing(client, payload, {METHOD: self.method.name, LABEL: self.label,
                                           ROUND: server_round, **payload.config})
