@@ -7,3 +7,7 @@ A package is imported before any of its modules, so this sets Flower's and Ray's
 from pflalign.engines.flower_process import set_flower_environment
 
 set_flower_environment()
+
+from clients.answer import answer  # noqa: E402  (after the environment is set)
+
+__all__ = ["answer"]

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from logging import INFO
 from pathlib import Path
 
@@ -133,7 +135,11 @@ def _report(line: str) -> None:
     log(INFO, "%s", line)
 
 
-def _reply(msg: Message, context: Context, action: str) -> Message:
+def _reply(msg: Message, context: Context, action: str,
+           node_of: Callable[[Settings], NodeData | None] | None = None) -> Message:
+    """The reply to one action: the method state kept in ``context.state`` (and ``state-dir``),
+    the client's data from ``node_of(settings)`` (default: :func:`node_data_of`), the handler,
+    the new state kept."""
     use_node_copies(node_cache_dir(dict(context.node_config)), report=_report)
     config = dict(msg.content.config_records[CONFIG])
     label = str(config[LABEL])
@@ -152,7 +158,7 @@ def _reply(msg: Message, context: Context, action: str) -> Message:
             "sha256 %s)", client_id_of(context), label, store.path, meta["round"],
             file_sha256(store.path))
     try:
-        node = None if action == STATE else node_data_of(context, settings)
+        node = None if action == STATE else (node_of or partial(node_data_of, context))(settings)
         metrics, reply_arrays, state = client_handler(action, settings, client_id_of(context),
                                                       config, arrays, saved, node=node)
     except ClientDropout as silent:  # injected: reply only after the server stopped waiting
@@ -169,21 +175,26 @@ def _reply(msg: Message, context: Context, action: str) -> Message:
     return Message(content, reply_to=msg)
 
 
+def _discovery(msg: Message, context: Context,
+               node_of: Callable[[Settings], NodeData | None]) -> Message:
+    """This node's stable client id and split sizes, and its proof of key when asked."""
+    settings = settings_of(msg)
+    cid = client_id_of(context)
+    content = RecordDict({METRICS: MetricRecord(discovery(settings, cid, node_of(settings)))})
+    challenge = msg.content.config_records.get(CHALLENGE)
+    key = context.node_config.get("auth-key")
+    if challenge is not None and key:  # the server checks which key this node holds
+        content[PROOF] = ConfigRecord({PROOF: sign(str(key), bytes(challenge[CHALLENGE]), cid)})
+    return Message(content, reply_to=msg)
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Discovery (this node's stable client id and split sizes), or, when the config names an
     action, that action (an annealing round of GGA's warm start)."""
     if CONFIG in msg.content.config_records:
         return _reply(msg, context, QUERY)
-    settings = settings_of(msg)
-    cid = client_id_of(context)
-    content = RecordDict({METRICS: MetricRecord(discovery(settings, cid,
-                                                          node_data_of(context, settings)))})
-    challenge = msg.content.config_records.get(CHALLENGE)
-    key = context.node_config.get("auth-key")
-    if challenge is not None and key:  # the server checks which key this node holds
-        content[PROOF] = ConfigRecord({PROOF: sign(str(key), bytes(challenge[CHALLENGE]), cid)})
-    return Message(content, reply_to=msg)
+    return _discovery(msg, context, partial(node_data_of, context))
 
 
 @app.query(STATE)

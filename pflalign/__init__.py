@@ -14,7 +14,8 @@ the library loads nothing else):
   features).
 
 Beside it, the Flower side: ``from strategies import PFLAlign`` (every method as a Flower
-strategy) and ``from clients import app`` (the ClientApp).
+strategy), ``from clients import answer`` (a method's client side for a ClientApp of your own,
+with your model and data loaders) and ``from clients.app import app`` (the project's ClientApp).
 """
 
 from importlib import import_module

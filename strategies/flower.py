@@ -148,7 +148,8 @@ class FlowerEngine(Engine):
             self.reporter.warn(f"Node {node} is not used: it did not answer discovery within "
                                f"{limit:g} s.")
         # the sizes every reply is checked against come from the server's own copy of the
-        # partition, never from what a node declares
+        # partition, never from what a node declares (but under dataset = clients, where the
+        # server holds no data and the clients' loaders are the partition)
         federation = federated_dataset(self.settings)
         partition = federation.partition
         claims: dict[int, list[tuple[int, ClientInfo]]] = {}
@@ -176,7 +177,16 @@ class FlowerEngine(Engine):
                     self.reporter.warn(f"Node {node} is not used for partition-id {cid}: "
                                        f"{problem}.")
                     continue
-            num_train, num_test = federation.sizes(cid)
+            if getattr(federation, "sizes_declared", False):  # dataset = clients: theirs
+                if declared[0] < 0 or declared[1] < 0 or declared[2] != partition.is_unseen(cid):
+                    self.reporter.warn(
+                        f"Node {node} is not used: it declared {declared[0]} train / "
+                        f"{declared[1]} test samples (unseen: {declared[2]}) for partition-id "
+                        f"{cid}, which this run cannot take.")
+                    continue
+                num_train, num_test = declared[0], declared[1]
+            else:
+                num_train, num_test = federation.sizes(cid)
             info = ClientInfo(id=cid, num_train=num_train, num_test=num_test,
                               unseen=partition.is_unseen(cid))
             if declared != (info.num_train, info.num_test, info.unseen):

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -58,3 +62,25 @@ def assert_reported_accuracy_matches_its_clients(result: dict) -> None:
         correct = sum(c["personal-acc"] * c["num-test"] for c in group)
         assert final[key] == pytest.approx(correct / sum(c["num-test"] for c in group),
                                            rel=1e-12)
+
+
+def flwr_run(app: str | Path, tmp_path: Path, args: list[str], port: int,
+             timeout: float = 300) -> subprocess.CompletedProcess:
+    """``flwr run <app> --stream <args>`` against Flower's managed local SuperLink, on its own
+    ports (``port`` and ``port + 2``), FLWR_HOME and Ray directory; the SuperLink is stopped
+    afterwards."""
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
+    bin_dir = os.path.dirname(sys.executable)  # flwr starts `flower-superlink` from PATH
+    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
+               FLWR_HOME=str(tmp_path / "flwr-home"), RAY_TMPDIR=ray_tmp,
+               FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(port),
+               FLWR_LOCAL_CONTROL_API_PORT=str(port + 2))
+    try:
+        return subprocess.run([os.path.join(bin_dir, "flwr"), "run", ".", "--stream", *args],
+                              capture_output=True, text=True, timeout=timeout, cwd=app, env=env)
+    finally:
+        pids = subprocess.run(["pgrep", "-f", f"flower-superlink.*{tmp_path}"],
+                              capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            os.kill(int(pid), signal.SIGTERM)
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -129,3 +129,67 @@ def test_the_installed_pflalign_command_is_simulate_py(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["num-clients"] == 3 and set(results["methods"]) == {"fedavg"}
     assert "pflalign --set num-clients=3" in (out / "plan.json").read_text()
+
+
+PLANTED = r'''
+import json
+from dataclasses import dataclass
+
+from pflalign.methods.fedavg import FedAvg
+from pflalign.methods.registry import METHODS, method
+from pflalign.settings.options import ConfigError, OnlyWith
+from pflalign.settings.params import Params, param
+
+
+@dataclass(frozen=True)
+class PlantedParams(Params):
+    prefix = "planted"
+    weight: float = param(0.0, "A planted key.", minimum=0.0,
+                          only_with=OnlyWith("dp", ("central",), shown="g",
+                                             why="weighs the noise, and dp = {other}",
+                                             fix="set dp = 'central' or remove it"))
+
+
+class Planted(FedAvg):
+    name = "planted"
+    summary = "FedAvg with a planted key."
+    Params = PlantedParams
+
+
+METHODS["planted"] = method(Planted)  # before the parser collects the schema
+
+from pflalign.run.cli import _epilog  # noqa: E402
+from pflalign.run.config import build_settings, format_settings  # noqa: E402
+from pflalign.run.docs import render_config  # noqa: E402
+
+out = {"help": _epilog(), "docs": render_config()}
+try:
+    build_settings({"methods": "planted", "planted-weight": 0.5})
+except ConfigError as refused:
+    out["refusal"] = str(refused)
+settings = build_settings({"methods": "planted", "planted-weight": 0.5, "dp": "central",
+                           "dp-noise-multiplier": 0.5})
+out["accepted"] = settings["planted-weight"]
+out["printed"] = format_settings(settings)
+print(json.dumps(out))
+'''
+
+
+def test_a_planted_key_with_an_only_with_rule_shows_everywhere_with_no_other_edit(tmp_path):
+    """A key declared with an "only with" rule, and nothing else: `--help`, the docs page and a
+    printed config say when it applies, and a config that sets it without that is refused in
+    the rule's sentence."""
+    script = tmp_path / "planted.py"
+    script.write_text(PLANTED)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "planted-weight = 0.0" in out["help"]
+    assert "A planted key. Only with dp = central." in " ".join(out["help"].split())
+    assert "| `planted-weight` | `0.0` | >= 0 | method | A planted key. Only with dp = central. |" \
+        in out["docs"]
+    assert "# A planted key. Only with dp = central.\nplanted-weight = 0.5" in out["printed"]
+    assert out["refusal"] == ("planted-weight = 0.5 weighs the noise, and dp = 'off': set dp = "
+                              "'central' or remove it.")
+    assert out["accepted"] == 0.5

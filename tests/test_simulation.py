@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
-from conftest import ROOT, needs_fashion_mnist
+from conftest import ROOT, flwr_run, needs_fashion_mnist
 
 pytestmark = needs_fashion_mnist
 
@@ -148,26 +147,10 @@ def test_same_seed_gives_the_same_metrics(first_run, tmp_path):
 
 def test_flwr_run_dot_with_a_run_config_override(tmp_path):
     """`flwr run .` against Flower's managed local SuperLink (stopped afterwards)."""
-    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
-    bin_dir = os.path.dirname(sys.executable)  # flwr starts `flower-superlink` from PATH
-    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
-               FLWR_HOME=str(tmp_path / "flwr-home"),
-               RAY_TMPDIR=ray_tmp, FLWR_LOCAL_SUPERLINK_HTTP_API_PORT="39191",
-               FLWR_LOCAL_CONTROL_API_PORT="39193")
     out = tmp_path / "out"
-    flwr = os.path.join(bin_dir, "flwr")
-    try:
-        result = subprocess.run(
-            [flwr, "run", ".", "--stream", "--run-config",
-             f"rounds=1 num-clients=3 max-samples=1200 methods='fedavg' out-dir='{out}'",
-             "--federation-config", "num-supernodes=3"],
-            capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
-    finally:
-        pids = subprocess.run(["pgrep", "-f", f"flower-superlink.*{tmp_path}"],
-                              capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            os.kill(int(pid), signal.SIGTERM)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    result = flwr_run(ROOT, tmp_path, [
+        "--run-config", f"rounds=1 num-clients=3 max-samples=1200 methods='fedavg' out-dir='{out}'",
+        "--federation-config", "num-supernodes=3"], port=39191, timeout=240)
     assert "[fedavg] round   1/1" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["rounds"] == 1 and results["config"]["num-clients"] == 3

@@ -134,8 +134,8 @@ def test_bad_values_and_paths(tmp_path):
     with pytest.raises(ConfigError, match="is not a readable .npz file"):
         build_settings({"dataset": f"npz:{tmp_path / 'text.npz'}"})
     with pytest.raises(ConfigError, match="Unknown dataset 'cifar'; choose one of: "
-                       "fashion-mnist, mnist, cifar10, cifar100, shakespeare, synthetic, or "
-                       "npz:PATH"):
+                       "fashion-mnist, mnist, cifar10, cifar100, shakespeare, synthetic, "
+                       "clients, or npz:PATH"):
         build_settings({"dataset": "cifar"})
     no_clients = _bad(tmp_path, "plain", x=np.zeros((5, 4), np.float32), y=np.arange(5) % 2)
     with pytest.raises(ConfigError, match="partition = 'natural' needs a dataset with its own "

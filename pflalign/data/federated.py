@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pflalign.data import synthetic
+from pflalign.data.clients import CLIENTS, ClientsFederation, clients_federation
 from pflalign.data.datasets import IGNORE_INDEX, ClientData, Dataset, load_dataset
 from pflalign.data.hf_source import COLUMN_KEYS
 from pflalign.data.partition import (
@@ -103,9 +104,15 @@ class FederatedDataset:
                 **self.partition.summary(labels, self.dataset.num_classes)}
 
 
+#: what :func:`federated_dataset` gives
+Federation = FederatedDataset | SyntheticFederation | ClientsFederation
+
+
 @cached(maxsize=2)
-def _build(key: tuple) -> FederatedDataset | SyntheticFederation:
+def _build(key: tuple) -> Federation:
     cfg = dict(zip(DATA_KEYS, key, strict=True))
+    if cfg["dataset"] == CLIENTS:
+        return clients_federation(cfg)
     if cfg["dataset"] == synthetic.NAME:
         return synthetic.synthetic_federation(cfg)
     dataset = load_dataset(cfg["dataset"], cfg["data-root"], cfg["download"], cfg["tokenizer"],
@@ -145,8 +152,9 @@ def validation_partition(partition: Partition, labels: np.ndarray, fraction: flo
                    test=tuple(s[1] for s in splits))
 
 
-def federated_dataset(settings: Mapping[str, object]) -> FederatedDataset | SyntheticFederation:
+def federated_dataset(settings: Mapping[str, object]) -> Federation:
     """The run's federated dataset, cached per process (no re-reading or re-partitioning; a
-    synthetic federation generates a client's data when it is asked for)."""
+    synthetic federation generates a client's data when it is asked for; with ``dataset =
+    clients`` the server holds none, :mod:`pflalign.data.clients`)."""
     key = getattr(settings, "data_key", None)
     return _build(key if key is not None else tuple(settings[k] for k in DATA_KEYS))

@@ -161,7 +161,7 @@ def has_natural_clients(name: str, columns: tuple[str, str, str] = NO_COLUMNS) -
         return has_clients(name)
     path = npz_path(name)
     if path is None:
-        return name in ("shakespeare", "synthetic")
+        return name in ("shakespeare", "synthetic", "clients")
     return "client" in _headers(path)
 
 

@@ -67,7 +67,7 @@ def _epilog() -> str:
     lines = ["config keys (set in the TOML file or with --set KEY=VALUE; defaults shown):"]
     for opt in OPTIONS:
         lines.append(f"  {opt.key} = {opt.default!r}")
-        lines += textwrap.wrap(opt.help, width=88, initial_indent="      ",
+        lines += textwrap.wrap(opt.full_help, width=88, initial_indent="      ",
                                subsequent_indent="      ")
     lines.append("\nmethods:")
     for spec in METHODS.values():

@@ -19,9 +19,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pflalign.data.clients import CLIENTS, clients_kind, parse_input_shape
 from pflalign.data.datasets import CHARACTERS
 from pflalign.data.flwr_partitioners import check_flwr_partition, is_flwr
-from pflalign.data.hf_source import COLUMN_KEYS, HF, hf_target, local_folder
+from pflalign.data.hf_source import HF, hf_target, local_folder
 from pflalign.data.instructions import JSONL, jsonl_path
 from pflalign.data.partition import parse_angles
 from pflalign.data.sources import (
@@ -215,38 +216,70 @@ def parse_methods(text: str, values: Mapping[str, Value] | None = None) -> list[
 def build_settings(values: Mapping[str, object] | None = None,
                    source: str = "the config") -> Settings:
     """A validated :class:`Settings`: the defaults, then ``values`` (each coerced and checked), then
-    the checks across keys and every method entry's :meth:`~pflalign.methods.base.Method.check`.
-    Every error is one :class:`ConfigError` sentence, raised before any data is read."""
+    the paths made absolute, the "only with" rules, the checks across keys (each section's on its
+    typed view) and every method entry's :meth:`~pflalign.methods.base.Method.check`. The method
+    entries are parsed once and kept in the settings (:attr:`Settings.entries`). Every error is
+    one :class:`ConfigError` sentence, raised before any data is read."""
     merged: dict[str, Value] = defaults()
     for key, value in (values or {}).items():
         merged[key] = coerce(key, value, source)
-    _resolve_dataset(merged)
-    _check_systems(merged)
-    _check_privacy(merged)
-    if is_user_model(str(merged["model"])):
-        merged["model"] = user.resolved(str(merged["model"]))
-    _check_model_name(str(merged["model"]), "model")
-    _resolve_tokenizer(merged)
-    _check_cross_keys(merged)
+    merged.update(_resolved(RunConfig.from_settings(merged)))
+    check_only_with(merged)
+    run, gga = RunConfig.from_settings(merged), GGAParams.from_settings(merged)
+    _check_systems(run)
+    _check_privacy(run, gga)
+    _check_model_name(run.model, "model")
+    _check_cross_keys(run, gga)
     settings = Settings(merged, build_settings)
-    choices = parse_methods(str(merged["methods"]), merged)
+    choices = parse_methods(run.methods, merged)
     if not choices:
         raise ConfigError("methods = 'all': no method can run on this model and data ("
                           + "; ".join(left_out_by_all(merged).values())[:600] + ").")
     for choice in choices:
         _check_entry(choice, merged, settings)
+    settings.entries = tuple(choices)
     return settings
+
+
+def _resolved(run: RunConfig) -> dict[str, Value]:
+    """The values that name files made absolute (the same file for every process and Ray
+    worker, whatever its working directory), each read now so that a bad one stops the run
+    before any data: the dataset, a user's model, a trace of device profiles; and a text
+    dataset's tokenizer, the model's unless given."""
+    out: dict[str, Value] = {"dataset": _resolve_dataset(run)}
+    if is_user_model(run.model):
+        out["model"] = user.resolved(run.model)
+    check_profiles_key(run.device_profiles)
+    if run.device_profiles not in (NONE_PROFILES, LOGNORMAL):
+        out["device-profiles"] = str(Path(run.device_profiles).expanduser().resolve())
+    model = str(out.get("model", run.model))
+    if not run.tokenizer and dataset_kind(str(out["dataset"]), _columns(run)) == TOKENS:
+        out["tokenizer"] = _model_tokenizer(model)
+    return out
+
+
+def check_only_with(values: Mapping[str, Value]) -> None:
+    """Every key that keeps an "only with" rule (:class:`~pflalign.settings.options.OnlyWith`)
+    is at its default unless the rule holds; the first that is not, in schema order, is refused
+    in its rule's one sentence."""
+    for option in OPTIONS:
+        for rule in option.only_with:
+            value = values[option.key]
+            if value != option.default and not rule.allows(values[rule.key]):
+                raise ConfigError(rule.refusal(option.key, value, values[rule.key]))
 
 
 def _check_entry(choice: MethodChoice, merged: Mapping[str, Value],
                  settings: Settings | None = None) -> None:
     """A method entry's checks: its model fits the data, and its method accepts its settings."""
     spec = METHODS[choice.name]
-    overrides = method_overrides(spec, str(merged["model"]), dict(choice.overrides))
-    _check_model_fits_data({**merged, **overrides}, choice.label)
+    overrides = method_overrides(spec, RunConfig.from_settings(merged).model,
+                                 dict(choice.overrides))
+    entry = {**merged, **overrides}
+    _check_model_fits_data(RunConfig.from_settings(entry), choice.label)
     if overrides:  # an entry's own fraction-train or rounds changes its noise and its budget
         try:
-            _check_privacy({**merged, **overrides})
+            _check_privacy(RunConfig.from_settings(entry), GGAParams.from_settings(entry))
         except ConfigError as refused:
             raise ConfigError(f"{choice.label}: {refused}") from None
     spec.method.check(settings if settings is not None and not overrides
@@ -268,8 +301,12 @@ def left_out_by_all(values: Mapping[str, Value]) -> dict[str, str]:
 
 
 def method_choices(settings: Mapping[str, Value]) -> list[MethodChoice]:
-    """The method entries of ``settings``' 'methods', in order."""
-    return parse_methods(str(settings["methods"]), settings)
+    """The method entries of ``settings``' 'methods', in order: those :func:`build_settings`
+    parsed and kept (parsed again only for a bare mapping)."""
+    entries = getattr(settings, "entries", None)
+    if entries is not None:
+        return list(entries)
+    return parse_methods(RunConfig.from_settings(settings).methods, settings)
 
 
 def method_labels(settings: Mapping[str, Value]) -> list[str]:
@@ -284,37 +321,38 @@ TEXT_PARTITIONS = ("natural", "iid", "quantity")
 _NOUNS = {IMAGE: "images", TOKENS: "token sequences", FEATURES: "feature vectors"}
 
 
-def _resolve_dataset(values: dict[str, Value]) -> None:
-    """The dataset names a built-in dataset or a readable file, which the config then names by
-    its absolute path (the same file for every process and Ray worker, whatever its working
-    directory)."""
-    name = str(values["dataset"])
+def _resolve_dataset(run: RunConfig) -> str:
+    """The dataset: a built-in one, or a readable file or folder named by its absolute path."""
+    name = run.dataset
     path = npz_path(name)
     if path is not None:
-        values["dataset"] = NPZ + str(path.resolve())
+        name = NPZ + str(path.resolve())
     for prefix in (IMAGEFOLDER, TEXT):
         folder = folder_of(name, prefix)
         if folder is not None:
-            values["dataset"] = prefix + str(folder.resolve())
+            name = prefix + str(folder.resolve())
     records = jsonl_path(name)
     if records is not None:
-        values["dataset"] = JSONL + str(records.resolve())
+        name = JSONL + str(records.resolve())
     target = hf_target(name)
     folder = None if target is None else local_folder(target)
     if folder is not None:
-        values["dataset"] = HF + str(folder.resolve())
-    if target is None:
-        given = [k for k in COLUMN_KEYS if str(values[k]).strip()]
-        if given:
-            raise ConfigError(f"{given[0]} = {values[given[0]]!r} names a column of a Hugging "
-                              f"Face dataset, and dataset = {values['dataset']!r} is not one "
-                              f"(hf:...): clear {given[0]}.")
-    check_dataset_name(str(values["dataset"]), _columns(values))
+        name = HF + str(folder.resolve())
+    check_dataset_name(name, _columns(run))
+    return name
 
 
-def _columns(values: Mapping[str, Value]) -> tuple[str, str, str]:
+def _kind(run: RunConfig) -> str:
+    """What the run's samples are (images, token sequences or feature vectors); under
+    ``dataset = clients``, what input-shape says."""
+    if run.dataset == CLIENTS:
+        return clients_kind(parse_input_shape(run.input_shape))
+    return dataset_kind(run.dataset, _columns(run))
+
+
+def _columns(run: RunConfig) -> tuple[str, str, str]:
     """A Hugging Face dataset's column keys (input, label, client)."""
-    return tuple(str(values[k]) for k in COLUMN_KEYS)
+    return run.input_column, run.label_column, run.client_column
 
 
 def _check_model_name(model: str, key: str) -> None:
@@ -334,23 +372,15 @@ def _model_tokenizer(model: str) -> str:
     return model if is_language_model(model) else CHARACTERS
 
 
-def _resolve_tokenizer(values: dict[str, Value]) -> None:
-    """A text dataset's tokenizer: the model's, unless given (and then it must be the model's)."""
-    if dataset_kind(str(values["dataset"]), _columns(values)) != TOKENS:
-        return
-    if not values["tokenizer"]:
-        values["tokenizer"] = _model_tokenizer(str(values["model"]))
-
-
-def _check_model_fits_data(values: Mapping[str, Value], label: str) -> None:
+def _check_model_fits_data(run: RunConfig, label: str) -> None:
     """The model takes what the dataset holds (images or token sequences), tokenized as the
     run's data is."""
-    model = str(values["model"])
+    model = run.model
     _check_model_name(model, "model")
-    kind = dataset_kind(str(values["dataset"]), _columns(values))
-    if jsonl_path(str(values["dataset"])) is not None and not is_language_model(model):
+    kind = _kind(run)
+    if jsonl_path(run.dataset) is not None and not is_language_model(model):
         raise ConfigError(f"Method '{label}' would run model = {model!r} on dataset = "
-                          f"{values['dataset']!r}, whose instructions a language model's own "
+                          f"{run.dataset!r}, whose instructions a language model's own "
                           f"tokenizer reads: set model = hf:<model> (hf:{SMOLLM2} offline).")
     if is_user_model(model):
         return  # a factory gets the data's shape; its model is checked when it is built
@@ -360,107 +390,80 @@ def _check_model_fits_data(values: Mapping[str, Value], label: str) -> None:
         fits += ", or hf:<model>" if kind == TOKENS else ""
         raise ConfigError(f"Method '{label}' would run model = {model!r}, which takes "
                           f"{' or '.join(_NOUNS[t] for t in takes)}, on dataset = "
-                          f"{values['dataset']!r}, which holds {_NOUNS[kind]}: set model to "
+                          f"{run.dataset!r}, which holds {_NOUNS[kind]}: set model to "
                           f"{fits}.")
-    if kind == TOKENS and values["tokenizer"] != _model_tokenizer(model):
+    if kind == TOKENS and run.tokenizer != _model_tokenizer(model):
         raise ConfigError(f"Method '{label}' would run model = {model!r} on text tokenized by "
-                          f"tokenizer = {values['tokenizer']!r}; a model reads only its own "
+                          f"tokenizer = {run.tokenizer!r}; a model reads only its own "
                           f"tokens: set tokenizer = {_model_tokenizer(model)!r} (or leave it "
                           "empty), and give every method entry the same model.")
 
 
-def _check_systems(values: dict[str, Value]) -> None:
-    """device-profiles names none, lognormal or a readable trace (made absolute, and read now,
-    so that a bad one stops the run before any data is read); round-deadline and
-    over-selection need profiles."""
-    _check_mode(values)
-    kind = str(values["device-profiles"])
-    check_profiles_key(kind)
-    clients = int(values["num-clients"]) + int(values["num-unseen-clients"])
+def _check_systems(run: RunConfig) -> None:
+    """device-profiles names none, lognormal or a readable trace (read now, so that a bad one
+    stops the run before any data is read), whose availability windows go with availability =
+    trace; mode = async fits the run."""
+    _check_mode(run)
+    kind = run.device_profiles
+    clients = run.num_clients + run.num_unseen_clients
     if kind not in (NONE_PROFILES, LOGNORMAL):
-        path = Path(kind).expanduser().resolve()
-        values["device-profiles"] = str(path)
+        path = Path(kind)
         read_trace(path, clients)
         windows = read_windows(path, clients)
-        if windows is None and values["availability"] == TRACE:
+        if windows is None and run.availability == TRACE:
             raise ConfigError(f"availability = 'trace' reads the windows column of the trace "
                               f"file, and '{path}' has none: add one (hours of the day, e.g. "
                               "0-8;20-24) or choose availability = 'diurnal' or 'always'.")
-        if windows is not None and values["availability"] != TRACE:
+        if windows is not None and run.availability != TRACE:
             raise ConfigError(f"The trace file '{path}' has availability windows, and "
-                              f"availability = {values['availability']!r}: set availability = "
+                              f"availability = {run.availability!r}: set availability = "
                               "'trace' to use them, or remove the windows column.")
-    elif values["availability"] == TRACE:
+    elif run.availability == TRACE:
         raise ConfigError(f"availability = 'trace' reads the windows column of a trace file, and "
                           f"device-profiles = {kind!r}: give a trace file with windows.")
-    if kind == NONE_PROFILES:
-        for key, idle in (("round-deadline", 0.0), ("over-selection", 1.0)):
-            if values[key] != idle:
-                raise ConfigError(f"{key} = {values[key]:g} times the clients on the simulated "
-                                  "clock, which needs device profiles: set device-profiles = "
-                                  "lognormal or a trace file.")
-        if values["time-budget"]:
-            raise ConfigError(f"time-budget = {values['time-budget']:g} reports the methods at a "
-                              "simulated time, which needs device profiles: set device-profiles "
-                              "= lognormal or a trace file.")
-        if values["availability"] != "always":
-            raise ConfigError(f"availability = {values['availability']!r} follows the clients "
-                              "on the simulated clock, which needs device profiles: set "
-                              "device-profiles = lognormal or a trace file.")
 
 
-#: the keys of ``dp`` and their defaults (set only with dp on)
-DP_KEYS = ("dp-clip", "dp-clipping", "dp-noise-multiplier", "dp-epsilon", "dp-delta",
-           "dp-clip-quantile", "dp-clip-lr", "dp-count-noise", "dp-secure")
+def _default(key: str) -> Value:
+    """A key's declared default (its idle value)."""
+    return OPTIONS_BY_KEY[key].default
 
 
-def _check_privacy(values: Mapping[str, Value]) -> None:
+def _check_privacy(run: RunConfig, gga: GGAParams) -> None:
     """``sampling = poisson`` draws from every training client, each round on its own (no
-    over-selection, availability windows or asynchronous dispatch); ``dp`` keys only with dp on,
-    and a run with dp that its accountant can bound: synchronous, without gga's extra uploads,
-    its dp-epsilon reachable and its adaptive clip's count noise within the budget
-    (docs/privacy.md)."""
-    if values["sampling"] == "poisson":
-        for key, idle, why in (
-                ("mode", "sync", "dispatches a client whenever one arrives"),
-                ("over-selection", 1.0, "samples more clients than a round wants"),
-                ("availability", "always", "samples only among the reachable clients")):
-            if values[key] != idle:
+    over-selection, availability windows or asynchronous dispatch); and a run with dp that its
+    accountant can bound: synchronous, without gga's extra uploads, its dp-epsilon reachable and
+    its adaptive clip's count noise within the budget (docs/privacy.md). The dp keys' "only
+    with" rules are the schema's (:func:`check_only_with`)."""
+    if run.sampling == "poisson":
+        for key, value, why in (
+                ("mode", run.mode, "dispatches a client whenever one arrives"),
+                ("over-selection", run.over_selection, "samples more clients than a round wants"),
+                ("availability", run.availability, "samples only among the reachable clients")):
+            idle = _default(key)
+            if value != idle:
                 raise ConfigError(f"sampling = 'poisson' includes each training client with "
-                                  f"probability fraction-train, and {key} = {values[key]!r} "
+                                  f"probability fraction-train, and {key} = {value!r} "
                                   f"{why}: set {key} = {idle!r} or sampling = 'fixed'.")
-    default = defaults()
-    if values["dp"] == "off":
-        for key in DP_KEYS:
-            if values[key] != default[key]:
-                raise ConfigError(f"{key} = {values[key]!r} applies to differential privacy, and "
-                                  "dp = 'off': set dp = 'central' or remove it.")
+    if run.dp == "off":
         return
-    if values["mode"] == "async":
-        raise ConfigError(f"dp = {values['dp']!r} accounts one release per synchronous round, "
+    if run.mode == "async":
+        raise ConfigError(f"dp = {run.dp!r} accounts one release per synchronous round, "
                           "and mode = 'async' aggregates buffers of stale updates: set mode = "
                           "'sync'.")
-    if float(values["over-selection"]) > 1:
-        raise ConfigError(f"over-selection = {values['over-selection']:g} uses the first replies "
+    if run.over_selection > 1:
+        raise ConfigError(f"over-selection = {run.over_selection:g} uses the first replies "
                           "to arrive, so one client's training time (its data's size) decides "
-                          f"whether another's update counts, which dp = {values['dp']!r} does not "
+                          f"whether another's update counts, which dp = {run.dp!r} does not "
                           "account: set over-selection = 1.")
-    if values["gga"]:
+    if gga.enabled:
         raise ConfigError(f"gga = true sends the clients' gradients to the server outside the "
-                          f"clipped, noised release of dp = {values['dp']!r}: set gga = false.")
-    if values["dp"] == "local":
-        _check_local_privacy(values)
-    if values["dp-clipping"] == "fixed":
-        for key in ("dp-clip-quantile", "dp-clip-lr", "dp-count-noise"):
-            if values[key] != default[key]:
-                raise ConfigError(f"{key} = {values[key]!r} applies to dp-clipping = "
-                                  "'adaptive', and dp-clipping = 'fixed': set dp-clipping = "
-                                  "'adaptive' or remove it.")
-    if values["dp-epsilon"] and values["dp-noise-multiplier"] != default["dp-noise-multiplier"]:
-        raise ConfigError(f"dp-epsilon = {values['dp-epsilon']:g} sets the noise multiplier, and "
-                          f"dp-noise-multiplier = {values['dp-noise-multiplier']:g} sets it too: "
+                          f"clipped, noised release of dp = {run.dp!r}: set gga = false.")
+    if run.dp == "local":
+        _check_local_privacy(run)
+    if run.dp_epsilon and run.dp_noise_multiplier != _default("dp-noise-multiplier"):
+        raise ConfigError(f"dp-epsilon = {run.dp_epsilon:g} sets the noise multiplier, and "
+                          f"dp-noise-multiplier = {run.dp_noise_multiplier:g} sets it too: "
                           "give one of them.")
-    run = RunConfig.from_settings(values)
     multiplier = run_noise_multiplier(run)  # an unreachable dp-epsilon is one sentence here
     expected = expected_clients(run.sampling, run.fraction_train, run.num_clients)
     count = count_noise(run, expected, multiplier)
@@ -471,129 +474,143 @@ def _check_privacy(values: Mapping[str, Value]) -> None:
                           "it 0 for the default.")
 
 
-def _check_local_privacy(values: Mapping[str, Value]) -> None:
+def _check_local_privacy(run: RunConfig) -> None:
     """``dp = local``: nothing of a client's own may reach the server outside its noised
     upload (the audits send its saved state; on the Flower engine no checkpoint asks for it,
     :meth:`~pflalign.round.loop.RoundLoop.write_checkpoint`), and the clip is each client's own
     (no adaptive clip, which needs the server to count)."""
-    for key in ("eval-audit-fraction", "train-audit-fraction"):
-        if float(values[key]) > 0:
-            raise ConfigError(f"{key} = {values[key]:g} has clients send their saved state to "
+    for key, value in (("eval-audit-fraction", run.eval_audit_fraction),
+                       ("train-audit-fraction", run.train_audit_fraction)):
+        if value > 0:
+            raise ConfigError(f"{key} = {value:g} has clients send their saved state to "
                               "the server to recompute their replies, which dp = 'local' "
                               f"forbids (the server is not trusted): set {key} = 0.")
-    if values["dp-clipping"] == "adaptive":
+    if run.dp_clipping == "adaptive":
         raise ConfigError("dp-clipping = 'adaptive' has the server count the clipped updates, "
                           "and under dp = 'local' it never sees one unnoised: each client clips "
                           "to dp-clip; set dp-clipping = 'fixed'.")
 
 
-#: the keys of ``mode = async`` and their values when unused
-ASYNC_KEYS = {"concurrency": 0, "buffer-size": 0, "staleness-exponent": 0.5, "async-lr": 1.0}
-
-
-def _check_mode(values: Mapping[str, Value]) -> None:
+def _check_mode(run: RunConfig) -> None:
     """mode = async: its keys fit the run (buffer-size at most concurrency, at most the training
     clients), it runs on the simulated clock (device-profiles) or in real time on the Flower
-    engine, and without the synchronous-round keys; mode = sync: no async key is set."""
-    if values["mode"] != "async":
-        for key, idle in ASYNC_KEYS.items():
-            if values[key] != idle:
-                raise ConfigError(f"{key} = {values[key]:g} applies to mode = 'async', and this "
-                                  "run is synchronous: set mode = 'async' or remove it.")
+    engine, and without the synchronous-round keys. (Its keys' "only with mode = async" rule is
+    the schema's, :func:`check_only_with`.)"""
+    if run.mode != "async":
         return
-    clients = int(values["num-clients"])
-    concurrency = int(values["concurrency"])
-    if concurrency > clients:
-        raise ConfigError(f"concurrency = {concurrency} keeps more clients in flight than the "
+    clients = run.num_clients
+    if run.concurrency > clients:
+        raise ConfigError(f"concurrency = {run.concurrency} keeps more clients in flight than the "
                           f"run's {clients} training clients (num-clients): lower it.")
-    flying, buffer = async_sizes(clients, float(values["fraction-train"]), concurrency,
-                                 int(values["buffer-size"]))
+    flying, buffer = async_sizes(clients, run.fraction_train, run.concurrency, run.buffer_size)
     if buffer > flying:
         raise ConfigError(f"buffer-size = {buffer} waits for more arrivals than the {flying} "
                           "clients in flight (concurrency"
-                          f"{'' if concurrency else ' = 0: fraction-train of num-clients'}), so "
-                          "no aggregation would ever happen: lower buffer-size or raise "
+                          f"{'' if run.concurrency else ' = 0: fraction-train of num-clients'}), "
+                          "so no aggregation would ever happen: lower buffer-size or raise "
                           "concurrency.")
-    for key, idle in (("round-deadline", 0.0), ("over-selection", 1.0)):
-        if values[key] != idle:
-            raise ConfigError(f"{key} = {values[key]:g} closes synchronous rounds, and mode = "
+    for key, value in (("round-deadline", run.round_deadline),
+                       ("over-selection", run.over_selection)):
+        if value != _default(key):
+            raise ConfigError(f"{key} = {value:g} closes synchronous rounds, and mode = "
                               "'async' has none (every arrival is used, weighted by its "
                               "staleness): remove it or set mode = 'sync'.")
-    if float(values["train-audit-fraction"]) > 0:
-        raise ConfigError(f"train-audit-fraction = {values['train-audit-fraction']:g} recomputes "
+    if run.train_audit_fraction > 0:
+        raise ConfigError(f"train-audit-fraction = {run.train_audit_fraction:g} recomputes "
                           "a synchronous round's training replies, which mode = 'async' does "
                           "not have: set it to 0 or mode = 'sync'.")
-    if values["device-profiles"] == NONE_PROFILES and values["engine"] != "flower":
-        raise ConfigError(f"mode = 'async' on engine = {values['engine']!r} orders arrivals on "
+    if run.device_profiles == NONE_PROFILES and run.engine != "flower":
+        raise ConfigError(f"mode = 'async' on engine = {run.engine!r} orders arrivals on "
                           "the simulated clock, which needs device profiles: set "
                           "device-profiles = lognormal or a trace file (without them, only the "
                           "Flower engine runs it, in real time).")
 
 
-def _check_cross_keys(values: Mapping[str, Value]) -> None:
-    parse_tracking(str(values["tracking"]))
-    workers = str(values["batched-workers"]).strip()
+def _check_cross_keys(run: RunConfig, gga: GGAParams) -> None:
+    parse_tracking(run.tracking)
+    workers = run.batched_workers.strip()
     if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
-        raise ConfigError(f"batched-workers = {values['batched-workers']!r}: give a whole number "
+        raise ConfigError(f"batched-workers = {run.batched_workers!r}: give a whole number "
                           "of worker processes (>= 1), or auto.")
-    kind = dataset_kind(str(values["dataset"]), _columns(values))
-    if kind == TOKENS and values["partition"] not in TEXT_PARTITIONS:
-        raise ConfigError(f"partition = {values['partition']!r} splits by class label or "
+    kind = _kind(run)
+    if kind == TOKENS and run.partition not in TEXT_PARTITIONS:
+        raise ConfigError(f"partition = {run.partition!r} splits by class label or "
                           f"rotates images, which mean nothing for dataset = "
-                          f"{values['dataset']!r} (text; its label is the next character): "
+                          f"{run.dataset!r} (text; its label is the next character): "
                           f"choose {', '.join(TEXT_PARTITIONS)}.")
-    if values["partition"] == "natural" and not has_natural_clients(str(values["dataset"]),
-                                                                    _columns(values)):
+    if run.partition == "natural" and not has_natural_clients(run.dataset, _columns(run)):
         raise ConfigError(f"partition = 'natural' needs a dataset with its own clients, and "
-                          f"{values['dataset']!r} has none: choose dataset = 'shakespeare', "
+                          f"{run.dataset!r} has none: choose dataset = 'shakespeare', "
                           "npz:PATH with a client array, hf:... with a client-column, or "
                           "another partition.")
-    if is_flwr(str(values["partition"])):
-        check_flwr_partition(str(values["partition"]), str(values["partition-args"]),
-                             values["num-clients"] + values["num-unseen-clients"],
-                             values["seed"])
-    elif str(values["partition-args"]).strip():
-        raise ConfigError(f"partition-args = {values['partition-args']!r} is for partition = "
-                          f"flwr:<Partitioner>, and partition = {values['partition']!r}: clear "
-                          "partition-args.")
-    if values["dataset"] == "synthetic" and values["partition"] != "natural":
+    if is_flwr(run.partition):
+        check_flwr_partition(run.partition, run.partition_args,
+                             run.num_clients + run.num_unseen_clients, run.seed)
+    if run.dataset == CLIENTS:
+        _check_clients_data(run)
+    if run.dataset == "synthetic" and run.partition != "natural":
         raise ConfigError(f"dataset = 'synthetic' generates each client's own data, so its "
                           f"clients are its partition: set partition = 'natural' (not "
-                          f"{values['partition']!r}); synthetic-iid = true gives IID clients.")
-    if values["dataset"] == "synthetic" and values["max-samples"]:
+                          f"{run.partition!r}); synthetic-iid = true gives IID clients.")
+    if run.dataset == "synthetic" and run.max_samples:
         raise ConfigError("max-samples subsamples a pooled dataset, and dataset = 'synthetic' "
                           "generates each client's data: set max-samples = 0 and size the "
                           "clients with min-samples-per-client, synthetic-size-power and "
                           "synthetic-max-samples.")
-    if values["synthetic-max-samples"] < values["min-samples-per-client"] and (
-            values["dataset"] == "synthetic"):
-        raise ConfigError(f"synthetic-max-samples = {values['synthetic-max-samples']} is below "
-                          f"min-samples-per-client = {values['min-samples-per-client']}; raise "
-                          "it.")
-    if kind == FEATURES and values["partition"] == "rotated":
+    if run.synthetic_max_samples < run.min_samples_per_client and run.dataset == "synthetic":
+        raise ConfigError(f"synthetic-max-samples = {run.synthetic_max_samples} is below "
+                          f"min-samples-per-client = {run.min_samples_per_client}; raise it.")
+    if kind == FEATURES and run.partition == "rotated":
         raise ConfigError(f"partition = 'rotated' rotates images, and dataset = "
-                          f"{values['dataset']!r} holds feature vectors: choose another "
+                          f"{run.dataset!r} holds feature vectors: choose another "
                           "partition.")
-    if values["gga"] and values["gga-end"] < values["gga-start"]:
-        raise ConfigError(f"gga-end = {values['gga-end']} is before gga-start = "
-                          f"{values['gga-start']}; the annealing window is gga-start..gga-end.")
-    if values["partition"] == "rotated":
-        angles = parse_angles(str(values["rotation-angles"]))
-        held_out = int(values["rotation-unseen-groups"]) if values["num-unseen-clients"] else 0
+    if gga.enabled and gga.end < gga.start:
+        raise ConfigError(f"gga-end = {gga.end} is before gga-start = {gga.start}; the "
+                          "annealing window is gga-start..gga-end.")
+    if run.partition == "rotated":
+        angles = parse_angles(run.rotation_angles)
+        held_out = run.rotation_unseen_groups if run.num_unseen_clients else 0
         if held_out >= len(angles):
             raise ConfigError(f"rotation-unseen-groups = {held_out} leaves no angle of "
-                              f"rotation-angles = {values['rotation-angles']!r} for the training "
+                              f"rotation-angles = {run.rotation_angles!r} for the training "
                               "clients; hold out fewer groups or add angles.")
-    if values["malicious-clients"] > values["num-clients"]:
-        raise ConfigError(f"malicious-clients = {values['malicious-clients']} exceeds "
-                          f"num-clients = {values['num-clients']}.")
-    if (values["malicious-clients"] > 0) != (values["attack"] != "none"):
-        raise ConfigError(f"malicious-clients = {values['malicious-clients']} and attack = "
-                          f"{values['attack']!r} do not go together: set both (some clients and "
+    if run.malicious_clients > run.num_clients:
+        raise ConfigError(f"malicious-clients = {run.malicious_clients} exceeds "
+                          f"num-clients = {run.num_clients}.")
+    if (run.malicious_clients > 0) != (run.attack != "none"):
+        raise ConfigError(f"malicious-clients = {run.malicious_clients} and attack = "
+                          f"{run.attack!r} do not go together: set both (some clients and "
                           "what they do) or neither.")
-    if values["client-failure-rate"] + values["client-dropout-rate"] >= 1:
+    if run.client_failure_rate + run.client_dropout_rate >= 1:
         raise ConfigError("client-failure-rate + client-dropout-rate must be below 1, got "
-                          f"{values['client-failure-rate'] + values['client-dropout-rate']:g}.")
+                          f"{run.client_failure_rate + run.client_dropout_rate:g}.")
+
+
+def _check_clients_data(run: RunConfig) -> None:
+    """``dataset = clients``: the server builds the model from num-classes and input-shape, the
+    clients' own loaders are their partition, and nothing needs the server's copy of the data
+    (:mod:`pflalign.data.clients`)."""
+    parse_input_shape(run.input_shape)
+    if run.num_classes < 2:
+        raise ConfigError(f"dataset = 'clients' builds the model with num-classes = "
+                          f"{run.num_classes}: give the number of classes the clients' labels "
+                          "take (at least 2).")
+    for key, value, needed, why in (
+            ("partition", run.partition, "natural",
+             "the clients' own loaders are their partition"),
+            ("engine", run.engine, "flower", "only a Flower ClientApp holds the clients' data"),
+            ("max-samples", run.max_samples, 0, "there is no pooled dataset to subsample"),
+            ("evaluate-on", run.evaluate_on, "test",
+             "each client's testloader is its evaluation split"),
+            ("eval-audit-fraction", run.eval_audit_fraction, 0.0,
+             "the audits recompute replies from the server's copy of the data, and the server "
+             "holds none"),
+            ("train-audit-fraction", run.train_audit_fraction, 0.0,
+             "the audits recompute replies from the server's copy of the data, and the server "
+             "holds none")):
+        if value != needed:
+            raise ConfigError(f"dataset = 'clients' needs {key} = {needed!r} ({why}), and "
+                              f"{key} = {value!r}: set {key} = {needed!r}.")
 
 
 def load_toml(path: str | Path) -> dict[str, Value]:
@@ -665,7 +682,7 @@ def format_settings(settings: Mapping[str, Value]) -> str:
         if opt.group != group:
             group = opt.group
             lines.append(f"\n# --- {group} ---")
-        lines.append(f"# {opt.help}")
+        lines.append(f"# {opt.full_help}")
         lines.append(f"{opt.key} = {toml_literal(settings[opt.key])}")
     return "\n".join(lines).lstrip("\n") + "\n"
 

@@ -48,7 +48,7 @@ def options_table(options: Iterable[Option], scopes: bool = False) -> list[str]:
              "|---|---|---|" + ("---|" if scopes else "") + "---|"]
     for o in options:
         lines.append(f"| `{o.key}` | `{toml_literal(o.default)}` | {_cell(_range(o))} | "
-                     + (f"{o.scope} | " if scopes else "") + f"{_cell(o.help)} |")
+                     + (f"{o.scope} | " if scopes else "") + f"{_cell(o.full_help)} |")
     return lines
 
 

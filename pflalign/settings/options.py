@@ -23,6 +23,49 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class OnlyWith:
+    """A rule "this key only with ``key`` = one of ``values``" (or a value starting with
+    ``prefix``): otherwise the key must keep its default. The refusal, the help text's last
+    sentence, the docs and the key lists of a config section are all derived from it
+    (:func:`pflalign.run.config.check_only_with`).
+
+    The refusal reads ``"<this key> = <value> <why>: <fix>."``; ``why`` and ``fix`` may name
+    ``{other}``, the value of ``key``, and ``{name}``, this key; ``shown`` is how the value is
+    written (``"r"``: repr, ``"g"``: a number's shortest form)."""
+
+    key: str
+    values: tuple[Value, ...] = ()
+    prefix: str = ""
+    #: or: every value of ``key`` but these
+    besides: tuple[Value, ...] = ()
+    why: str = ""
+    fix: str = ""
+    shown: str = "r"
+
+    def allows(self, other: Value) -> bool:
+        """Whether ``key`` = ``other`` lets this key be set."""
+        if self.besides:
+            return other not in self.besides
+        return other in self.values or bool(self.prefix and str(other).startswith(self.prefix))
+
+    def describe(self) -> str:
+        """The help text's sentence: ``Only with dp = central or local.``"""
+        if self.besides:
+            return f"Only with {self.key} other than {' or '.join(map(str, self.besides))}."
+        named = [str(v).lower() if isinstance(v, bool) else str(v) for v in self.values]
+        if self.prefix:
+            named.append(f"{self.prefix}<...>")
+        return f"Only with {self.key} = {' or '.join(named)}."
+
+    def refusal(self, name: str, value: Value, other: Value) -> str:
+        """The one sentence that refuses ``name = value`` while ``key = other``."""
+        shown = format(value, "g") if self.shown == "g" and not isinstance(value, str) else (
+            repr(value))
+        why, fix = (text.format(other=repr(other), name=name) for text in (self.why, self.fix))
+        return f"{name} = {shown} {why}: {fix}."
+
+
+@dataclass(frozen=True)
 class Option:
     """One configuration key: its default (which fixes its type), its help text and its checks."""
 
@@ -38,10 +81,18 @@ class Option:
     #: what the key is for (:data:`SCOPES`): which keys a method entry may set, which define the
     #: data, which change nothing a run computes
     scope: str = "method"
+    #: the rules "only with ..." this key keeps (:class:`OnlyWith`), checked in order
+    only_with: tuple[OnlyWith, ...] = ()
 
     @property
     def type(self) -> type:
         return type(self.default)
+
+    @property
+    def full_help(self) -> str:
+        """The help text, with a sentence per "only with" rule: what ``--help``, the docs and
+        a printed config show."""
+        return " ".join([self.help, *(rule.describe() for rule in self.only_with)])
 
     def describe_range(self) -> str:
         parts = []

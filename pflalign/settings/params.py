@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
-from pflalign.settings.options import SCOPES, Option, Value
+from pflalign.settings.options import SCOPES, OnlyWith, Option, Value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +80,14 @@ def param(default: Value, help: str, *, key: str | None = None,
           minimum: float | None = None, maximum: float | None = None,
           exclusive_minimum: bool = False, exclusive_maximum: bool = False,
           choices: tuple[str, ...] | None = None, group: str | None = None,
-          search: Search | None = None, scope: str = "method") -> Any:
+          search: Search | None = None, scope: str = "method",
+          only_with: OnlyWith | tuple[OnlyWith, ...] = ()) -> Any:
     """A hyperparameter field: its default (which fixes its type), help text and checks;
     ``key`` and ``group`` replace the derived config key and its class's group. ``search`` is
     the declared space ``simulate.py --tune`` searches for it (None: never tuned).
-    ``scope`` says what the key is for (:data:`~pflalign.settings.options.SCOPES`)."""
+    ``scope`` says what the key is for (:data:`~pflalign.settings.options.SCOPES`);
+    ``only_with``: the rules under which it may leave its default
+    (:class:`~pflalign.settings.options.OnlyWith`)."""
     if search is not None and not isinstance(search, Search):
         raise ValueError("A search space is a Search (log_range, uniform_range or choice).")
     if scope not in SCOPES:
@@ -92,7 +95,8 @@ def param(default: Value, help: str, *, key: str | None = None,
     return dataclasses.field(default=default, metadata={"search": search,
         "help": help, "key": key, "group": group, "minimum": minimum, "maximum": maximum,
         "exclusive_minimum": exclusive_minimum, "exclusive_maximum": exclusive_maximum,
-        "choices": choices, "scope": scope})
+        "choices": choices, "scope": scope,
+        "only_with": only_with if isinstance(only_with, tuple) else (only_with,)})
 
 
 class Params:
@@ -140,7 +144,7 @@ class Params:
                               maximum=meta["maximum"],
                               exclusive_minimum=meta["exclusive_minimum"],
                               exclusive_maximum=meta["exclusive_maximum"],
-                              scope=meta["scope"]))
+                              scope=meta["scope"], only_with=meta["only_with"]))
         return out
 
 

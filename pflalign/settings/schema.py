@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from pflalign.settings.options import Value
+from pflalign.settings.options import OnlyWith, Value
 from pflalign.settings.params import Params, log_range, param
 
 #: the engines the ``engine`` key names, with what each does (the key's help text): the
@@ -45,7 +45,7 @@ IGNORE_INDEX = -100
 #: anything is read): the one table of them (:func:`pflalign.data.datasets.load_dataset` loads
 #: each; a user's own, ``npz:PATH``, is :mod:`pflalign.data.sources`')
 DATASETS = {"fashion-mnist": IMAGE, "mnist": IMAGE, "cifar10": IMAGE, "cifar100": IMAGE,
-            "shakespeare": TOKENS, "synthetic": FEATURES}
+            "shakespeare": TOKENS, "synthetic": FEATURES, "clients": FEATURES}
 #: the partitions the ``partition`` key names; ``flwr:<Partitioner>`` stands for any of
 #: flwr-datasets' partitioners by its class name (:mod:`pflalign.data.flwr_partitioners`)
 PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated", "natural",
@@ -55,6 +55,32 @@ ATTACKS = ("none", "signflip", "scale", "noise", "labelflip", "inflate-count", "
            "perfect-eval", "hang")
 #: GGA's agreement objectives (:func:`pflalign.training.gga.choose_candidate`)
 GGA_OBJECTIVES = ("min", "mean")
+
+
+# --- the "only with" rules: a key that keeps one leaves its default only under it -------------
+_DP = OnlyWith("dp", ("central", "local"), why="applies to differential privacy, and dp = {other}",
+               fix="set dp = 'central' or remove it")
+_ADAPTIVE = OnlyWith("dp-clipping", ("adaptive",),
+                     why="applies to dp-clipping = 'adaptive', and dp-clipping = {other}",
+                     fix="set dp-clipping = 'adaptive' or remove it")
+_ASYNC = OnlyWith("mode", ("async",), why="applies to mode = 'async', and this run is synchronous",
+                  fix="set mode = 'async' or remove it", shown="g")
+_PROFILES_FIX = "set device-profiles = lognormal or a trace file"
+_ON_THE_CLOCK = OnlyWith("device-profiles", besides=("none",), shown="g", fix=_PROFILES_FIX,
+                         why="times the clients on the simulated clock, which needs device "
+                             "profiles")
+_AT_A_TIME = OnlyWith("device-profiles", besides=("none",), shown="g", fix=_PROFILES_FIX,
+                      why="reports the methods at a simulated time, which needs device profiles")
+_FOLLOWED = OnlyWith("device-profiles", besides=("none",), fix=_PROFILES_FIX,
+                     why="follows the clients on the simulated clock, which needs device profiles")
+_FLWR_PARTITION = OnlyWith("partition", prefix="flwr:", fix="clear {name}",
+                           why="is for partition = flwr:<Partitioner>, and partition = {other}")
+_HF_COLUMN = OnlyWith("dataset", prefix="hf:", fix="clear {name}",
+                      why="names a column of a Hugging Face dataset, and dataset = {other} is not "
+                          "one (hf:...)")
+_CLIENTS_DATA = OnlyWith("dataset", ("clients",), fix="remove it, or set dataset = 'clients'",
+                         why="describes the data the clients hold under dataset = 'clients', and "
+                             "dataset = {other}")
 
 
 @dataclass(frozen=True)
@@ -129,8 +155,24 @@ class RunConfig(Params):
         "a client or category field, or one file per client, for partition = natural; scored "
         "on the response tokens), or hf:NAME_OR_PATH (a Hugging Face dataset: "
         "a folder written by save_to_disk, or a name on the hub when online; its columns by "
-        'input-column, label-column and client-column; pip install "pflalign[hf]").',
+        'input-column, label-column and client-column; pip install "pflalign[hf]"); or clients: '
+        'the clients hold the data and the server none (your own ClientApp answers with '
+        'clients.answer and its own data loaders, docs/usage.md "In your own Flower app"; '
+        'with num-classes, input-shape, partition = natural and engine = flower).',
         group='data', scope='data')
+    num_classes: int = param(
+        0,
+        'dataset = clients: the number of classes the clients\' labels take (0..N-1), which '
+        'the server builds the model with (a built-in or file dataset gives its own).',
+        minimum=0, group='data', scope='data',
+        only_with=_CLIENTS_DATA)
+    input_shape: str = param(
+        '',
+        'dataset = clients: one sample\'s shape as the clients\' loaders give it, e.g. "16" '
+        '(feature vectors) or "1,28,28" (images, channels first), which the server builds the '
+        'model with.',
+        group='data', scope='data',
+        only_with=_CLIENTS_DATA)
     image_size: int = param(
         0,
         'dataset = imagefolder:DIR or hf:... (its images): resize every image to N x N pixels '
@@ -143,17 +185,20 @@ class RunConfig(Params):
         'comma-separated numeric columns (one feature each). Empty: the Image column, else a '
         "column named 'image' or 'img', else every numeric column but the label and client "
         'columns.',
-        group='data', scope='data')
+        group='data', scope='data',
+        only_with=_HF_COLUMN)
     label_column: str = param(
         '',
         'dataset = hf:...: the column of the labels, integers 0..K-1 (a ClassLabel or an '
         "integer column). Empty: 'label', 'labels', or the one ClassLabel column.",
-        group='data', scope='data')
+        group='data', scope='data',
+        only_with=_HF_COLUMN)
     client_column: str = param(
         '',
         "dataset = hf:...: the column of each sample's client (integers or strings), for "
         "partition = natural. Empty: 'client' or 'client_id' where there is one, else none.",
-        group='data', scope='data')
+        group='data', scope='data',
+        only_with=_HF_COLUMN)
     data_root: str = param(
         '',
         "Directory holding the dataset files; empty means the Debian package's directory for "
@@ -200,7 +245,8 @@ class RunConfig(Params):
         "each value a TOML literal or a bare word: 'alpha=0.5,min_partition_size=5'. pflalign "
         'gives num_partitions (num-clients + num-unseen-clients), partition_by (the labels) '
         'and seed (the run\'s) itself.',
-        group='data', scope='data')
+        group='data', scope='data',
+        only_with=_FLWR_PARTITION)
     num_clients: int = param(
         20,
         'Number of training clients (Flower SuperNodes).',
@@ -469,7 +515,8 @@ class RunConfig(Params):
         'the seed; a round samples only among the clients reachable when it starts), or trace '
         '(the windows column of the device-profiles trace file: hours of the day, e.g. '
         '0-8;20-24).',
-        choices=('always', 'diurnal', 'trace'), group='systems', scope='run')
+        choices=('always', 'diurnal', 'trace'), group='systems', scope='run',
+        only_with=_FOLLOWED)
     available_hours: float = param(
         8.0,
         'availability = diurnal: the hours a day each client can be reached.',
@@ -479,19 +526,22 @@ class RunConfig(Params):
         'Simulated seconds a training round waits for replies (with device-profiles): a reply '
         'that would arrive later is dropped (its client trained, and keeps what it trained, as '
         'a real device does; the server does not use its update); 0 waits for every client.',
-        minimum=0.0, group='systems', scope='run')
+        minimum=0.0, group='systems', scope='run',
+        only_with=_ON_THE_CLOCK)
     over_selection: float = param(
         1.0,
         'With device-profiles: sample this factor more clients than fraction-train asks for and '
         'use the first fraction-train replies to arrive (Bonawitz et al. 2019 over-select 1.3); '
         '1 samples exactly fraction-train.',
-        minimum=1.0, group='systems', scope='run')
+        minimum=1.0, group='systems', scope='run',
+        only_with=_ON_THE_CLOCK)
     time_budget: float = param(
         0.0,
         'With device-profiles: also report each method at this simulated-time budget (seconds): '
         'its last evaluation whose round ended by then (results.json: final.at-time-budget; the '
         'comparison table\'s closing lines). 0: none.',
-        minimum=0.0, group='systems', scope='run')
+        minimum=0.0, group='systems', scope='run',
+        only_with=_AT_A_TIME)
     mode: str = param(
         'sync',
         'Rounds (docs/systems.md): sync (each round samples its clients and waits for them, or '
@@ -504,22 +554,26 @@ class RunConfig(Params):
         0,
         'mode = async: the clients in flight at any time; 0: as many as a synchronous round '
         'samples (fraction-train of the training clients).',
-        minimum=0, group='systems', scope='run')
+        minimum=0, group='systems', scope='run',
+        only_with=_ASYNC)
     buffer_size: int = param(
         0,
         'mode = async: the arrivals each aggregation takes (FedBuff\'s K); 0: half of '
         'concurrency, rounded up.',
-        minimum=0, group='systems', scope='run')
+        minimum=0, group='systems', scope='run',
+        only_with=_ASYNC)
     staleness_exponent: float = param(
         0.5,
         'mode = async: an update s aggregations stale is weighted (1 + s)^-a with this a '
         '(0.5: FedBuff\'s 1/sqrt(1 + s); 0: no staleness weighting).',
-        minimum=0.0, group='systems', scope='run')
+        minimum=0.0, group='systems', scope='run',
+        only_with=_ASYNC)
     async_lr: float = param(
         1.0,
         'mode = async: the server learning rate: the model moves this factor of the buffer\'s '
         'weighted mean update (FedBuff\'s eta_g).',
-        minimum=0.0, exclusive_minimum=True, group='systems', scope='run')
+        minimum=0.0, exclusive_minimum=True, group='systems', scope='run',
+        only_with=_ASYNC)
     sampling: str = param(
         'fixed',
         'How a training round picks its clients: fixed (fraction-train of the training clients, '
@@ -539,29 +593,34 @@ class RunConfig(Params):
         1.0,
         'dp: the L2 bound on each client\'s update (its uploaded arrays minus what it '
         'received); with dp-clipping = adaptive, the bound of the first round.',
-        minimum=0.0, exclusive_minimum=True, group='privacy', scope='run')
+        minimum=0.0, exclusive_minimum=True, group='privacy', scope='run',
+        only_with=_DP)
     dp_clipping: str = param(
         'fixed',
         'dp: fixed (dp-clip throughout) or adaptive (Andrew et al. 2021: the bound follows '
         'dp-clip-quantile of the update norms, learnt from a noised count at dp-clip-lr; its '
         'noise is taken from the same budget).',
-        choices=('fixed', 'adaptive'), group='privacy', scope='run')
+        choices=('fixed', 'adaptive'), group='privacy', scope='run',
+        only_with=_DP)
     dp_noise_multiplier: float = param(
         1.0,
         'dp: the Gaussian noise\'s standard deviation over the clip (z); ignored when '
         'dp-epsilon is set.',
-        minimum=0.0, group='privacy', scope='run')
+        minimum=0.0, group='privacy', scope='run',
+        only_with=_DP)
     dp_epsilon: float = param(
         0.0,
         'dp: the whole run\'s privacy budget; > 0 sets the noise multiplier before the run '
         'so that its rounds spend at most this epsilon at dp-delta (0: dp-noise-multiplier '
         'as given).',
-        minimum=0.0, group='privacy', scope='run')
+        minimum=0.0, group='privacy', scope='run',
+        only_with=_DP)
     dp_delta: float = param(
         1e-5,
         'dp: the delta of the (epsilon, delta) guarantee reported.',
         minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True,
-        group='privacy', scope='run')
+        group='privacy', scope='run',
+        only_with=_DP)
     dp_secure: bool = param(
         False,
         'dp: draw the noise (and, with sampling = poisson, the sampled clients) from a key the run '
@@ -570,22 +629,26 @@ class RunConfig(Params):
         'what a deployment needs, as anyone who knows the seed can regenerate seeded noise and '
         'subtract it. Such a run does not repeat, and methods no longer share their sampled '
         'clients (docs/privacy.md).',
-        group='privacy', scope='run')
+        group='privacy', scope='run',
+        only_with=_DP)
     dp_clip_quantile: float = param(
         0.5,
         'dp-clipping = adaptive: the quantile of the update norms the bound follows.',
         minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True,
-        group='privacy', scope='run')
+        group='privacy', scope='run',
+        only_with=(_DP, _ADAPTIVE))
     dp_clip_lr: float = param(
         0.2,
         'dp-clipping = adaptive: the geometric learning rate of the bound.',
-        minimum=0.0, exclusive_minimum=True, group='privacy', scope='run')
+        minimum=0.0, exclusive_minimum=True, group='privacy', scope='run',
+        only_with=(_DP, _ADAPTIVE))
     dp_count_noise: float = param(
         0.0,
         'dp-clipping = adaptive: the standard deviation of the noise on the count of clipped '
         'updates (more than half the noise multiplier); 0: the larger of the expected clients '
         'a round / 20 (Andrew et al.) and the noise multiplier.',
-        minimum=0.0, group='privacy', scope='run')
+        minimum=0.0, group='privacy', scope='run',
+        only_with=(_DP, _ADAPTIVE))
     attack_scale: float = param(
         10.0,
         'The factor of attack=scale, noise, inflate-count and fake-eval.',
@@ -738,7 +801,8 @@ NON_RUN_KEYS = keys_in_scope("output")
 #: keys added after results were written, each with the value that computes what runs did
 #: before it existed: a run at that value compares (and fingerprints) as one written without the
 #: key, so that its results and checkpoints still resume
-ADDED_KEYS: dict[str, Value] = {"eval-at-start": False}
+ADDED_KEYS: dict[str, Value] = {"eval-at-start": False, "num-classes": 0,
+                                 "input-shape": ""}
 
 
 class Settings(Mapping[str, Value]):
@@ -749,10 +813,11 @@ class Settings(Mapping[str, Value]):
     Only the config parser makes one (:func:`pflalign.run.config.build_settings`); it passes itself
     as ``validate``, which :meth:`replace` uses, so that a changed copy is checked again."""
 
-    __slots__ = ("_values", "_validate", "_hash", "data_key", "run", "training", "gga")
+    __slots__ = ("_values", "_validate", "_hash", "data_key", "run", "training", "gga", "entries")
 
     def __init__(self, values: Mapping[str, Value],
-                 validate: Callable[[Mapping[str, object], str], Settings]):
+                 validate: Callable[[Mapping[str, object], str], Settings],
+                 entries: tuple | None = None):
         self._values = dict(values)
         self._validate = validate
         self._hash = hash(tuple(self._values.items()))
@@ -764,6 +829,9 @@ class Settings(Mapping[str, Value]):
         self.training = LocalTraining.from_settings(self._values)
         #: the GGA warm start
         self.gga = GGAParams.from_settings(self._values)
+        #: the method entries of ``methods``, parsed once and checked by the config parser
+        #: (:class:`~pflalign.run.config.MethodChoice`; None until it has)
+        self.entries = entries
 
     def __getitem__(self, key: str) -> Value:
         return self._values[key]
@@ -784,7 +852,7 @@ class Settings(Mapping[str, Value]):
         return self._hash
 
     def __reduce__(self) -> tuple:
-        return Settings, (self._values, self._validate)
+        return Settings, (self._values, self._validate, self.entries)
 
     def to_dict(self) -> dict[str, Value]:
         return dict(self._values)

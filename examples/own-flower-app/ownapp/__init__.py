@@ -1,0 +1,1 @@
+"""A Flower app of your own that runs pFLAlign: see pyproject.toml and README.md."""
