@@ -34,7 +34,9 @@ from strategies.methods import (  # noqa: E402  (after the environment is set)
     Scaffold,
     strategy_for,
 )
+from strategies.wrappers import CentralDP, StrategyWrapper, UpdateClip  # noqa: E402
 
-__all__ = ["APFL", "GPFL", "STRATEGIES", "Ditto", "FedALA", "FedAvg", "FedAvgFT", "FedBN", "FedCP",
-           "FedDBE", "FedDyn", "FedPer", "FedProx", "FedRep", "Local", "MethodStrategy",
-           "PFLAlign", "PFedMe", "PerFedAvg", "Scaffold", "strategy_for"]
+__all__ = ["APFL", "GPFL", "STRATEGIES", "CentralDP", "Ditto", "FedALA", "FedAvg", "FedAvgFT",
+           "FedBN", "FedCP", "FedDBE", "FedDyn", "FedPer", "FedProx", "FedRep", "Local",
+           "MethodStrategy", "PFLAlign", "PFedMe", "PerFedAvg", "Scaffold", "StrategyWrapper",
+           "UpdateClip", "strategy_for"]

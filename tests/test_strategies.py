@@ -47,14 +47,26 @@ def test_initial_arrays_are_the_projects_seeded_initial_model():
     assert all((arrays[k].numpy() == again[k].numpy()).all() for k in arrays)
 
 
+def _central_dp(strategy):
+    return strategies.CentralDP(strategy, noise_multiplier=0.02, clipping="adaptive")
+
+
 @needs_fashion_mnist
-@pytest.mark.parametrize("method", ["pflalign", "scaffold"])
-def test_a_users_serverapp_over_the_strategy_equals_the_projects_flower_engine(method, tmp_path):
+@pytest.mark.parametrize("method, keys, wrap", [
+    pytest.param("pflalign", {}, None, id="pflalign"),
+    pytest.param("scaffold", {}, None, id="scaffold", marks=pytest.mark.slow),
+    pytest.param("fedavg", {"dp": "central", "dp-clipping": "adaptive",
+                            "dp-noise-multiplier": 0.02}, _central_dp, id="central-dp-wrapper"),
+])
+def test_a_users_serverapp_over_the_strategy_equals_the_projects_flower_engine(
+        method, keys, wrap, tmp_path):
     """The project's Flower engine (its ServerApp over the round loop), and a ServerApp written
-    as for Flower's FedAvg over the method's strategy, both on Ray with the project's ClientApp:
+    as for Flower's FedAvg over the method's strategy (in a wrapper, for the wrapper's case:
+    the project's run then has the wrapper's keys), both on Ray with the project's ClientApp:
     every row, final metric and per-client result equal (timings aside)."""
-    settings = build_settings({**TINY, "methods": method, "engine": "flower",
-                               "out-dir": str(tmp_path / "project")})
+    plain = build_settings({**TINY, "methods": method, "engine": "flower",
+                            "out-dir": str(tmp_path / "project")})
+    settings = plain.replace(keys)
     project = project_simulate(settings, Reporter(quiet=True))["methods"][method]
 
     app = ServerApp()
@@ -62,14 +74,16 @@ def test_a_users_serverapp_over_the_strategy_equals_the_projects_flower_engine(m
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        strategy = strategies.strategy_for(method)(settings=settings,
-                                                    reporter=Reporter(quiet=True))
+        strategy = strategies.strategy_for(method)(settings=plain, reporter=Reporter(quiet=True))
+        if wrap is not None:
+            strategy = wrap(strategy)
         result = strategy.start(grid=grid, initial_arrays=strategy.initial_arrays(),
                                 num_rounds=settings.run.rounds, timeout=120.0)
         kept.update(results=strategy.results, flower=result)
 
     simulate(settings, Reporter(quiet=True), server_app=app)
     ours = kept["results"]
+    assert ("dp-epsilon" in ours["rounds"][-1]) == (wrap is not None)  # the wrapper's DP ran
     assert comparable(ours["rounds"]) == comparable(project["rounds"])
     assert comparable(ours["final"]) == comparable(project["final"])
     assert ours["clients"] == project["clients"] and ours["usage"] == project["usage"]
@@ -79,3 +93,21 @@ def test_a_users_serverapp_over_the_strategy_equals_the_projects_flower_engine(m
     assert flower.evaluate_metrics_clientapp[2]["personal-acc"] == project["final"][
         "personal-acc"]
     assert set(flower.arrays) <= set(strategies.strategy_for(method)(TINY).initial_arrays())
+
+
+def test_wrappers_turn_on_the_round_features_and_refuse_what_the_config_refuses():
+    inner = strategies.FedAvg({"num-clients": 4})
+    wrapped = strategies.CentralDP(inner, noise_multiplier=0.5, clip=2.0)
+    assert wrapped.method_strategy is inner and wrapped.settings is inner.settings
+    run = wrapped.settings.run
+    assert (run.dp, run.dp_clip, run.dp_noise_multiplier, run.dp_clipping) == (
+        "central", 2.0, 0.5, "fixed")
+    assert strategies.UpdateClip(strategies.FedRep({"num-clients": 4}),
+                                 multiple=1.5).settings.run.update_clip == 1.5
+    with pytest.raises(ConfigError, match="update-clip = 1 and dp = 'central' both clip"):
+        strategies.UpdateClip(wrapped)
+    with pytest.raises(ConfigError, match="dp-clip-quantile = 0.3 applies to dp-clipping = "
+                                          "'adaptive', and dp-clipping = 'fixed'"):
+        strategies.CentralDP(strategies.FedAvg({"num-clients": 4}), target_quantile=0.3)
+    with pytest.raises(TypeError, match="wraps a method's strategy"):
+        strategies.UpdateClip(object())
