@@ -188,10 +188,7 @@ class MethodStrategy(Strategy):
             self.engine = self.loop.engine
             self.loop.open({**model, **to_state(arrays)})
             if self.settings.run.eval_at_start:
-                metrics, down, up = self.loop.evaluate_round(0)
-                self._last_eval = metrics
-                self.loop.rounds.append({"round": 0, **metrics, "bytes-up": up,
-                                         "bytes-down": down})
+                self._last_eval = self.loop.evaluate_at_start()
         elif arrays is not self._returned:
             self.loop.state = self.loop.server.with_model(self.loop.state, to_state(arrays))
         return self.loop

@@ -53,7 +53,7 @@ from pflalign.server.buffered import (
     staleness_weight,
 )
 from pflalign.wire.messages import Outgoing, Reply, Stale, Update
-from pflalign.wire.protocol import MODEL, NUM_EXAMPLES, PARTITION_ID, TRAIN
+from pflalign.wire.protocol import TRAIN
 from pflalign.wire.state import State
 from pflalign.wire.traffic import records_bytes, sent_bytes
 
@@ -229,21 +229,15 @@ class BufferedRounds(Scheduler):
     def arrive(self, reply: Reply, version: int, arrivals: Arrivals, up: int) -> None:
         """Take an arrived reply of a client that trained from ``version``: validated as a
         synchronous reply is, and into the buffer when usable; counted in ``arrivals``."""
-        loop, server, method = self.loop, self.loop.server, self.loop.method
-        reply_arrays = ({MODEL: server.flat, **method.reply_arrays(server)}
-                        if method.uploads_model else {})
-        collected = loop.validator.collect([reply], reply_arrays, method.reply_metrics(TRAIN))
+        loop = self.loop
+        collected = loop.collect_training([reply])
         arrivals.count += 1
         arrivals.bytes_up += up
         arrivals.failed += collected.failed
         arrivals.timed_out += collected.timed_out
         arrivals.rejected += collected.rejected
         for metrics, arrays in collected.good:
-            self.buffer.append((Update(client=int(metrics[PARTITION_ID]),
-                                       num_examples=metrics[NUM_EXAMPLES], metrics=metrics,
-                                       model=arrays.get(MODEL),
-                                       arrays={k: v for k, v in arrays.items() if k != MODEL}),
-                                version))
+            self.buffer.append((loop.update_of(metrics, arrays), version))
 
     def aggregate(self, server_round: int, arrivals: Arrivals) -> dict:
         """Aggregate the buffer (rebased, bounded, the method's rule with ``async-lr``) into the

@@ -46,6 +46,7 @@ from pflalign.server.aggregation import mean_cosine
 from pflalign.server.buffered import server_step
 from pflalign.server.runtime import ServerRuntime
 from pflalign.server.validation import (
+    Collected,
     ReplyValidator,
     non_finite,
     state_limit,
@@ -61,6 +62,8 @@ from pflalign.wire.protocol import (
     LABEL,
     METHOD,
     MODEL,
+    NUM_EXAMPLES,
+    PARTITION_ID,
     RESTORE,
     ROUND,
     STATE,
@@ -142,13 +145,7 @@ class RoundLoop:
             self.reporter.info(f"[{self.label}] resumed from round {snapshot.round} (checkpoint "
                                f"{checkpoint.path})")
         if first == 1 and run.eval_at_start:  # the initial model, before any training
-            started = time.perf_counter()
-            last_eval, down, up = self.evaluate_round(0)
-            self.rounds.append({"round": 0, **last_eval,
-                                "eval-seconds": time.perf_counter() - started,
-                                "round-seconds": time.perf_counter() - started,
-                                "bytes-up": up, "bytes-down": down})
-            self.reporter.round(self.label, self.rounds[-1], server.rounds)
+            last_eval = self.evaluate_at_start()
         for server_round in range(first, server.rounds + 1):
             check_stop()
             current = self.begin_round(server_round)
@@ -319,17 +316,45 @@ class RoundLoop:
             if update.metrics.get(KEPT_STATE):
                 self.saved_state.add(update.client)
 
+    def evaluate_at_start(self) -> dict[str, float]:
+        """Round 0 (``eval-at-start``): the initial model evaluated before any training, its row
+        added and reported; returns its metrics."""
+        started = time.perf_counter()
+        metrics, down, up = self.evaluate_round(0)
+        self.rounds.append({"round": 0, **metrics, "eval-seconds": time.perf_counter() - started,
+                            "round-seconds": time.perf_counter() - started,
+                            "bytes-up": up, "bytes-down": down})
+        self.reporter.round(self.label, self.rounds[-1], self.server.rounds)
+        return metrics
+
+    # --- training replies ----------------------------------------------------------------------
+    def reply_specs(self) -> dict:
+        """The array records a training reply carries (the model, and the method's own) and
+        each one's spec; none when the method uploads no model."""
+        if not self.method.uploads_model:
+            return {}
+        return {MODEL: self.server.flat, **self.method.reply_arrays(self.server)}
+
+    def collect_training(self, replies: Sequence[Reply]) -> Collected:
+        """Training replies validated against :meth:`reply_specs` and the method's metrics."""
+        return self.validator.collect(replies, self.reply_specs(), self.method.reply_metrics(TRAIN))
+
+    @staticmethod
+    def update_of(metrics: Mapping, arrays: Mapping[str, State]) -> Update:
+        """A validated training reply as the :class:`~pflalign.wire.messages.Update` the method
+        aggregates."""
+        return Update(client=int(metrics[PARTITION_ID]), num_examples=metrics[NUM_EXAMPLES],
+                      metrics=metrics, model=arrays.get(MODEL),
+                      arrays={k: v for k, v in arrays.items() if k != MODEL})
+
     # --- exchanges -----------------------------------------------------------------------------
     def reply_limits(self, action: str) -> dict[str, int] | None:
         """The array records a reply to ``action`` may carry, with the most bytes each may hold:
         a training reply's, their specs' bytes; an evaluation reply, none; a state query's, the
         bound on a saved state. None for other actions."""
         if action == TRAIN:
-            if not self.method.uploads_model:
-                return {}
-            specs = {MODEL: self.server.flat, **self.method.reply_arrays(self.server)}
             return {name: spec.nbytes + ARRAY_HEADER * len(spec.keys)
-                    for name, spec in specs.items()}
+                    for name, spec in self.reply_specs().items()}
         if action == EVALUATE:
             return {}
         if action == STATE:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pflalign.round.feature import TrainingRound
-from pflalign.wire.messages import Exchange, Update
-from pflalign.wire.protocol import MODEL, NUM_EXAMPLES, PARTITION_ID, TRAIN
+from pflalign.wire.messages import Exchange
+from pflalign.wire.protocol import TRAIN
 from pflalign.wire.state import State
 
 
@@ -92,23 +92,16 @@ class SynchronousRounds(Scheduler):
         them, validation, bounds, rollback or aggregation. Returns the row's entries and the
         bytes sent down and up."""
         loop = self.loop
-        server, method, features, server_round = (loop.server, loop.method, loop.features,
-                                                  training.number)
+        features, server_round = loop.features, training.number
         training.exchange = exchange
         for feature in features:
             feature.received(loop, training)
         exchange = training.exchange
-        reply_arrays = {MODEL: server.flat, **method.reply_arrays(server)} \
-            if method.uploads_model else {}
-        collected = loop.validator.collect(exchange.replies, reply_arrays,
-                                           method.reply_metrics(TRAIN))
+        collected = loop.collect_training(exchange.replies)
         checked = collected
         for feature in features:
             checked = feature.checked(loop, training, checked)
-        updates = [Update(client=int(m[PARTITION_ID]), num_examples=m[NUM_EXAMPLES], metrics=m,
-                          model=arrays.get(MODEL),
-                          arrays={k: v for k, v in arrays.items() if k != MODEL})
-                   for m, arrays in checked.good]
+        updates = [loop.update_of(m, arrays) for m, arrays in checked.good]
         row: dict = {"clients-trained": 0, "failures": collected.failed,
                      "timeouts": collected.timed_out, "rejected": checked.rejected,
                      **training.row}
