@@ -3,7 +3,7 @@
 # would start with less than 20 s left is skipped and says so), so that with the machine's start
 # it fits in 6 minutes of device time.
 #
-# Here, once:   bash ../shared/device/pack.sh          (flwr, slim Ray, 20k-image Fashion-MNIST)
+# Here, once:   bash scripts/pack_device.sh          (flwr, slim Ray, 12k-image Fashion-MNIST)
 # On the GPU:   run(command="bash benchmarks/gpu.sh", carry=[".device"], timeout_s=360)
 #
 # It runs, each step under its own time limit so that one slow step cannot eat the lease:
@@ -21,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
-source .device/setup.sh || { echo "no .device/: run bash ../shared/device/pack.sh first"; exit 3; }
+source .device/setup.sh || { echo "no .device/: run bash scripts/pack_device.sh first"; exit 3; }
 DATA="--set data-root=$PFLALIGN_DEVICE_DATA"
 say() { echo "$*" | tee -a "$OUT/summary.txt"; }
 BUDGET=${GPU_CHECK_BUDGET_S:-330}
