@@ -64,3 +64,18 @@ def test_methods_doc_has_every_method_its_paper_state_and_keys_and_config_doc_ev
             assert f"| `{option.key}` | " in section, (name, option.key)
     config = render_config()
     assert all(f"| `{o.key}` | " in config for o in OPTIONS)
+
+
+def test_the_run_wide_keys_are_in_typed_sections_each_key_in_one():
+    from pflalign.run.config import SECTION_CHECKS, build_settings
+    from pflalign.settings.schema import SECTIONS, RunConfig
+
+    keys = [key for section in SECTIONS.values() for key in section.keys().values()]
+    assert len(keys) == len(set(keys))  # no key in two sections
+    assert set(keys) == set(RunConfig.keys().values())  # and every run-wide key in one
+    settings = build_settings({"dp": "central", "dataset": "synthetic", "partition": "natural",
+                               "model": "mlp", "engine": "sequential", "rounds": 4})
+    assert (settings.privacy.dp, settings.data.dataset, settings.engine.engine,
+            settings.federation.rounds) == ("central", "synthetic", "sequential", 4)
+    assert settings.privacy.dp_clip == settings.run.dp_clip
+    assert len(SECTION_CHECKS) == 8

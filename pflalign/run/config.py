@@ -226,10 +226,8 @@ def build_settings(values: Mapping[str, object] | None = None,
     merged.update(_resolved(RunConfig.from_settings(merged)))
     check_only_with(merged)
     run, gga = RunConfig.from_settings(merged), GGAParams.from_settings(merged)
-    _check_systems(run)
-    _check_privacy(run, gga)
-    _check_model_name(run.model, "model")
-    _check_cross_keys(run, gga)
+    for check in SECTION_CHECKS:
+        check(run, gga)
     settings = Settings(merged, build_settings)
     choices = parse_methods(run.methods, merged)
     if not choices:
@@ -399,10 +397,10 @@ def _check_model_fits_data(run: RunConfig, label: str) -> None:
                           "empty), and give every method entry the same model.")
 
 
-def _check_systems(run: RunConfig) -> None:
-    """device-profiles names none, lognormal or a readable trace (read now, so that a bad one
-    stops the run before any data is read), whose availability windows go with availability =
-    trace; mode = async fits the run."""
+def _check_systems(run: RunConfig, gga: GGAParams | None = None) -> None:
+    """The systems section: device-profiles names none, lognormal or a readable trace (read
+    now, so that a bad one stops the run before any data is read), whose availability windows
+    go with availability = trace; mode = async fits the run."""
     _check_mode(run)
     kind = run.device_profiles
     clients = run.num_clients + run.num_unseen_clients
@@ -429,11 +427,12 @@ def _default(key: str) -> Value:
 
 
 def _check_privacy(run: RunConfig, gga: GGAParams) -> None:
-    """``sampling = poisson`` draws from every training client, each round on its own (no
-    over-selection, availability windows or asynchronous dispatch); and a run with dp that its
-    accountant can bound: synchronous, without gga's extra uploads, its dp-epsilon reachable and
-    its adaptive clip's count noise within the budget (docs/privacy.md). The dp keys' "only
-    with" rules are the schema's (:func:`check_only_with`)."""
+    """The privacy section, and the sampling it needs: ``sampling = poisson`` draws from every
+    training client, each round on its own (no over-selection, availability windows or
+    asynchronous dispatch); and a run with dp that its accountant can bound: synchronous,
+    without gga's extra uploads, its dp-epsilon reachable and its adaptive clip's count noise
+    within the budget (docs/privacy.md). The dp keys' "only with" rules are the schema's
+    (:func:`check_only_with`)."""
     if run.sampling == "poisson":
         for key, value, why in (
                 ("mode", run.mode, "dispatches a client whenever one arrives"),
@@ -526,12 +525,28 @@ def _check_mode(run: RunConfig) -> None:
                           "Flower engine runs it, in real time).")
 
 
-def _check_cross_keys(run: RunConfig, gga: GGAParams) -> None:
+def _check_model(run: RunConfig, gga: GGAParams | None = None) -> None:
+    """The model section: the model names a registered model, a language model or a factory of
+    one's own (each method entry's model is checked against the data in :func:`_check_entry`)."""
+    _check_model_name(run.model, "model")
+
+
+def _check_outputs(run: RunConfig, gga: GGAParams | None = None) -> None:
+    """The outputs section: the trackers named exist."""
     parse_tracking(run.tracking)
+
+
+def _check_engine(run: RunConfig, gga: GGAParams | None = None) -> None:
+    """The engine section: the batched engine's workers are a count or auto."""
     workers = run.batched_workers.strip()
     if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
         raise ConfigError(f"batched-workers = {run.batched_workers!r}: give a whole number "
                           "of worker processes (>= 1), or auto.")
+
+
+def _check_data(run: RunConfig, gga: GGAParams | None = None) -> None:
+    """The data section: the partition fits the dataset (text, images, feature vectors, natural
+    clients, generated clients, the clients' own data), and rotations leave training clients."""
     kind = _kind(run)
     if kind == TOKENS and run.partition not in TEXT_PARTITIONS:
         raise ConfigError(f"partition = {run.partition!r} splits by class label or "
@@ -564,9 +579,6 @@ def _check_cross_keys(run: RunConfig, gga: GGAParams) -> None:
         raise ConfigError(f"partition = 'rotated' rotates images, and dataset = "
                           f"{run.dataset!r} holds feature vectors: choose another "
                           "partition.")
-    if gga.enabled and gga.end < gga.start:
-        raise ConfigError(f"gga-end = {gga.end} is before gga-start = {gga.start}; the "
-                          "annealing window is gga-start..gga-end.")
     if run.partition == "rotated":
         angles = parse_angles(run.rotation_angles)
         held_out = run.rotation_unseen_groups if run.num_unseen_clients else 0
@@ -574,6 +586,17 @@ def _check_cross_keys(run: RunConfig, gga: GGAParams) -> None:
             raise ConfigError(f"rotation-unseen-groups = {held_out} leaves no angle of "
                               f"rotation-angles = {run.rotation_angles!r} for the training "
                               "clients; hold out fewer groups or add angles.")
+
+
+def _check_gga(run: RunConfig, gga: GGAParams) -> None:
+    """The GGA section: the annealing window runs forwards."""
+    if gga.enabled and gga.end < gga.start:
+        raise ConfigError(f"gga-end = {gga.end} is before gga-start = {gga.start}; the "
+                          "annealing window is gga-start..gga-end.")
+
+
+def _check_robustness(run: RunConfig, gga: GGAParams | None = None) -> None:
+    """The robustness section: the injected attacks and faults fit the run."""
     if run.malicious_clients > run.num_clients:
         raise ConfigError(f"malicious-clients = {run.malicious_clients} exceeds "
                           f"num-clients = {run.num_clients}.")
@@ -611,6 +634,12 @@ def _check_clients_data(run: RunConfig) -> None:
         if value != needed:
             raise ConfigError(f"dataset = 'clients' needs {key} = {needed!r} ({why}), and "
                               f"{key} = {value!r}: set {key} = {needed!r}.")
+
+
+#: each section's checks, in the order they run (the local training's are each method's own
+#: :meth:`~pflalign.methods.base.Method.check`, with the entry's overrides)
+SECTION_CHECKS = (_check_systems, _check_privacy, _check_model, _check_outputs, _check_engine,
+                  _check_data, _check_gga, _check_robustness)
 
 
 def load_toml(path: str | Path) -> dict[str, Value]:

