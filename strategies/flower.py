@@ -177,7 +177,7 @@ class FlowerEngine(Engine):
                     self.reporter.warn(f"Node {node} is not used for partition-id {cid}: "
                                        f"{problem}.")
                     continue
-            if getattr(federation, "sizes_declared", False):  # dataset = clients: theirs
+            if federation.sizes_declared:  # dataset = clients: the clients' own
                 if declared[0] < 0 or declared[1] < 0 or declared[2] != partition.is_unseen(cid):
                     self.reporter.warn(
                         f"Node {node} is not used: it declared {declared[0]} train / "

@@ -96,7 +96,7 @@ def clients_federation(cfg: Mapping[str, object]) -> ClientsFederation:
     empty.setflags(write=False)
     dataset = Dataset(name=CLIENTS, images=empty, labels=np.empty(0, np.int64),
                       num_classes=int(cfg["num-classes"]), mean=(0.0,), std=(1.0,),
-                      kind=FEATURES)
+                      kind=clients_kind(shape))
     train = int(cfg["num-clients"])
     unseen = int(cfg["num-unseen-clients"])
     return ClientsFederation(dataset, ClientsPartition(train, train + unseen))

@@ -37,6 +37,9 @@ class FederatedDataset:
     partition: Partition
     _rotated: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     _on_device: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    #: each client's split sizes are the server's own (the partition), never what a node
+    #: declares (:class:`~pflalign.data.clients.ClientsFederation` takes the nodes')
+    sizes_declared = False
 
     def client_data(self, client: int, device: torch.device | str = "cpu") -> ClientData:
         """Client ``client``'s train and test tensors (copied out of the cached pool; for

@@ -173,6 +173,8 @@ class SyntheticFederation:
     _last: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     targets_per_sample = 1
+    #: the sizes are the server's own (drawn from the seed), never what a node declares
+    sizes_declared = False
 
     def client_data(self, client: int, device: torch.device | str = "cpu") -> ClientData:
         """Client ``client``'s train and evaluation tensors, generated from the seed (the last

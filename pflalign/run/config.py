@@ -614,6 +614,8 @@ def _check_clients_data(run: RunConfig) -> None:
     clients' own loaders are their partition, and nothing needs the server's copy of the data
     (:mod:`pflalign.data.clients`)."""
     parse_input_shape(run.input_shape)
+    no_copy = "the audits recompute replies from the server's copy of the data, and the server " \
+              "holds none"
     if run.num_classes < 2:
         raise ConfigError(f"dataset = 'clients' builds the model with num-classes = "
                           f"{run.num_classes}: give the number of classes the clients' labels "
@@ -625,12 +627,8 @@ def _check_clients_data(run: RunConfig) -> None:
             ("max-samples", run.max_samples, 0, "there is no pooled dataset to subsample"),
             ("evaluate-on", run.evaluate_on, "test",
              "each client's testloader is its evaluation split"),
-            ("eval-audit-fraction", run.eval_audit_fraction, 0.0,
-             "the audits recompute replies from the server's copy of the data, and the server "
-             "holds none"),
-            ("train-audit-fraction", run.train_audit_fraction, 0.0,
-             "the audits recompute replies from the server's copy of the data, and the server "
-             "holds none")):
+            ("eval-audit-fraction", run.eval_audit_fraction, 0.0, no_copy),
+            ("train-audit-fraction", run.train_audit_fraction, 0.0, no_copy)):
         if value != needed:
             raise ConfigError(f"dataset = 'clients' needs {key} = {needed!r} ({why}), and "
                               f"{key} = {value!r}: set {key} = {needed!r}.")
