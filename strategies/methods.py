@@ -42,7 +42,12 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from pflalign.methods.registry import METHODS
 from pflalign.outputs.results import Reporter
-from pflalign.round.evaluation import Evaluation, evaluation_round
+from pflalign.round.evaluation import (
+    Evaluation,
+    evaluate_at_start,
+    evaluate_round,
+    evaluation_round,
+)
 from pflalign.round.feature import TrainingRound
 from pflalign.round.loop import Round, RoundLoop
 from pflalign.run.config import build_settings, method_choices
@@ -161,7 +166,7 @@ class MethodStrategy(Strategy):
         metrics = None
         if evaluation is not None:
             evaluation.exchange = self._received(replies)
-            metrics, down, up = loop.evaluate_round(server_round, evaluation)
+            metrics, down, up = evaluate_round(loop, server_round, evaluation)
             self._last_eval = loop.evaluated(self._round, metrics, down, up)
         loop.end_round(self._round)
         return None if metrics is None else _metric_record(metrics)
@@ -188,7 +193,7 @@ class MethodStrategy(Strategy):
             self.engine = self.loop.engine
             self.loop.open({**model, **to_state(arrays)})
             if self.settings.run.eval_at_start:
-                self._last_eval = self.loop.evaluate_at_start()
+                self._last_eval = evaluate_at_start(self.loop)
         elif arrays is not self._returned:
             self.loop.state = self.loop.server.with_model(self.loop.state, to_state(arrays))
         return self.loop
@@ -196,7 +201,7 @@ class MethodStrategy(Strategy):
     def _send(self, action: str, messages: list[Outgoing]) -> list[Message]:
         """``messages`` as Flower Messages to the clients' nodes (each carrying its reply limits
         and any restored state, as the loop's own exchanges do)."""
-        prepared = self.loop.prepared(action, messages)
+        prepared = self.loop.messaging.prepared(action, messages)
         outgoing, sizes = self.engine.outgoing(action, prepared)
         self._sent = (prepared, outgoing, sizes)
         return list(outgoing.values())
@@ -213,7 +218,7 @@ class MethodStrategy(Strategy):
                 by_client[cid] = reply
         silent = sorted(set(outgoing) - set(by_client))
         exchange = self.engine.collected(prepared, sizes, by_client, silent)
-        self.loop.delivered(exchange.replies)
+        self.loop.messaging.delivered(exchange.replies)
         return exchange
 
 

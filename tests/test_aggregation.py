@@ -6,6 +6,7 @@ from harness import train_metrics
 
 from pflalign.methods.registry import METHODS
 from pflalign.outputs.results import Reporter
+from pflalign.round.evaluation import evaluate_round
 from pflalign.round.loop import RoundLoop
 from pflalign.run.config import build_settings
 from pflalign.server.aggregation import FlatSpec, fedavg, weighted_average
@@ -210,7 +211,7 @@ def test_evaluation_metrics_from_client_replies():
     federation.server.clients[3] = ClientInfo(3, 10, 4, True)  # an unseen client
     warnings = []
     federation.reporter.warn = warnings.append
-    metrics, _, _ = federation.evaluate_round(1)
+    metrics, _, _ = evaluate_round(federation, 1)
     assert metrics["personal-acc"] == pytest.approx(18 / 40)
     assert metrics["personal-acc-unweighted"] == pytest.approx((0.8 + 1 / 3) / 2)
     assert metrics["global-acc"] == pytest.approx(25 / 40)
@@ -257,7 +258,7 @@ def test_the_round_row_has_medians_that_one_client_cannot_drag():
             "partition-id": 2, "num-test": 10, "personal-correct": 1, "personal-loss": 150.0,
             "global-correct": 1, "global-loss": 150.0})}))],
         test_sizes=(10, 30, 10))
-    metrics, _, _ = federation.evaluate_round(1)
+    metrics, _, _ = evaluate_round(federation, 1)
     assert metrics["personal-loss-median"] == 0.3
     assert metrics["personal-loss"] == pytest.approx((0.3 * 10 + 0.3 * 30 + 150.0 * 10) / 50)
 

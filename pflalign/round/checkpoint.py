@@ -314,7 +314,7 @@ def write_checkpoint(loop, checkpoint: Checkpoint, server_round: int,
         before_aggregation=(None if loop.before_aggregation is None
                             else loop.before_aggregation.to_arrays()),
         clients={}, rounds=loop.rounds, client_results=loop.client_results,
-        saved_state=sorted(loop.saved_state), last_eval=dict(last_eval),
+        saved_state=sorted(loop.messaging.saved_state), last_eval=dict(last_eval),
         features={f.name: f.state_dict() for f in loop.features},
         usage={str(cid): counts for cid, counts in loop.usage.items()},
         rng_arrays=rng_arrays, rng_meta=rng_meta, scheduler=scheduler,
@@ -330,17 +330,18 @@ def client_states(loop, server_round: int) -> Iterator[tuple[int, State]]:
     :data:`STATE_CHUNK` at a time (a :data:`~pflalign.wire.protocol.STATE` exchange, which
     no round's bytes count), so that a checkpoint never holds every client's state at once.
     :class:`_NoCheckpoint` when a client does not give it."""
-    order = sorted(loop.saved_state)
+    messaging = loop.messaging
+    order = sorted(messaging.saved_state)
     for start in range(0, len(order), STATE_CHUNK):
         chunk = order[start:start + STATE_CHUNK]
-        ask = [cid for cid in chunk if cid not in loop.pending_restore]
+        ask = [cid for cid in chunk if cid not in messaging.pending_restore]
         states: dict[int, State] = {}
         if ask:
-            exchange = loop.exchange(STATE, [loop.message(cid, Payload(), server_round)
-                                             for cid in ask])
+            exchange = messaging.exchange(STATE, [messaging.message(cid, Payload(), server_round)
+                                                  for cid in ask])
             for reply in exchange.replies:
                 try:
-                    loop.validator.validate(reply, {}, {PARTITION_ID: ID}, (CLIENT_STATE,))
+                    messaging.validator.validate(reply, {}, {PARTITION_ID: ID}, (CLIENT_STATE,))
                 except ClientFailure as failure:
                     raise _NoCheckpoint(str(failure)) from None
                 state = dict(reply.arrays.get(CLIENT_STATE, {}))
@@ -352,8 +353,9 @@ def client_states(loop, server_round: int) -> Iterator[tuple[int, State]]:
             if missing:
                 raise _NoCheckpoint(f"clients {missing} did not give their state")
         for cid in chunk:
-            yield cid, (loop.pending_restore[cid] if cid in loop.pending_restore
+            yield cid, (messaging.pending_restore[cid] if cid in messaging.pending_restore
                         else states.pop(cid))
+
 
 def restore(loop, snapshot: Snapshot) -> dict[str, float]:
     """Continue from ``snapshot``: the server state, rows, client results, features and
@@ -372,9 +374,9 @@ def restore(loop, snapshot: Snapshot) -> dict[str, float]:
                                    snapshot.before_aggregation))
     loop.rounds = list(snapshot.rounds)
     loop.client_results = list(snapshot.client_results)
-    loop.saved_state = set(snapshot.saved_state)
+    loop.messaging.saved_state = set(snapshot.saved_state)
     loop.usage = {int(cid): list(counts) for cid, counts in snapshot.usage.items()}
-    loop.pending_restore = nonempty(snapshot.clients)  # each read when it is sent
+    loop.messaging.pending_restore = nonempty(snapshot.clients)  # each read when it is sent
     restore_rng(snapshot.rng_arrays, snapshot.rng_meta)
     loop.scheduler.load_state_dict(snapshot.scheduler, snapshot.scheduler_arrays)
     return dict(snapshot.last_eval)

@@ -9,6 +9,7 @@ evaluated client's own accuracy goes to the run's per-client results.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -88,8 +89,9 @@ def evaluation_round(loop, server_round: int) -> Evaluation:
     wanted = server.largest_first(server.eval_sample(method.eval_clients(server),
                                                      server_round))
     busy = loop.scheduler.busy() & set(wanted)
-    messages = [loop.message(cid, method.eval_payload(server, loop.state, cid, server_round),
-                             server_round) for cid in wanted if cid not in busy]
+    messages = [loop.messaging.message(cid, method.eval_payload(server, loop.state, cid,
+                                                              server_round), server_round)
+                for cid in wanted if cid not in busy]
     return Evaluation(server_round, wanted, busy, messages)
 
 
@@ -97,8 +99,9 @@ def evaluate(loop, evaluation: Evaluation) -> tuple[dict, int, int, Collected]:
     """The metrics of ``evaluation`` (exchanged now unless it already was), its bytes down and
     up, and its validated replies before the features' checks."""
     server, method, server_round = loop.server, loop.method, evaluation.number
-    exchange = evaluation.exchange or loop.exchange(EVALUATE, evaluation.messages)
-    collected = loop.validator.collect(exchange.replies, {}, method.reply_metrics(EVALUATE))
+    messaging = loop.messaging
+    exchange = evaluation.exchange or messaging.exchange(EVALUATE, evaluation.messages)
+    collected = messaging.validator.collect(exchange.replies, {}, method.reply_metrics(EVALUATE))
     extra: dict = {}
     checked = collected
     for feature in loop.features:
@@ -113,3 +116,34 @@ def evaluate(loop, evaluation: Evaluation) -> tuple[dict, int, int, Collected]:
     summary, loop.client_results = evaluation_metrics(server, method, rows)
     metrics.update(summary)
     return metrics, exchange.bytes_down, exchange.bytes_up, collected
+
+
+def evaluate_round(loop, server_round: int, evaluation: Evaluation | None = None,
+                   ) -> tuple[dict, int, int]:
+    """One evaluation round of ``loop`` (``evaluation``: its messages, already exchanged): its
+    metrics, and the bytes sent down and up. When most clients report a non-finite loss right
+    after an aggregation, that aggregation is rolled back and the round evaluated again."""
+    metrics, down, up, collected = evaluate(loop, evaluation
+                                            or evaluation_round(loop, server_round))
+    answered = metrics["eval-clients"] - metrics.get("eval-busy", 0) - collected.failed
+    if loop.rollback_due(collected.nonfinite_loss, answered):
+        loop.warn(f"round {server_round}: {collected.nonfinite_loss} of {answered} clients "
+                  "report a non-finite loss for the new model; the round's aggregation is "
+                  "rolled back and the previous model evaluated.")
+        loop.roll_back()
+        metrics, again_down, again_up, _ = evaluate(loop, evaluation_round(loop, server_round))
+        metrics["rolled-back"] = 1
+        down, up = down + again_down, up + again_up
+    return metrics, down, up
+
+
+def evaluate_at_start(loop) -> dict[str, float]:
+    """Round 0 (``eval-at-start``): the initial model evaluated before any training, its row
+    added to ``loop``'s rows and reported; returns its metrics."""
+    started = time.perf_counter()
+    metrics, down, up = evaluate_round(loop, 0)
+    loop.rounds.append({"round": 0, **metrics, "eval-seconds": time.perf_counter() - started,
+                        "round-seconds": time.perf_counter() - started,
+                        "bytes-up": up, "bytes-down": down})
+    loop.reporter.round(loop.label, loop.rounds[-1], loop.server.rounds)
+    return metrics

@@ -160,17 +160,17 @@ class BufferedRounds(Scheduler):
         payload = loop.method.train_payload(server, loop.state, client, server_round)
         if self.version not in self.bases:
             self.bases[self.version] = server.shared_model(loop.state)
-        return loop.message(client, payload, server_round), sent_bytes(payload.arrays)
+        return loop.messaging.message(client, payload, server_round), sent_bytes(payload.arrays)
 
     def train(self, flights: Sequence[Flight]) -> None:
         """Train ``flights`` in one exchange and set each one's arrival (a client that failed
         or gave no reply "arrives" at its lower bound, to be counted and replaced)."""
         loop = self.loop
-        exchange = loop.exchange(TRAIN, [self.messages.pop(f.seq) for f in flights])
+        exchange = loop.messaging.exchange(TRAIN, [self.messages.pop(f.seq) for f in flights])
         replies = {r.sender: r for r in exchange.replies if r.sender is not None}
         stray = [r for r in exchange.replies if r.sender is None]
         if stray:  # said once here; their clients' flights fail below
-            loop.validator.collect(stray, {}, {})
+            loop.messaging.validator.collect(stray, {}, {})
         for flight in flights:
             reply = replies.get(flight.client) or Reply(
                 flight.client, f"client {flight.client}",
@@ -182,7 +182,7 @@ class BufferedRounds(Scheduler):
                 # it trained now, from the state it had: a client known to keep state that
                 # had none is warned about, and one that keeps state is asked for it by
                 # checkpoints from now on (its update is used later, or never)
-                loop.check_kept_state([Update(flight.client, 0, reply.metrics, None)])
+                loop.messaging.check_kept_state([Update(flight.client, 0, reply.metrics, None)])
             else:
                 flight.arrival = flight.earliest
             self.replies[flight.seq] = reply
@@ -230,14 +230,14 @@ class BufferedRounds(Scheduler):
         """Take an arrived reply of a client that trained from ``version``: validated as a
         synchronous reply is, and into the buffer when usable; counted in ``arrivals``."""
         loop = self.loop
-        collected = loop.collect_training([reply])
+        collected = loop.messaging.collect_training([reply])
         arrivals.count += 1
         arrivals.bytes_up += up
         arrivals.failed += collected.failed
         arrivals.timed_out += collected.timed_out
         arrivals.rejected += collected.rejected
         for metrics, arrays in collected.good:
-            self.buffer.append((loop.update_of(metrics, arrays), version))
+            self.buffer.append((loop.messaging.update_of(metrics, arrays), version))
 
     def aggregate(self, server_round: int, arrivals: Arrivals) -> dict:
         """Aggregate the buffer (rebased, bounded, the method's rule with ``async-lr``) into the
@@ -379,7 +379,7 @@ class RealTimeRounds(BufferedRounds):
             messages.append(message)
         if not messages:
             return 0
-        return self.loop.engine.submit(TRAIN, self.loop.prepared(TRAIN, messages))
+        return self.loop.engine.submit(TRAIN, self.loop.messaging.prepared(TRAIN, messages))
 
     def before_evaluation(self) -> None:
         """Nothing: a real client trains when its message reaches it."""
@@ -402,9 +402,9 @@ class RealTimeRounds(BufferedRounds):
                     time.sleep(POLL_SECONDS)
                 continue
             client, reply, up = self.pulled.pop(0)
-            loop.delivered([reply])
+            loop.messaging.delivered([reply])
             if reply.error is None:
-                loop.check_kept_state([Update(client, 0, reply.metrics, None)])
+                loop.messaging.check_kept_state([Update(client, 0, reply.metrics, None)])
             self.arrive(reply, self.flights.pop(client), arrivals, up)
             if len(self.buffer) < self.buffer_size:
                 down += self.fill(server_round)

@@ -8,8 +8,10 @@ messages, or a plain in-process loop) delivers it, the replies are validated
 (:class:`~pflalign.server.validation.ReplyValidator`) and the method's rule aggregates them.
 Evaluation rounds do the same with the evaluation rule. Everything else a run adds to its rounds
 is a round feature (:mod:`pflalign.round.feature`) that the config turns on: DP, the update
-bounds, the audits, the simulated clock, upload recording, telemetry, GGA. Nothing here knows how
-a client is reached, and nothing here learns.
+bounds, the audits, the simulated clock, upload recording, telemetry, GGA. The messages and the
+replies are the loop's :class:`~pflalign.round.messaging.Messaging` (``loop.messaging``), and an
+evaluation round is :mod:`pflalign.round.evaluation`'s. Nothing here knows how a client is
+reached, and nothing here learns.
 
 Clients are identified by the stable ``partition-id`` they report (never an engine's node ids).
 Replies are processed in client-id order, so aggregation is deterministic whatever order an engine
@@ -26,8 +28,8 @@ the file, and each client's state is sent back to it with the next message it ge
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,39 +39,18 @@ from pflalign.methods.base import Method
 from pflalign.outputs.results import Reporter
 from pflalign.process.interrupt import check_stop
 from pflalign.round.checkpoint import Checkpoint, restore, write_checkpoint
-from pflalign.round.evaluation import Evaluation, evaluate, evaluation_round
+from pflalign.round.evaluation import evaluate_at_start, evaluate_round
 from pflalign.round.feature import RoundFeature, compose
 from pflalign.round.features.clock import SimulatedClock
 from pflalign.round.fedbuff import BufferedRounds, RealTimeRounds
+from pflalign.round.messaging import Messaging
 from pflalign.round.synchronous import Scheduler, SynchronousRounds
 from pflalign.server.aggregation import mean_cosine
 from pflalign.server.buffered import server_step
 from pflalign.server.runtime import ServerRuntime
-from pflalign.server.validation import (
-    Collected,
-    ReplyValidator,
-    non_finite,
-    state_limit,
-)
-from pflalign.wire.messages import Exchange, Outgoing, Payload, Reply, Update
-from pflalign.wire.protocol import (
-    ARRAY_HEADER,
-    CLIENT_SECONDS,
-    CLIENT_STATE,
-    EVALUATE,
-    HAD_STATE,
-    KEPT_STATE,
-    LABEL,
-    METHOD,
-    MODEL,
-    NUM_EXAMPLES,
-    PARTITION_ID,
-    RESTORE,
-    ROUND,
-    STATE,
-    TRAIN,
-    TRAIN_LOSS,
-)
+from pflalign.server.validation import ReplyValidator, non_finite
+from pflalign.wire.messages import Update
+from pflalign.wire.protocol import CLIENT_SECONDS, TRAIN_LOSS
 from pflalign.wire.state import ServerState, State
 
 
@@ -100,18 +81,15 @@ class RoundLoop:
         self.client_results: list[dict] = []
         #: the server state before the latest aggregation (for a rollback), None after one
         self.before_aggregation: ServerState | None = None
-        #: clients that reported saving method state (a later reply without it is warned about)
-        self.saved_state: set[int] = set()
-        #: after a resume, the checkpointed state of each client not heard from since: it goes
-        #: with the next train or evaluate message to that client
-        self.pending_restore: MutableMapping[int, State] = {}
         #: per training client: how many trainings it was sent, and how many of its updates were
         #: aggregated (the result's ``usage``: who a deadline or staleness leaves out)
         self.usage: dict[int, list[int]] = {}
-        #: the checks every reply meets (its warnings go to the reporter, not through this loop,
-        #: which would make a reference cycle that keeps the engine and its files alive)
+        #: the messages and the replies, with the checks every reply meets (their warnings go to
+        #: the reporter, not through this loop, which would make a reference cycle that keeps the
+        #: engine and its files alive)
         label, reporter = server.label, self.reporter
-        self.validator = ReplyValidator(server, lambda text: reporter.warn(f"[{label}] {text}"))
+        warn = lambda text: reporter.warn(f"[{label}] {text}")  # noqa: E731
+        self.messaging = Messaging(server, method, engine, ReplyValidator(server, warn), warn)
         self.features: list[RoundFeature] = [*compose(self), *features]
         #: synchronous rounds; ``mode = async``'s FedBuff once the clients are known (run())
         self.scheduler: Scheduler = SynchronousRounds(self)
@@ -119,10 +97,6 @@ class RoundLoop:
     @property
     def label(self) -> str:
         return self.server.label
-
-    def message(self, client: int, payload: Payload, server_round: int) -> Outgoing:
-        return Outgoing(client, payload, {METHOD: self.method.name, LABEL: self.label,
-                                          ROUND: server_round, **payload.config})
 
     def warn(self, text: str) -> None:
         self.reporter.warn(f"[{self.label}] {text}")
@@ -145,14 +119,14 @@ class RoundLoop:
             self.reporter.info(f"[{self.label}] resumed from round {snapshot.round} (checkpoint "
                                f"{checkpoint.path})")
         if first == 1 and run.eval_at_start:  # the initial model, before any training
-            last_eval = self.evaluate_at_start()
+            last_eval = evaluate_at_start(self)
         for server_round in range(first, server.rounds + 1):
             check_stop()
             current = self.begin_round(server_round)
             self.trained(current, *self.train_round(server_round))
             if server.is_eval_round(server_round):
                 self.scheduler.before_evaluation()  # each client after its latest dispatch
-                last_eval = self.evaluated(current, *self.evaluate_round(server_round))
+                last_eval = self.evaluated(current, *evaluate_round(self, server_round))
             self.end_round(current)
             if checkpoint is not None and checkpoint.due(server_round):
                 write_checkpoint(self, checkpoint, server_round, last_eval)
@@ -304,110 +278,6 @@ class RoundLoop:
             row[TRAIN_LOSS] = float(np.average(losses, weights=[u.num_examples for u in updates]))
             row[f"{TRAIN_LOSS}-median"] = float(np.median(losses))
         return row
-
-    def check_kept_state(self, updates: Sequence[Update]) -> None:
-        """Warn when a client that saved method state in an earlier round comes back without it
-        (a restarted node without a ``state-dir``): its personalization starts over."""
-        for update in updates:
-            if update.client in self.saved_state and not update.metrics.get(HAD_STATE, 1):
-                self.warn(f"client {update.client} saved its {self.method.name} state in an "
-                          "earlier round but came back without it (a restarted node without a "
-                          "state-dir?); it continues from an empty state.")
-            if update.metrics.get(KEPT_STATE):
-                self.saved_state.add(update.client)
-
-    def evaluate_at_start(self) -> dict[str, float]:
-        """Round 0 (``eval-at-start``): the initial model evaluated before any training, its row
-        added and reported; returns its metrics."""
-        started = time.perf_counter()
-        metrics, down, up = self.evaluate_round(0)
-        self.rounds.append({"round": 0, **metrics, "eval-seconds": time.perf_counter() - started,
-                            "round-seconds": time.perf_counter() - started,
-                            "bytes-up": up, "bytes-down": down})
-        self.reporter.round(self.label, self.rounds[-1], self.server.rounds)
-        return metrics
-
-    # --- training replies ----------------------------------------------------------------------
-    def reply_specs(self) -> dict:
-        """The array records a training reply carries (the model, and the method's own) and
-        each one's spec; none when the method uploads no model."""
-        if not self.method.uploads_model:
-            return {}
-        return {MODEL: self.server.flat, **self.method.reply_arrays(self.server)}
-
-    def collect_training(self, replies: Sequence[Reply]) -> Collected:
-        """Training replies validated against :meth:`reply_specs` and the method's metrics."""
-        return self.validator.collect(replies, self.reply_specs(), self.method.reply_metrics(TRAIN))
-
-    @staticmethod
-    def update_of(metrics: Mapping, arrays: Mapping[str, State]) -> Update:
-        """A validated training reply as the :class:`~pflalign.wire.messages.Update` the method
-        aggregates."""
-        return Update(client=int(metrics[PARTITION_ID]), num_examples=metrics[NUM_EXAMPLES],
-                      metrics=metrics, model=arrays.get(MODEL),
-                      arrays={k: v for k, v in arrays.items() if k != MODEL})
-
-    # --- exchanges -----------------------------------------------------------------------------
-    def reply_limits(self, action: str) -> dict[str, int] | None:
-        """The array records a reply to ``action`` may carry, with the most bytes each may hold:
-        a training reply's, their specs' bytes; an evaluation reply, none; a state query's, the
-        bound on a saved state. None for other actions."""
-        if action == TRAIN:
-            return {name: spec.nbytes + ARRAY_HEADER * len(spec.keys)
-                    for name, spec in self.reply_specs().items()}
-        if action == EVALUATE:
-            return {}
-        if action == STATE:
-            return {CLIENT_STATE: state_limit(self.server.initial)}
-        return None
-
-    def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
-        """The engine's exchange of the :meth:`prepared` messages; each client that replies (even
-        with a reply that is then rejected) has its pending restored state, which is not sent
-        again. A client that failed or timed out gets it again with its next message."""
-        exchange = self.engine.exchange(action, self.prepared(action, messages))
-        self.delivered(exchange.replies)
-        return exchange
-
-    def prepared(self, action: str, messages: Sequence[Outgoing]) -> list[Outgoing]:
-        """``messages``, each carrying the :meth:`reply_limits` of its action, and each pending
-        restored state attached to its client's train or evaluate message (as the record
-        :data:`~pflalign.wire.protocol.RESTORE`)."""
-        limits = self.reply_limits(action)
-        if limits is not None:
-            messages = [replace(m, limits=limits) for m in messages]
-        if not self.pending_restore or action not in (TRAIN, EVALUATE):
-            return list(messages)
-        return [Outgoing(m.client, Payload({**m.payload.arrays,
-                                            RESTORE: self.pending_restore[m.client]},
-                                           m.payload.config), m.config, m.limits)
-                if m.client in self.pending_restore else m for m in messages]
-
-    def delivered(self, replies: Iterable[Reply]) -> None:
-        """Forget the pending restored state of each client that replied."""
-        if self.pending_restore:
-            for reply in replies:
-                if reply.error is None and reply.sender is not None:
-                    self.pending_restore.pop(reply.sender, None)
-
-    # --- evaluation ----------------------------------------------------------------------------
-    def evaluate_round(self, server_round: int, evaluation: Evaluation | None = None,
-                       ) -> tuple[dict, int, int]:
-        """One evaluation round (``evaluation``: its messages, already exchanged): its metrics,
-        and the bytes sent down and up. When most clients report a non-finite loss right after
-        an aggregation, that aggregation is rolled back and the round evaluated again."""
-        metrics, down, up, collected = evaluate(self, evaluation
-                                                or evaluation_round(self, server_round))
-        answered = metrics["eval-clients"] - metrics.get("eval-busy", 0) - collected.failed
-        if self.rollback_due(collected.nonfinite_loss, answered):
-            self.warn(f"round {server_round}: {collected.nonfinite_loss} of {answered} clients "
-                      "report a non-finite loss for the new model; the round's aggregation is "
-                      "rolled back and the previous model evaluated.")
-            self.roll_back()
-            metrics, again_down, again_up, _ = evaluate(self, evaluation_round(self, server_round))
-            metrics["rolled-back"] = 1
-            down, up = down + again_down, up + again_up
-        return metrics, down, up
 
     def final_metrics(self, last_eval: Mapping[str, float]) -> dict:
         seconds = [r["round-seconds"] for r in self.rounds]

@@ -60,7 +60,7 @@ class SynchronousRounds(Scheduler):
         training = self.configure(server_round)
         if not training.messages:  # sampling = poisson drew no client
             return self.empty(training), 0, 0
-        return self.finish(training, self.loop.exchange(TRAIN, training.messages))
+        return self.finish(training, self.loop.messaging.exchange(TRAIN, training.messages))
 
     def configure(self, server_round: int) -> TrainingRound:
         """The round's first half: its clients (a feature may choose them) and their training
@@ -80,7 +80,7 @@ class SynchronousRounds(Scheduler):
         if not sampled:
             return training
         training.messages = [
-            loop.message(cid, method.train_payload(server, loop.state, cid, server_round),
+            loop.messaging.message(cid, method.train_payload(server, loop.state, cid, server_round),
                          server_round) for cid in server.largest_first(sampled)]
         loop.dispatched(m.client for m in training.messages)
         for feature in loop.features:
@@ -97,18 +97,18 @@ class SynchronousRounds(Scheduler):
         for feature in features:
             feature.received(loop, training)
         exchange = training.exchange
-        collected = loop.collect_training(exchange.replies)
+        collected = loop.messaging.collect_training(exchange.replies)
         checked = collected
         for feature in features:
             checked = feature.checked(loop, training, checked)
-        updates = [loop.update_of(m, arrays) for m, arrays in checked.good]
+        updates = [loop.messaging.update_of(m, arrays) for m, arrays in checked.good]
         row: dict = {"clients-trained": 0, "failures": collected.failed,
                      "timeouts": collected.timed_out, "rejected": checked.rejected,
                      **training.row}
         updates = loop.bound(server_round, updates, row)
         row["clients-trained"] = len(updates)
         loop.accepted(u.metrics for u in updates)
-        loop.check_kept_state(updates)
+        loop.messaging.check_kept_state(updates)
         traffic = exchange.bytes_down, exchange.bytes_up
         answered = len(exchange.replies) - collected.failed
         if loop.rollback_due(collected.nonfinite_loss, answered):

@@ -314,14 +314,15 @@ class Audits(RoundFeature):
         return True
 
     def __init__(self, loop):
-        self.audit = Audit(loop.server, loop.method, loop.validator, loop.warn)
+        self.audit = Audit(loop.server, loop.method, loop.messaging.validator, loop.warn)
         #: the sampled clients' states asked for before this round's training was sent
         self.pending: tuple[dict, AuditOutcome] = ({}, AuditOutcome(good=[]))
 
     def sending(self, loop, training: TrainingRound) -> None:
+        messaging = loop.messaging
         self.pending = self.audit.training_states(
-            training.number, [m.client for m in training.messages], loop.pending_restore,
-            loop.exchange, lambda cid: loop.message(cid, Payload(), training.number))
+            training.number, [m.client for m in training.messages], messaging.pending_restore,
+            messaging.exchange, lambda cid: messaging.message(cid, Payload(), training.number))
 
     def checked(self, loop, training: TrainingRound, collected: Collected) -> Collected:
         states, outcome = self.pending
@@ -336,8 +337,8 @@ class Audits(RoundFeature):
     def evaluated(self, loop, server_round: int, messages: Sequence[Outgoing],
                   collected: Collected, metrics: dict) -> Collected:
         outcome = self.audit.check_evaluation(
-            server_round, messages, collected, loop.exchange,
-            lambda cid: loop.message(cid, Payload(), server_round))
+            server_round, messages, collected, loop.messaging.exchange,
+            lambda cid: loop.messaging.message(cid, Payload(), server_round))
         metrics.update({"eval-audited": outcome.audited, "eval-audit-rejected": outcome.rejected})
         return replace(collected, good=outcome.good, rejected=collected.rejected
                        + outcome.rejected)

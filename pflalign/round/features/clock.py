@@ -132,7 +132,7 @@ class SimulatedClock(RoundFeature):
             # a dropped client trained and keeps what it trained, on its device: its state is
             # one a checkpoint must ask for, as a used client's is
             if arrivals[i] is not None and i not in kept and reply.metrics.get(KEPT_STATE):
-                loop.saved_state.add(reply.sender)
+                loop.messaging.saved_state.add(reply.sender)
         self.now += closed.seconds
         training.exchange = Exchange(replies, exchange.bytes_down, exchange.bytes_up)
         training.row.update({"sim-seconds": closed.seconds, "sim-time": self.now})

@@ -76,7 +76,7 @@ class AnnealedWarmStart(RoundFeature):
         started = time.perf_counter()
         config = {ACTION: GGA_ACTION, CANDIDATES: p.candidates, PERTURB: ",".join(self.perturb)}
         model = server.shared_model(loop.state)
-        messages = [loop.message(cid, Payload({MODEL: model}, config), server_round)
+        messages = [loop.messaging.message(cid, Payload({MODEL: model}, config), server_round)
                     for cid in server.largest_first(server.sample(server_round))]
         exchange = loop.engine.exchange(QUERY, messages)
         schema = {PARTITION_ID: ID, NUM_EXAMPLES: SAMPLES,
@@ -86,7 +86,7 @@ class AnnealedWarmStart(RoundFeature):
         # are then the same bits on every engine and run
         for reply in sorted(exchange.replies, key=lambda r: (r.sender is None, r.sender or 0)):
             try:
-                metrics, _ = loop.validator.validate(reply, {}, schema, (SKETCH,))
+                metrics, _ = loop.messaging.validator.validate(reply, {}, schema, (SKETCH,))
                 record = reply.arrays.get(SKETCH)
                 if record is None or SKETCH not in record:
                     raise ClientFailure(f"{reply.who} replied without its gradient sketches")

@@ -135,7 +135,7 @@ class LocalDPAccounting(RoundFeature):
                                        self.run.dp_delta)
 
     def checkpoint_refusal(self, loop, server_round: int) -> str | None:
-        if self.run.dp == "local" and self.run.engine == "flower" and loop.saved_state:
+        if self.run.dp == "local" and self.run.engine == "flower" and loop.messaging.saved_state:
             return ("no checkpoints are written under dp = 'local' on the Flower engine: they "
                     "would ask the clients for their saved state, which must not leave them; a "
                     "killed run starts over.")
