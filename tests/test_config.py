@@ -101,6 +101,22 @@ def test_all_methods_expand_to_the_registry_without_ablation_variants():
     assert "pflalign" in names and "pflalign-sgd" not in names
 
 
+@pytest.mark.parametrize("methods", ["all", "fedavg,pflalign(lr=0.05)"])
+def test_each_method_entry_is_checked_once(monkeypatch, methods):
+    from pflalign.run import config
+    checked = []
+    real = config._check_entry
+
+    def counting(choice, merged, settings=None):
+        checked.append(choice.label)
+        return real(choice, merged, settings)
+
+    monkeypatch.setattr(config, "_check_entry", counting)
+    labels = method_labels(build_settings({"methods": methods}))
+    assert sorted(checked) == sorted(set(checked))  # no entry twice
+    assert set(labels) <= set(checked)
+
+
 def test_format_settings_round_trips_through_toml():
     s = build_settings({"rounds": 3, "data-root": 'a "quoted" dir', "download": True})
     assert build_settings(tomllib.loads(format_settings(s))) == s

@@ -193,10 +193,11 @@ def _parse_method_entry(entry: str) -> MethodChoice:
     return MethodChoice(label=label, name=name, overrides=tuple(overrides))
 
 
-def parse_methods(text: str, values: Mapping[str, Value] | None = None) -> list[MethodChoice]:
+def parse_methods(text: str, values: Mapping[str, Value] | None = None,
+                  settings: Settings | None = None) -> list[MethodChoice]:
     """Parse 'methods': comma-separated entries, or 'all': every method but ablation variants
-    (with the run's ``values``: every one of them that can run on its model and data; see
-    :func:`left_out_by_all`)."""
+    (with the run's ``values``: every one of them that can run on its model and data, each
+    entry's checks run once, on ``settings`` where given; see :func:`left_out_by_all`)."""
     entries = _split_top_level(text)
     if not entries:
         raise ConfigError("Config key 'methods' is empty; name at least one method, e.g. "
@@ -205,7 +206,7 @@ def parse_methods(text: str, values: Mapping[str, Value] | None = None) -> list[
         every = [MethodChoice(label=name, name=name) for name, spec in METHODS.items()
                  if spec.variant_of is None]
         return every if values is None else [
-            c for c in every if _refusal(c, values) is None]
+            c for c in every if _refusal(c, values, settings) is None]
     choices = [_parse_method_entry(entry) for entry in entries]
     labels = [c.label for c in choices]
     if len(set(labels)) != len(labels):
@@ -229,12 +230,13 @@ def build_settings(values: Mapping[str, object] | None = None,
     for check in SECTION_CHECKS:
         check(run, gga)
     settings = Settings(merged, build_settings)
-    choices = parse_methods(run.methods, merged)
+    choices = parse_methods(run.methods, merged, settings)
     if not choices:
         raise ConfigError("methods = 'all': no method can run on this model and data ("
                           + "; ".join(left_out_by_all(merged).values())[:600] + ").")
-    for choice in choices:
-        _check_entry(choice, merged, settings)
+    if not _every_method(run.methods):  # 'all' kept the entries that passed these checks
+        for choice in choices:
+            _check_entry(choice, merged, settings)
     settings.entries = tuple(choices)
     return settings
 
@@ -284,9 +286,15 @@ def _check_entry(choice: MethodChoice, merged: Mapping[str, Value],
                       else Settings({**merged, **overrides}, build_settings))
 
 
-def _refusal(choice: MethodChoice, values: Mapping[str, Value]) -> str | None:
+def _every_method(text: str) -> bool:
+    """Whether 'methods' is ``all``."""
+    return _split_top_level(text) == ["all"]
+
+
+def _refusal(choice: MethodChoice, values: Mapping[str, Value],
+             settings: Settings | None = None) -> str | None:
     try:
-        _check_entry(choice, values)
+        _check_entry(choice, values, settings)
     except ConfigError as refused:
         return str(refused)
     return None
