@@ -78,3 +78,30 @@ def test_missing_debian_fashion_mnist_says_apt_get(monkeypatch, tmp_path):
             data.load_dataset("fashion-mnist")
     finally:
         caches.reset()
+
+
+def test_the_content_fingerprint_follows_the_data_not_its_name():
+    from dataclasses import replace
+
+    from pflalign.data.datasets import Dataset
+    from pflalign.data.federated import FederatedDataset
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (40, 1, 4, 4), dtype=np.uint8)
+    labels = rng.integers(0, 3, 40).astype(np.int64)
+    data = Dataset("a", images, labels, 3, (0.5,), (0.25,))
+    pool = np.arange(0, 40, 2)
+
+    def fingerprint(dataset, rows=pool):
+        return FederatedDataset(dataset=dataset, pool=rows, partition=None).fingerprint()
+
+    first = fingerprint(data)
+    assert len(first) == 16 and int(first, 16) >= 0
+    assert fingerprint(replace(data, name="b", images=images.copy())) == first
+    changed = labels.copy()
+    changed[2] = (changed[2] + 1) % 3  # a label in use
+    assert fingerprint(replace(data, labels=changed)) != first
+    unused = labels.copy()
+    unused[3] = (unused[3] + 1) % 3  # a row the pool leaves out
+    assert fingerprint(replace(data, labels=unused)) == first
+    assert fingerprint(data, pool[:-1]) != first

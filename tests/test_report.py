@@ -471,6 +471,68 @@ def test_real_study_report_reads_only_results_json(real_study, tmp_path):
         _check_png(tmp_path / "plots" / name)
 
 
+@needs_fashion_mnist
+def test_real_report_opens_with_what_ran(real_study, tmp_path):
+    """report.md's first section names the dataset (with its content fingerprint), the model
+    and its size, the partition, clients, rounds, local work, each method's resolved
+    hyperparameters, the engine, seeds and versions, as the runs' results.json recorded them."""
+    from pflalign.run.config import build_settings
+    from pflalign.run.driver import template_model
+
+    source, doc = real_study
+    shutil.copy(source / "results.json", tmp_path / "results.json")
+    write_report(tmp_path, doc)
+    text = (tmp_path / "report.md").read_text()
+    assert text.index("## Setup") < text.index("## Protocol") < text.index("## Leaderboard")
+    setup = _section(text, "## Setup")
+    run = doc["runs"][0]
+    config = build_settings({k: v for k, v in run["config"].items() if k != "out-dir"})
+    size = sum(p.numel() for p in template_model(config)().parameters())
+    assert run["methods"]["fedavg"]["model"] == {"name": "cnn", "parameters": size}
+    fingerprints = [r["partition"]["fingerprint"] for r in doc["runs"]]
+    assert len(set(fingerprints)) == 2  # max-samples draws another subset per seed
+    assert f"- Dataset: fashion-mnist, 2,000 samples in use, content fingerprint " \
+           f"`{fingerprints[0]}`" in setup
+    assert f"- Model: cnn ({size:,} trainable parameters)" in setup
+    assert "- Partition: dirichlet (dirichlet-alpha = 0.1, min-samples-per-client" in setup
+    assert "- Clients: 6 training" in setup and "- Rounds: 2, evaluated every 1" in setup
+    assert "- Engine: sequential; seeds: 0, 1" in setup
+    assert f"flwr {run['versions']['flwr']}" in setup and f"torch {run['versions']['torch']}" \
+        in setup
+    rows = {line.split(" | ")[0][2:]: line for line in setup.splitlines() if line.startswith("| ")}
+    assert "pflalign-lr = 3.0" in rows["pflalign"] and "lr = 0.05" in rows["fedavg"]
+    assert run["methods"]["pflalign"]["hyperparameters"]["pflalign-gamma"] == "adaptive"
+
+
+def test_setup_marks_tuned_values_and_one_seed_prints_no_empty_tests(tmp_path):
+    doc = _synthetic_study()
+    for run in doc["runs"]:
+        run["config"].update({"dataset": "synthetic", "partition": "dirichlet",
+                              "dirichlet-alpha": 0.3, "num-clients": 6, "engine": "batched"})
+        for label, entry in run["methods"].items():
+            entry["hyperparameters"] = {"lr": 0.05} if label != "pflalign" else {
+                "pflalign-lr": 3.0, "pflalign-beta": 0.9}
+    text = format_text(doc)
+    setup = _section(text, "## Setup")
+    assert "| pflalign | pflalign | pflalign-lr = 3.0 *, pflalign-beta = 0.9 |" in setup
+    assert "(* chosen by tuning on validation data)" in setup
+    assert "- Partition: dirichlet (dirichlet-alpha = 0.3" in setup
+    one = _synthetic_run("dir-0.1", 0)
+    for key in ("scenario", "seed", "setting"):
+        del one[key]
+    one.update({"schema-version": 2, "kind": "run"})
+    one["config"]["dataset"] = "my-table"
+    single = format_text(one)
+    assert "Holm" not in single and "over all 0" not in single and "p (Holm)" not in single
+    assert "## my-table" in single  # a single run's group is named by its dataset, not 'run'
+    assert "(one seed per method: no interval and no test)" in single
+
+
+def format_text(doc: dict) -> str:
+    from pflalign.outputs.report import format_report
+    return format_report(summarize_study(doc), doc)
+
+
 def test_accuracy_at_equal_simulated_time_reads_each_seed_as_time_budget_does(tmp_path):
     """The simulated-time plot's points: at each time some seed evaluated (within the span every
     seed covers), each seed's last evaluation by then, averaged over seeds."""
@@ -544,3 +606,17 @@ def test_a_suite_tuned_per_scenario_lists_every_methods_trials_per_scenario(tmp_
         section = _section(text, f"#### {scenario}")
         assert ("| pflalign | `pflalign-lr` ∈ log-uniform [1, 10] | pflalign-lr=3.0 | 65.50 | "
                 "pflalign-lr=1.0: 61.20; pflalign-lr=3.0: 65.50 ✓ |") in section
+
+
+def test_versions_name_the_commit_that_ran():
+    from pflalign.outputs.results import versions
+
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    commit = versions()["commit"]
+    assert commit in (head, f"{head}+modified")
+    changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain",
+                              "--untracked-files=no"], capture_output=True, text=True).stdout
+    assert commit.endswith("+modified") == bool(changed.strip())

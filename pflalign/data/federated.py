@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -37,6 +38,8 @@ class FederatedDataset:
     partition: Partition
     _rotated: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     _on_device: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    #: :meth:`fingerprint`, once computed
+    _digest: list = field(default_factory=list, compare=False, hash=False, repr=False)
     #: each client's split sizes are the server's own (the partition), never what a node
     #: declares (:class:`~pflalign.data.clients.ClientsFederation` takes the nodes')
     sizes_declared = False
@@ -101,10 +104,28 @@ class FederatedDataset:
                 len(self.partition.test[client]) * self.targets_per_sample)
 
     def summary(self) -> dict:
-        """The partition, with each client's label counts where a sample has one label."""
+        """The partition, with each client's label counts where a sample has one label, and the
+        dataset's content fingerprint (:meth:`fingerprint`)."""
         labels = self.dataset.labels[self.pool] if self.dataset.labels.ndim == 1 else None
         return {"dataset": self.dataset.name, "samples": len(self.pool),
+                "fingerprint": self.fingerprint(),
                 **self.partition.summary(labels, self.dataset.num_classes)}
+
+    def fingerprint(self) -> str:
+        """The first 16 hex digits of the SHA-256 of the data a run uses: the samples in use
+        (their inputs, or a text dataset's token stream) and their labels, so two runs that
+        report the same one read the same data whatever its file or folder was called. Hashed
+        once per process (about 0.1 s for Fashion-MNIST's 55 MB)."""
+        if not self._digest:
+            digest = hashlib.sha256()
+            data = self.dataset
+            inputs = data.tokens if data.tokens is not None else data.images[self.pool]
+            for array in (inputs, data.labels[self.pool], self.pool):
+                array = np.ascontiguousarray(array)
+                digest.update(f"{array.dtype.str}{array.shape}".encode())
+                digest.update(memoryview(array).cast("B"))
+            self._digest.append(digest.hexdigest()[:16])
+        return self._digest[0]
 
 
 #: what :func:`federated_dataset` gives

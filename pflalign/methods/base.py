@@ -126,6 +126,22 @@ class Method(Generic[P, C, S]):
         self.params = params
 
     @classmethod
+    def hyperparameters(cls, settings: Settings) -> dict[str, Value]:
+        """The values of the config keys this method's rules read, as a run resolved them
+        (``settings``: the entry's own): the local work (batch size, epochs, steps, the step
+        size it tunes), the local optimizer and its keys where the method takes one, then its
+        own Params. Written per method into results.json (``hyperparameters``) for the report."""
+        keys = ["batch-size", "local-epochs", "local-steps", *cls.tuned_training]
+        if cls.local_optimizer:
+            optimizer = settings["local-optimizer"]
+            keys += ["local-optimizer", *{
+                "sgd": ["momentum"], "adam": ["adam-lr"], "adamw": ["adam-lr"],
+                "genie": [k for k in LocalTraining.keys().values() if k.startswith("genie-")],
+            }[optimizer], "weight-decay"]
+        keys += cls.Params.keys().values()
+        return {key: settings[key] for key in dict.fromkeys(keys)}
+
+    @classmethod
     def check(cls, settings: Settings) -> None:
         """Refuse, in one :class:`~pflalign.settings.options.ConfigError` sentence, a configuration
         this method cannot run (``settings``: a method entry's own, its overrides applied); the

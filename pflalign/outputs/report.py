@@ -112,11 +112,13 @@ class Group:
     scenario: str
     setting: dict
     runs: dict[int, dict] = field(default_factory=dict)
+    #: the label without a scenario or setting (a single run's): its dataset
+    fallback: str = "run"
 
     @property
     def label(self) -> str:
         parts = [p for p in (self.scenario, setting_label(self.setting)) if p]
-        return " / ".join(parts) or "run"
+        return " / ".join(parts) or self.fallback
 
 
 def setting_label(setting: Mapping[str, object]) -> str:
@@ -151,7 +153,9 @@ def group_runs(doc: Mapping) -> list[Group]:
     groups: dict[tuple[str, str], Group] = {}
     for run in study_runs(doc):
         key = (run["scenario"], json.dumps(run["setting"], sort_keys=True))
-        groups.setdefault(key, Group(run["scenario"], run["setting"])).runs[run["seed"]] = run
+        fallback = str((run.get("config") or {}).get("dataset") or "run")
+        groups.setdefault(key, Group(run["scenario"], run["setting"], fallback=fallback)
+                          ).runs[run["seed"]] = run
     order = [str(s) for s in study_protocol(doc).get("scenarios") or []]
     position = {s: i for i, s in enumerate(order)}
     return sorted(groups.values(), key=lambda g: position.get(g.scenario, len(order)))
@@ -404,6 +408,99 @@ def _params(params: Mapping[str, object]) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items()) or "-"
 
 
+#: the keys that parametrize each partition scheme (beside min-samples-per-client and
+#: test-fraction, which every scheme has)
+PARTITION_KEYS = {"dirichlet": ("dirichlet-alpha",), "pathological": ("classes-per-client",),
+                  "quantity": ("quantity-power",),
+                  "rotated": ("rotation-angles", "rotation-unseen-groups", "dirichlet-alpha")}
+#: a run's local work, as the setup names it
+LOCAL_WORK = ("local-epochs", "local-steps", "batch-size", "lr", "local-optimizer")
+
+
+def _first_run(doc: Mapping) -> Mapping:
+    """The document's first run (a single run is its own)."""
+    return next(iter(doc.get("runs") or []), {}) if doc.get("kind") == "study" else doc
+
+
+def _keys_text(config: Mapping, keys: Sequence[str]) -> str:
+    return ", ".join(f"{k} = {config[k]}" for k in keys if k in config)
+
+
+def _setup_section(summary: Mapping, doc: Mapping) -> list[str]:
+    """What ran: the dataset (its source and content fingerprint), the model and its size, the
+    partition, the clients, rounds and local work, every method's resolved hyperparameters
+    (tuned ones marked), the engine and seeds, and the versions; read from the runs'
+    results.json (what an older one lacks is left out)."""
+    run = _first_run(doc)
+    config, partition = run.get("config") or {}, run.get("partition") or {}
+    if not config:
+        return []
+    lines = ["## Setup", ""]
+    source = partition.get("dataset") or config.get("dataset")
+    where = config.get("dataset")
+    data = f"- Dataset: {source}" + (f" (`{where}`)" if where and where != source else "")
+    if partition.get("samples") is not None:
+        data += f", {partition['samples']:,} samples in use"
+    if partition.get("fingerprint"):
+        data += f", content fingerprint `{partition['fingerprint']}` (SHA-256 of the data)"
+    lines.append(data)
+    models = {}
+    for entry in (run.get("methods") or {}).values():
+        model = entry.get("model") or {}
+        if model.get("name"):
+            models.setdefault(model["name"], model.get("parameters"))
+    if not models:
+        models[config.get("model")] = None
+    lines.append("- Model: " + "; ".join(
+        f"{name}" + (f" ({count:,} trainable parameters)" if count else "")
+        for name, count in models.items()))
+    scheme = str(config.get("partition", "-"))
+    args = [*PARTITION_KEYS.get(scheme, ()), "min-samples-per-client", "test-fraction"]
+    if config.get("partition-args"):
+        args.insert(0, "partition-args")
+    lines.append(f"- Partition: {scheme} ({_keys_text(config, args)})")
+    unseen = config.get("num-unseen-clients") or 0
+    per_round = ("Poisson sampling, each client with probability fraction-train = "
+                 f"{config.get('fraction-train')}" if config.get("sampling") == "poisson"
+                 else f"fraction-train = {config.get('fraction-train')}")
+    lines.append(f"- Clients: {config.get('num-clients')} training"
+                 + (f" and {unseen} unseen (evaluated only)" if unseen else "")
+                 + f"; per round {per_round}")
+    lines.append(f"- Rounds: {config.get('rounds')}, evaluated every {config.get('eval-every')} "
+                 f"and after the last, on the {config.get('evaluate-on', 'test')} split")
+    lines.append(f"- Local work: {_keys_text(config, LOCAL_WORK)}")
+    lines.append(f"- Engine: {config.get('engine')}; seeds: "
+                 f"{', '.join(map(str, summary['protocol'].get('seeds') or _all_seeds(summary)))}")
+    versions = run.get("versions") or {}
+    if versions:
+        lines.append("- Versions: " + ", ".join(
+            f"{name} {versions[name]}" for name in ("pflalign", "torch", "flwr", "ray", "numpy",
+                                                    "python") if name in versions)
+            + (f"; commit `{versions['commit']}`" if versions.get("commit") else ""))
+    tuned = _tuned_keys(summary["protocol"])
+    rows = []
+    for label, entry in (run.get("methods") or {}).items():
+        values = entry.get("hyperparameters") or {}
+        chosen = tuned.get(label, {})
+        if values or entry.get("overrides"):
+            cells = {**values, **(entry.get("overrides") or {})}
+            rows.append([label, entry.get("method", label), ", ".join(
+                f"{k} = {v}" + (" *" if k in chosen else "") for k, v in cells.items())])
+    if rows:
+        lines += ["", "Each method's hyperparameters as the run resolved them"
+                  + (" (* chosen by tuning on validation data)" if tuned else "") + ":", "",
+                  _markdown_table(["entry", "method", "hyperparameters"], rows, left=3)]
+    return lines
+
+
+def _tuned_keys(protocol: Mapping) -> dict[str, dict]:
+    """Method label -> the values tuning chose for it (of its first scenario when tuned per
+    scenario); empty without tuning."""
+    tune = protocol.get("tune") or {}
+    methods = tune.get("methods") or next(iter((tune.get("scenarios") or {}).values()), {})
+    return {label: dict(info.get("chosen") or {}) for label, info in methods.items()}
+
+
 def _protocol_section(summary: Mapping, doc: Mapping) -> list[str]:
     protocol = summary["protocol"]
     metric = summary["metric"]
@@ -563,26 +660,30 @@ def _group_section(group: Mapping, summary: Mapping, plots: Sequence[tuple[str, 
         vs, clients = entry["vs-reference"], entry["clients-vs-reference"]
         if vs is None:
             continue
+        tests = [_p(vs.get("p")), _p(vs.get("p-holm"))] if family else []
         paired_rows.append([
             label, _num(vs["mean"], scale, sign=True), _interval(vs, scale),
-            f"{vs['wins']}/{vs['n']}", _significant(vs), _p(vs.get("p")), _p(vs.get("p-holm")),
+            f"{vs['wins']}/{vs['n']}", _significant(vs), *tests,
             ", ".join(_num(d, scale, sign=True) for d in vs["diffs"]) or "-",
             _num(clients["client-mean"], 100, sign=True) if clients else "-",
             f"{clients['clients-ahead']}/{clients['clients-behind']}" if clients else "-"])
     if paired_rows:
+        # with one seed there is no test to report: the p-value columns and Holm's family go
+        tested = ("; p = the two-sided paired t test's p-value (n - 1 df); p (Holm) = that "
+                  "p-value adjusted by Holm's step-down procedure over all "
+                  f"{family} paired tests against {reference} in this report (every method "
+                  "and scenario/setting group)" if family else
+                  " (one seed per method: no interval and no test)")
         lines += [f"### Paired differences vs {reference}", "",
                   f"Each method minus {reference} on `{metric}` ({unit or 'units'}), paired by "
                   f"seed, on {context}. The CI is the plain t interval of the mean difference; "
-                  "significant = the CI excludes 0; p = the two-sided paired t test's p-value "
-                  f"(n - 1 df); p (Holm) = that p-value adjusted by Holm's step-down procedure "
-                  f"over all {family} paired tests against {reference} in this report (every "
-                  "method and scenario/setting group). Per client: clients matched by id in "
-                  "each seed, differences averaged over seeds (seen clients' personal-acc); "
+                  f"significant = the CI excludes 0{tested}. Per client: clients matched by id "
+                  "in each seed, differences averaged over seeds (seen clients' personal-acc); "
                   "ahead/behind = clients whose mean difference is above/below 0.", "",
                   _markdown_table(["method", f"mean diff ({unit})", f"95% CI ({unit})", "wins",
-                                   "significant", "p", "p (Holm)", "per seed",
-                                   f"per-client mean ({unit})", "clients ahead/behind"],
-                                  paired_rows), ""]
+                                   "significant", *(["p", "p (Holm)"] if family else []),
+                                   "per seed", f"per-client mean ({unit})",
+                                   "clients ahead/behind"], paired_rows), ""]
     best_rows = []
     for label, entry in group["methods"].items():
         vs = entry["vs-best-other"]
@@ -700,6 +801,7 @@ def format_report(summary: Mapping, doc: Mapping,
     kind = "Study" if doc.get("kind") == "study" else "Run"
     lines = [f"# {kind} report", "",
              "Generated from results.json by `python -m pflalign.outputs.report`.", ""]
+    lines += _setup_section(summary, doc) + [""]
     lines += _protocol_section(summary, doc) + [""]
     lines += _leaderboard(summary) + [""]
     lines += _verdict_section(summary, cd_plot)

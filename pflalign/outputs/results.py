@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -20,13 +22,39 @@ _PACKAGES = ("pflalign", "torch", "torchvision", "flwr", "ray", "numpy")
 
 
 def versions() -> dict[str, str]:
+    """The interpreter, the platform, the packages a run depends on, and the commit of the
+    pflalign source that ran (:func:`source_commit`; absent outside a git checkout)."""
     found = {"python": platform.python_version(), "platform": platform.platform()}
     for name in _PACKAGES:
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             found[name] = "not installed"
+    commit = source_commit()
+    if commit is not None:
+        found["commit"] = commit
     return found
+
+
+@functools.cache
+def source_commit() -> str | None:
+    """The git commit of the checkout this package runs from, with ``+modified`` when its
+    tracked files differ from it; None when it is not a git checkout (an installed wheel) or git
+    is missing. Asked once per process."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + ("+modified" if dirty.stdout.strip() else "")
 
 
 def new_results(config: Mapping[str, object], partition_summary: Mapping[str, object]) -> dict:

@@ -153,10 +153,14 @@ class RoundLoop:
 
     def result(self, last_eval: Mapping[str, float]) -> dict:
         """The run's result after its last round (``last_eval``: its latest evaluation)."""
+        server = self.server
         result = {"rounds": self.rounds, "final": self.final_metrics(last_eval),
                   "clients": self.client_results,
                   "usage": [{"id": cid, "dispatched": sent, "used": used}
-                            for cid, (sent, used) in sorted(self.usage.items())]}
+                            for cid, (sent, used) in sorted(self.usage.items())],
+                  "model": {"name": server.settings.run.model,
+                            "parameters": server.trainable_spec.size},
+                  "hyperparameters": self.method.hyperparameters(server.settings)}
         for feature in self.features:
             result.update(feature.result(self))
         return result
