@@ -148,6 +148,31 @@ def test_help_documents_every_option_and_key():
         assert f"{opt.key} = " in out
 
 
+def test_help_ends_with_examples_that_each_parse(tmp_path, monkeypatch):
+    """Every example ``--help`` ends with is a command line the parser and the config checks
+    accept (its own data and model written here, as a user would)."""
+    import shlex
+
+    import numpy as np
+
+    from pflalign.run.cli import EXAMPLES, make_plan, parse_args
+
+    out = _simulate("--help").stdout
+    assert out.rstrip().splitlines()[-1].startswith("  python simulate.py --set engine=flower")
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    np.savez("my_data.npz", x=rng.normal(size=(60, 5)).astype(np.float32),
+             y=rng.integers(0, 3, 60), client=np.repeat(np.arange(6), 10))
+    (tmp_path / "my_model.py").write_text(
+        "from torch import nn\n\n\ndef build(input_shape, num_classes):\n"
+        "    return nn.Linear(input_shape[0], num_classes)\n")
+    for comment, command in EXAMPLES:
+        assert f"  # {comment}" in out
+        plan = make_plan(parse_args(shlex.split(command.split(" && ")[0])))
+        for name in plan.scenarios:
+            plan.settings(name)
+
+
 @pytest.mark.parametrize("args,match", [
     (["--set", "no-such-key=1"], "Unknown config key 'no-such-key'"),
     (["--set", "rounds=two"], "expects an integer"),

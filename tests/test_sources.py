@@ -216,7 +216,9 @@ def test_an_image_folder_of_classes(tmp_path):
 
     first = np.asarray(Image.open(root / "cat" / "000.png")).transpose(2, 0, 1)
     assert np.array_equal(dataset.images[0], first)
-    with pytest.raises(ConfigError, match="partition = 'natural' needs a dataset with its own"):
+    with pytest.raises(ConfigError, match="partition = 'natural' needs a dataset with its own "
+                       "clients, .* has none: lay the images out one folder per client, "
+                       "DIR/<client>/<class>/<image>, or choose another partition"):
         build_settings({"dataset": f"imagefolder:{root}", "partition": "natural"})
 
 

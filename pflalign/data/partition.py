@@ -329,8 +329,9 @@ def make_partition(labels: np.ndarray, num_classes: int, *, scheme: str, num_cli
     if scheme == "natural":
         if groups is None:
             raise ConfigError("partition = natural needs a dataset with natural clients "
-                              "(dataset = shakespeare, or npz:PATH with a client array); choose "
-                              "iid, dirichlet, pathological, quantity or rotated.")
+                              "(dataset = shakespeare, npz:PATH with a client array, or "
+                              "imagefolder:DIR with one folder per client); choose iid, "
+                              "dirichlet, pathological, quantity or rotated.")
         parts, names = natural_partition(groups, total, rng, min_samples, group_names)
         if time_ordered:
             splits = [split_in_order(part, test_fraction) for part in parts]

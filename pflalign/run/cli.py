@@ -73,7 +73,30 @@ def _epilog() -> str:
     for spec in METHODS.values():
         lines += textwrap.wrap(f"{spec.name}: {spec.summary}", width=88, initial_indent="  ",
                                subsequent_indent="      ")
+    lines.append("\nexamples:")
+    for comment, command in EXAMPLES:
+        lines += [f"  # {comment}", f"  {program()} {command}"]
     return "\n".join(lines)
+
+
+#: the examples ``--help`` ends with: (what it does, the arguments)
+EXAMPLES = (
+    ("the default run: fedavg, fedavg-ft, local and pflalign on Fashion-MNIST",
+     "--out results/default"),
+    ("every method, 5 seeds, with 95% intervals and paired tests against fedavg",
+     "--methods all --seeds 0-4 --out results/all"),
+    ("a method with its own values, beside another",
+     "--methods 'fedavg,pflalign(pflalign-lr=1.0)' --set rounds=50"),
+    ("your own data and model (docs/data.md, docs/usage.md)",
+     "--set dataset=npz:my_data.npz --set partition=natural --set model=py:my_model.py:build"),
+    ("tune each method on a validation split (20 trials), then run the best on 3 seeds",
+     "--methods fedavg,ditto,pflalign --tune 20 --seeds 0-2"),
+    ("the scenario suite, with a critical-difference verdict across scenarios",
+     "--suite --seeds 0-2 --out results/suite"),
+    ("the Flower engine on Ray, then the report again from results.json",
+     "--set engine=flower --out results/flower && python -m pflalign.outputs.report "
+     "results/flower"),
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

