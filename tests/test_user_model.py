@@ -150,9 +150,20 @@ def test_a_method_that_needs_a_linear_head_says_so(tmp_path, model_file):
                                 capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert result.returncode == status, result.stdout + result.stderr
         assert (out / "results.json").exists() == (status == 0)
-        # refused before fedavg, the entry before it, runs: nothing is written
+        # refused before fedavg, the entry before it, runs: nothing is written, not even the
+        # output folder or its plan.json
+        assert out.exists() == (status == 0)
         assert ("Method entry 'fedper': This method splits the model" in result.stderr) \
             == (status == 2)
+    # a model that fails on its first batch, found when the model loads: nothing written either
+    out = tmp_path / "wrong"
+    flags[flags.index(f"model={json.dumps(f'py:{model_file}:conv_last')}")] = \
+        f"model={json.dumps(f'py:{model_file}:wrong_output')}"
+    result = subprocess.run([sys.executable, str(ROOT / "simulate.py"), *flags, "--methods",
+                             "fedavg", "--out", str(out), "--quiet"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and "it must return (2, 3) logits" in result.stderr
+    assert not out.exists()
 
 
 def test_a_head_found_by_position_must_give_the_output(model_file):

@@ -85,16 +85,24 @@ def write_results(out_dir: str | Path, results: Mapping[str, object]) -> Path:
     return path
 
 
-def prepare_output(out_dir: str | Path, overwrite: bool = False) -> Path:
+def prepare_output(out_dir: str | Path, overwrite: bool = False, create: bool = True) -> Path:
     """Before a run starts: create ``out_dir`` and check that ``results.json`` can be written
     there (a probe file is written and removed), and that it would not replace an earlier
     run's results unless ``overwrite``. Returns the path results will be written to; raises
-    :class:`~pflalign.settings.options.ConfigError` with a one-line reason otherwise."""
+    :class:`~pflalign.settings.options.ConfigError` with a one-line reason otherwise. With
+    ``create`` false nothing is written: the earlier results are checked, and the nearest folder
+    that exists must be writable."""
     out = Path(out_dir)
     path = out / "results.json"
     if path.exists() and not overwrite:
         raise ConfigError(f"'{path}' already exists; pass --overwrite to replace it, or choose "
                           "another directory with --out.")
+    if not create:
+        existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"Cannot write results to '{out}' ('{existing}' is not a writable "
+                              "folder); choose a writable directory with --out.")
+        return path
     probe = out / f".pflalign-write-test-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)

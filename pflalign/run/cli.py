@@ -38,7 +38,7 @@ from pflalign.process.interrupt import (
     stop_signal,
 )
 from pflalign.run.config import OPTIONS, format_settings, left_out_by_all, resolve
-from pflalign.run.driver import check_resources, simulate
+from pflalign.run.driver import check_resources, preflight, simulate
 from pflalign.run.study import (
     DEFAULT_SUITE,
     METRIC,
@@ -214,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
             # a config error comes before any complaint about --out
             check_resources(settings, args.ray_address)
         if not args.resume:
+            prepare_output(plan.out_dir, overwrite=args.overwrite, create=False)
+            # the data and the model load before anything is written (the first run's: a
+            # later scenario's error leaves the finished ones resumable)
+            preflight(first.replace({"seed": plan.seeds[0]}))
             prepare_output(plan.out_dir, overwrite=args.overwrite)
         reporter = make_reporter(quiet=args.quiet)
         if str(first["methods"]).strip() == "all":

@@ -146,6 +146,15 @@ def simulate(settings: Settings, reporter: Reporter | None = None, *, resume: bo
         return run_methods(settings, make_engine, reporter, resume=resume)
 
 
+def preflight(settings: Settings) -> None:
+    """Load the run's data and partition and build its model (a user's is then checked on a
+    batch, and for the parts every method entry needs), so that their errors come before the
+    command writes anything. Both are cached per process: the run reads neither again."""
+    federated_dataset(settings)
+    template_model(settings)()
+    check_model_parts(settings)
+
+
 def check_model_parts(settings: Settings) -> None:
     """A user's model (``model = py:...``) has the parts every method entry needs, a linear head
     or batch norm, or the run is refused in one sentence before any entry runs (the registered
