@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 IGNORED_CONFIG = {"out-dir", "engine", "cohort-size", "batched-backend", "batched-workers",
-                  "memory-budget-gb", "report"}
+                  "memory-budget-gb", "report", "cache-dir"}
 
 
 def _timing(key: str) -> bool:

@@ -82,21 +82,24 @@ def save(folder, columns: dict, features: dict | None = None) -> str:
 def test_images_with_a_client_column_run_on_every_engine(tmp_path):
     folder = tmp_path / "squares"
     images, labels, clients = write_images(folder)
+    cache = tmp_path / "cache"
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
     results = three_engines({**RUN, "dataset": f"hf:{folder}", "model": "mlp",
-                             "methods": "fedavg,pflalign", "partition": "natural"}, tmp_path,
-                            compared_at_least=40)
+                             "methods": "fedavg,pflalign", "partition": "natural",
+                             "cache-dir": str(cache)}, tmp_path, compared_at_least=40)
     sizes = Counter(clients.tolist())
     run_clients = results["partition"]["clients"]
     assert len(run_clients) == 4
     for c in run_clients:  # each client is one of the data's, with all of its samples
         assert c["num-train"] + c["num-test"] == sizes[c["name"]]
     # what the run read is what was written: the splits pooled in order, decoded as written
-    dataset = load_dataset(f"hf:{folder}")
+    dataset = load_dataset(f"hf:{folder}", cache_dir=str(cache))
     assert np.array_equal(dataset.images[:, 0], images) and np.array_equal(dataset.labels, labels)
     assert dataset.input_shape == (1, 8, 8) and dataset.num_classes == 3
     assert np.allclose(dataset.mean, [images.mean() / 255], rtol=1e-9)
-    # decoded once: the array kept beside the first split's Arrow file is what a load reads
-    (cached,) = (folder / "train" / ".pflalign-cache").glob("hf-images-*.npy")
+    # decoded once: the array kept in cache-dir, not in the data folder, is what a load reads
+    (cached,) = (cache / "images").glob("hf-*.npy")
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
     assert np.array_equal(np.load(cached), dataset.images)
 
 

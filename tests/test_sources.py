@@ -192,16 +192,19 @@ def write_image_folder(root, clients: tuple[str, ...] = (), per_class: int = 12,
 def test_an_image_folder_with_client_folders_runs_on_every_engine(tmp_path):
     root = tmp_path / "pets"
     write_image_folder(root, clients=("north", "south", "east", "west", "up"))
+    cache = tmp_path / "cache"
     results = three_engines({**RUN, "dataset": f"imagefolder:{root}", "image-size": 16,
-                             "model": "cnn", "methods": "fedavg,local", "partition": "natural"},
-                            tmp_path, compared_at_least=40)
+                             "model": "cnn", "methods": "fedavg,local", "partition": "natural",
+                             "cache-dir": str(cache)}, tmp_path, compared_at_least=40)
     clients = results["partition"]["clients"]
     assert {c["name"] for c in clients} <= {"north", "south", "east", "west", "up"}
     for c in clients:  # 12 + 13 + 14 images in every client folder
         assert c["num-train"] + c["num-test"] == 39
-    # decoded once: the array is kept beside the data, and what a later load reads
-    (cached,) = (root / ".pflalign-cache").glob("images-*.npy")
-    dataset = load_dataset(f"imagefolder:{root}", image_size=16)
+    # decoded once: the array is kept in cache-dir, not in the data folder, and is what a later
+    # load reads
+    (cached,) = (cache / "images").glob("imagefolder-*.npy")
+    assert sorted(p.name for p in root.iterdir()) == ["east", "north", "south", "up", "west"]
+    dataset = load_dataset(f"imagefolder:{root}", image_size=16, cache_dir=str(cache))
     assert np.array_equal(np.load(cached), dataset.images)
     assert dataset.input_shape == (3, 16, 16) and dataset.num_classes == 3
 
@@ -293,3 +296,18 @@ def test_text_for_a_character_model_must_be_in_its_vocabulary(tmp_path):
 def test_a_single_value_is_not_an_array_of_samples(tmp_path):
     with pytest.raises(ConfigError, match="x and y must be arrays of samples"):
         build_settings({"dataset": _bad(tmp_path, "scalar", x=np.float32(1), y=np.arange(2))})
+
+
+def test_decoded_images_go_to_the_cache_folder_not_the_data(tmp_path, monkeypatch):
+    from pflalign.data.sources import load_imagefolder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = tmp_path / "flat"
+    write_image_folder(root, sizes=(16,))
+    first = load_imagefolder(f"imagefolder:{root}", 0)
+    (cached,) = (tmp_path / "xdg" / "pflalign" / "images").glob("imagefolder-*.npy")
+    assert np.array_equal(np.load(cached), first["images"])
+    assert not [p for p in root.rglob("*") if p.name.startswith(".")]  # nothing in the data
+    again = load_imagefolder(f"imagefolder:{root}", 0, cache_dir=str(tmp_path / "mine"))
+    assert np.array_equal(again["images"], first["images"])
+    assert len(list((tmp_path / "mine" / "images").glob("imagefolder-*.npy"))) == 1

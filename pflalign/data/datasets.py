@@ -269,19 +269,20 @@ def _load_cifar(name: str, root: Path | None, download: bool) -> tuple[np.ndarra
 @cached(maxsize=2)
 def load_dataset(name: str, data_root: str = "", download: bool = False, tokenizer: str = "",
                  sequence_length: int = 80, image_size: int = 0,
-                 columns: tuple[str, str, str] = ("", "", "")) -> Dataset:
+                 columns: tuple[str, str, str] = ("", "", ""), cache_dir: str = "") -> Dataset:
     """Load a dataset once per process (cached): pooled train+test images as uint8, or a text
     dataset's token windows (``tokenizer``: ``characters`` or a language model's name;
     ``sequence_length`` tokens of context a sample). ``columns``: a Hugging Face dataset's
-    input, label and client columns (:mod:`pflalign.data.hf_source`; empty: found)."""
+    input, label and client columns (:mod:`pflalign.data.hf_source`; empty: found);
+    ``cache_dir``: where decoded images are kept (the ``cache-dir`` key)."""
     from pflalign.data import hf_source, sources
 
     if name.startswith(hf_source.HF):
-        return Dataset(**hf_source.load_hf(name, columns, image_size))
+        return Dataset(**hf_source.load_hf(name, columns, image_size, cache_dir))
     if sources.npz_path(name) is not None:
         return Dataset(**sources.load_npz(name))
     if name.startswith(sources.IMAGEFOLDER):
-        return Dataset(**sources.load_imagefolder(name, image_size))
+        return Dataset(**sources.load_imagefolder(name, image_size, cache_dir))
     if name.startswith(sources.TEXT):
         texts = sources.read_texts(name)
         if tokenizer in ("", CHARACTERS):

@@ -141,7 +141,7 @@ def _build(key: tuple) -> Federation:
         return synthetic.synthetic_federation(cfg)
     dataset = load_dataset(cfg["dataset"], cfg["data-root"], cfg["download"], cfg["tokenizer"],
                            cfg["sequence-length"], cfg["image-size"],
-                           tuple(cfg[k] for k in COLUMN_KEYS))
+                           tuple(cfg[k] for k in COLUMN_KEYS), cfg["cache-dir"])
     pool, groups = dataset.sample_ids(), dataset.groups
     if 0 < cfg["max-samples"] < len(pool):
         chosen = np.sort(np.random.default_rng([cfg["seed"], 2]).choice(

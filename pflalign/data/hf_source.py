@@ -19,9 +19,10 @@ Three keys name the columns (empty: found by their names and types, before any d
   Found: ``client`` or ``client_id`` where there is one.
 
 Images are normalised per channel by the data's own mean and standard deviation; feature
-vectors go to the model as they are (float32). Decoded images are kept beside the data's Arrow
-files (``.pflalign-cache/``, keyed by those files' paths, sizes and times, the column and
-``image-size``), so that later processes, each Ray worker too, read one array file. Needs the
+vectors go to the model as they are (float32). Decoded images are kept in ``cache-dir``
+(``~/.cache/pflalign`` by default; keyed by the data's Arrow files' paths, sizes and times, the
+column and ``image-size``), so that later processes, each Ray worker too, read one array file
+(``.pflalign-cache/`` folders that earlier versions wrote beside the data are skipped). Needs the
 ``datasets`` library: ``pip install "pflalign[hf]"``.
 """
 
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pflalign.data.image_arrays import channel_moments, common_mode, write_cache
+from pflalign.data.image_arrays import cache_root, channel_moments, common_mode, write_cache
 from pflalign.process.caches import cached
 from pflalign.settings.options import ConfigError
 from pflalign.settings.schema import FEATURES, IMAGE
@@ -427,9 +428,10 @@ def _array_images(data, column: str, size: int, where: str) -> np.ndarray:
     return images.astype(np.uint8, copy=False)
 
 
-def _cache_path(data, column: str, size: int) -> Path | None:
-    """Where the decoded images of ``data`` are kept: beside its first Arrow file, keyed by
-    every Arrow file's path, size and time, the column and ``size``; None for data in memory."""
+def _cache_path(data, column: str, size: int, cache_dir: str = "") -> Path | None:
+    """Where the decoded images of ``data`` are kept: in ``cache_dir``
+    (:func:`~pflalign.data.image_arrays.cache_root`), keyed by every Arrow file's path, size and
+    time, the column and ``size``; None for data in memory."""
     files = [Path(f["filename"]) for f in data.cache_files]
     if not files:
         return None
@@ -438,14 +440,15 @@ def _cache_path(data, column: str, size: int) -> Path | None:
     except OSError:
         return None
     digest = hashlib.sha256(repr((column, size, key)).encode()).hexdigest()[:20]
-    return files[0].parent / _CACHE / f"hf-images-{digest}.npy"
+    return cache_root(cache_dir) / "images" / f"hf-{digest}.npy"
 
 
-def _images(data, column: str, form: str, size: int, where: str) -> np.ndarray:
+def _images(data, column: str, form: str, size: int, where: str,
+            cache_dir: str = "") -> np.ndarray:
     """The images of column ``column``, from the decoded cache where it holds them."""
     if form == "array":
         return _array_images(data, column, size, where)
-    cache = _cache_path(data, column, size)
+    cache = _cache_path(data, column, size, cache_dir)
     if cache is not None and cache.is_file():
         try:
             images = np.load(cache, allow_pickle=False)
@@ -459,7 +462,8 @@ def _images(data, column: str, form: str, size: int, where: str) -> np.ndarray:
     return images
 
 
-def load_hf(name: str, columns: tuple[str, str, str] = NO_COLUMNS, image_size: int = 0) -> dict:
+def load_hf(name: str, columns: tuple[str, str, str] = NO_COLUMNS, image_size: int = 0,
+            cache_dir: str = "") -> dict:
     """The fields of the pooled :class:`~pflalign.data.datasets.Dataset` of ``dataset =
     hf:NAME_OR_PATH`` (which :func:`pflalign.data.datasets.load_dataset` reads once per
     process)."""
@@ -469,7 +473,7 @@ def load_hf(name: str, columns: tuple[str, str, str] = NO_COLUMNS, image_size: i
     labels = column_values(data, found.label).astype(np.int64)
     if found.kind == IMAGE:
         samples = np.ascontiguousarray(_images(data, found.inputs[0], found.form, image_size,
-                                               where))
+                                               where, cache_dir))
         mean, std = channel_moments(samples)
     else:
         if found.form == "vector":

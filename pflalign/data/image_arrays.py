@@ -30,13 +30,22 @@ def channel_moments(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float,
     return tuple(float(m) for m in mean), tuple(float(s) for s in std)
 
 
+def cache_root(cache_dir: str | Path = "") -> Path:
+    """The folder of the decoded-image caches: ``cache_dir`` (the ``cache-dir`` key), or when
+    empty ``$XDG_CACHE_HOME/pflalign`` (``~/.cache/pflalign`` when that is unset)."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pflalign"
+
+
 def write_cache(cache: Path, images: np.ndarray) -> None:
     """``images`` to ``cache`` through a temporary file of its own (renamed into place, so a
     reader sees a whole file or none); a folder that cannot be written is left as it is."""
     import tempfile
 
     try:
-        cache.parent.mkdir(exist_ok=True)
+        cache.parent.mkdir(parents=True, exist_ok=True)
         handle, partial = tempfile.mkstemp(dir=cache.parent, prefix=".images-", suffix=".tmp")
     except OSError:
         return  # a read-only folder: every process decodes

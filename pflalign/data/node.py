@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import time
 import zipfile
 from collections.abc import Mapping
@@ -38,6 +37,7 @@ import torch
 
 from pflalign.data.datasets import ClientData, input_transform
 from pflalign.data.federated import federated_dataset
+from pflalign.data.image_arrays import cache_root
 from pflalign.process.caches import cached
 from pflalign.settings.options import ConfigError
 from pflalign.settings.schema import DATA_KEYS, DATA_LOCATION_KEYS, IMAGE, NON_RUN_KEYS
@@ -223,8 +223,7 @@ def node_data_from_file(path: str | Path, settings: Mapping[str, object],
 # --- the partition cache -----------------------------------------------------------------------
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/pflalign`` (``~/.cache/pflalign`` when unset)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pflalign"
+    return cache_root()
 
 
 def cached_node_data(settings: Mapping[str, object], client_id: int,

@@ -23,8 +23,8 @@ import numpy as np
 
 from pflalign.data import hf_source
 from pflalign.data.hf_source import HF, NO_COLUMNS
+from pflalign.data.image_arrays import cache_root, common_mode
 from pflalign.data.image_arrays import channel_moments as _channel_moments
-from pflalign.data.image_arrays import common_mode
 from pflalign.data.image_arrays import write_cache as _write_cache
 from pflalign.data.instructions import JSONL, check_instructions, has_clients
 from pflalign.settings.options import ConfigError
@@ -299,19 +299,20 @@ def _decoded(files: list[tuple[Path, str, str]], size: int, where: str) -> np.nd
     return np.stack(images)
 
 
-def load_imagefolder(name: str, image_size: int) -> dict:
+def load_imagefolder(name: str, image_size: int, cache_dir: str = "") -> dict:
     """The fields of the pooled dataset of ``dataset = imagefolder:DIR``: decoded once, and kept
-    decoded in ``DIR/.pflalign-cache/`` (keyed by every file's path, size and time and by
-    ``image_size``), so that every later process, each Ray worker too, reads one array file."""
+    decoded in ``cache_dir`` (:func:`~pflalign.data.image_arrays.cache_root`; keyed by the folder,
+    every file's path, size and time and ``image_size``), so that every later process, each Ray
+    worker too, reads one array file."""
     import hashlib
 
     root = folder_of(name, IMAGEFOLDER)
     where = f"dataset = 'imagefolder:{root}'"
     clients, classes, files = scan_imagefolder(root)
-    digest = hashlib.sha256(repr((image_size, [
+    digest = hashlib.sha256(repr((str(root.resolve()), image_size, [
         (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p, _, _ in files
     ])).encode()).hexdigest()[:20]
-    cache = root / ".pflalign-cache" / f"images-{digest}.npy"
+    cache = cache_root(cache_dir) / "images" / f"imagefolder-{digest}.npy"
     images = None
     if cache.is_file():
         try:

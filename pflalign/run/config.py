@@ -244,7 +244,8 @@ def build_settings(values: Mapping[str, object] | None = None,
 def _resolved(run: RunConfig) -> dict[str, Value]:
     """The values that name files made absolute (the same file for every process and Ray
     worker, whatever its working directory), each read now so that a bad one stops the run
-    before any data: the dataset, a user's model, a trace of device profiles; and a text
+    before any data: the dataset, a user's model, a trace of device profiles, the cache folder;
+    and a text
     dataset's tokenizer, the model's unless given."""
     out: dict[str, Value] = {"dataset": _resolve_dataset(run)}
     if is_user_model(run.model):
@@ -252,6 +253,8 @@ def _resolved(run: RunConfig) -> dict[str, Value]:
     check_profiles_key(run.device_profiles)
     if run.device_profiles not in (NONE_PROFILES, LOGNORMAL):
         out["device-profiles"] = str(Path(run.device_profiles).expanduser().resolve())
+    if run.cache_dir:
+        out["cache-dir"] = str(Path(run.cache_dir).expanduser().resolve())
     model = str(out.get("model", run.model))
     if not run.tokenizer and dataset_kind(str(out["dataset"]), _columns(run)) == TOKENS:
         out["tokenizer"] = _model_tokenizer(model)

@@ -211,6 +211,12 @@ class DataConfig(Params):
         False,
         'Let torchvision download a missing dataset into data-root.',
         group='data', scope='data-location')
+    cache_dir: str = param(
+        '',
+        'Folder for the decoded images of imagefolder: and hf: image datasets, kept for later '
+        'runs and processes (keyed by the data files\' paths, sizes and times); empty means '
+        '$XDG_CACHE_HOME/pflalign (~/.cache/pflalign), never inside your data folder.',
+        group='data', scope='data-location')
     sequence_length: int = param(
         80,
         'Text datasets: the tokens of context in a sample. With char-lstm a sample is that '
@@ -867,7 +873,7 @@ NON_RUN_KEYS = keys_in_scope("output")
 #: before it existed: a run at that value compares (and fingerprints) as one written without the
 #: key, so that its results and checkpoints still resume
 ADDED_KEYS: dict[str, Value] = {"eval-at-start": False, "num-classes": 0,
-                                 "input-shape": ""}
+                                 "input-shape": "", "cache-dir": ""}
 
 
 class Settings(Mapping[str, Value]):
