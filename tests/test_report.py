@@ -620,3 +620,23 @@ def test_versions_name_the_commit_that_ran():
     changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain",
                               "--untracked-files=no"], capture_output=True, text=True).stdout
     assert commit.endswith("+modified") == bool(changed.strip())
+
+
+def test_a_long_run_says_after_its_first_round_how_long_the_rest_takes(capsys):
+    from pflalign.outputs.results import Reporter, estimate_line
+
+    line = estimate_line("pflalign", {"round": 1, "round-seconds": 30.0}, 11)
+    assert line == ("[pflalign] round 1 took 30 s, so the other 10 rounds take about 5 min; "
+                    "local-steps (optimizer steps per round), local-epochs, fraction-train and "
+                    "max-samples bound a round's work.")
+    assert estimate_line("a", {"round": 1, "round-seconds": 30.0}, 5) is None  # 120 s: short
+    assert estimate_line("a", {"round": 2, "round-seconds": 300.0}, 50) is None  # once
+    assert estimate_line("a", {"round": 1, "round-seconds": 3000.0}, 6).endswith(
+        "about 4.2 h; local-steps (optimizer steps per round), local-epochs, fraction-train "
+        "and max-samples bound a round's work.")
+    Reporter().round("x", {"round": 1, "round-seconds": 61.0, "bytes-up": 0, "bytes-down": 0},
+                     3)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == ("[x] round 1 took 61 s, so the other 2 rounds take about 2 min; "
+                      "local-steps (optimizer steps per round), local-epochs, fraction-train "
+                      "and max-samples bound a round's work.")

@@ -122,6 +122,34 @@ def _mb(value: object) -> str:
     return f"{value / 1e6:.1f}MB" if isinstance(value, int | float) else "-"
 
 
+#: an entry's rounds left after its first, in seconds, above which the run says how long they
+#: will take and which keys bound a round's work
+LONG_RUN_SECONDS = 120.0
+
+
+def estimate_line(method: str, row: Mapping[str, object], rounds: int) -> str | None:
+    """After an entry's first round, when the rest would take more than
+    :data:`LONG_RUN_SECONDS` at that round's pace: how long, and the keys that bound a round's
+    work (None otherwise)."""
+    if row.get("round") != 1 or rounds < 2 or "round-seconds" not in row:
+        return None
+    seconds = float(row["round-seconds"])  # type: ignore[arg-type]
+    rest = seconds * (rounds - 1)
+    if rest <= LONG_RUN_SECONDS:
+        return None
+    return (f"[{method}] round 1 took {seconds:.0f} s, so the other {rounds - 1} rounds take "
+            f"about {_duration(rest)}; local-steps (optimizer steps per round), local-epochs, "
+            "fraction-train and max-samples bound a round's work.")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def round_line(method: str, row: Mapping[str, object], rounds: int) -> str:
     """One progress line for a finished round."""
     parts = [f"[{method}] round {row['round']:>3}/{rounds}"]
@@ -261,8 +289,12 @@ class Reporter:
         print(f"WARNING: {text}", file=sys.stderr, flush=True)
 
     def round(self, label: str, row: Mapping[str, object], rounds: int) -> None:
-        """A method entry finished a round."""
+        """A method entry finished a round (after its first, an estimate of the rest when that
+        is long: :func:`estimate_line`)."""
         self.info(round_line(label, row, rounds))
+        estimate = estimate_line(label, row, rounds)
+        if estimate:
+            self.info(estimate)
 
     def stage(self, text: str, done: int, total: int) -> None:
         """A study moves on to its next group of cells (``done`` of ``total`` cells finished)."""
@@ -314,6 +346,9 @@ class LiveReporter(Reporter):
         parts.append(f"ETA {eta:.0f}s")
         self.progress.update(self.line, description="  ".join(parts), total=rounds,
                              completed=number)
+        estimate = estimate_line(label, row, rounds)
+        if estimate:
+            self.console.print(estimate, markup=False)
 
     def stage(self, text: str, done: int, total: int) -> None:
         if self.suite is None:
