@@ -148,6 +148,43 @@ def test_help_documents_every_option_and_key():
         assert f"{opt.key} = " in out
 
 
+def test_the_partition_and_model_follow_the_data_unless_chosen(tmp_path):
+    """A dataset that defines its clients gets partition = natural, and samples the model
+    cannot take get the model that takes them, each said in a note; whatever the user set in
+    the layer that set the dataset (or a later one) is kept (and refused if it cannot run), and
+    a chosen partition that pools a dataset's clients is said too."""
+    import numpy as np
+
+    synthetic = build_settings({"dataset": "synthetic"})
+    assert (synthetic["partition"], synthetic["model"]) == ("natural", "mlp")
+    assert synthetic.notes == (
+        "partition = natural: dataset = 'synthetic' defines its clients.",
+        "model = mlp: dataset = 'synthetic' holds feature vectors, which model = 'cnn' does not "
+        "take.")
+    # the default config's partition and model were chosen for Fashion-MNIST: a new dataset on
+    # the command line brings its own
+    changed = resolve(ROOT / "configs" / "default.toml", ["dataset=synthetic"])
+    assert (changed["partition"], changed["model"]) == ("natural", "mlp")
+    assert changed.notes == synthetic.notes
+    assert resolve(ROOT / "configs" / "default.toml", ["rounds=2"]).notes == ()
+    with pytest.raises(ConfigError, match="set model to mlp"):  # a model the user set stays
+        resolve(ROOT / "configs" / "default.toml", ["dataset=synthetic", "model=cnn"])
+    text = build_settings({"dataset": "shakespeare"})
+    assert (text["partition"], text["model"], text["tokenizer"]) == ("natural", "char-lstm",
+                                                                     "characters")
+    rng = np.random.default_rng(0)
+    path = tmp_path / "table.npz"
+    np.savez(path, x=rng.normal(size=(60, 4)).astype(np.float32), y=rng.integers(0, 2, 60),
+             client=np.repeat(np.arange(6), 10))
+    own = build_settings({"dataset": f"npz:{path}", "num-clients": 6})
+    assert (own["partition"], own["model"]) == ("natural", "mlp")
+    pooled = build_settings({"dataset": f"npz:{path}", "partition": "iid", "model": "mlp"})
+    assert pooled["partition"] == "iid" and pooled.notes == (
+        f"dataset = 'npz:{path}' defines its clients, and partition = 'iid' pools them and "
+        "splits the pool (set partition = natural to keep them).",)
+    assert build_settings({"dataset": "fashion-mnist"}).notes == ()
+
+
 def test_help_ends_with_examples_that_each_parse(tmp_path, monkeypatch):
     """Every example ``--help`` ends with is a command line the parser and the config checks
     accept (its own data and model written here, as a user would)."""

@@ -205,8 +205,10 @@ def test_char_lstm_is_leafs():
 
 
 @pytest.mark.parametrize("values,message", [
-    ({"dataset": "shakespeare", "model": "char-lstm"}, "partition = 'dirichlet' splits by"),
-    ({"dataset": "shakespeare", "partition": "natural"},
+    # the partition and model follow the data unless chosen: chosen, they are refused
+    ({"dataset": "shakespeare", "model": "char-lstm", "partition": "dirichlet"},
+     "partition = 'dirichlet' splits by"),
+    ({"dataset": "shakespeare", "partition": "natural", "model": "cnn"},
      "model = 'cnn', which takes images, on dataset = 'shakespeare', which holds token "
      "sequences: set model to char-lstm"),
     ({"partition": "natural"}, "partition = 'natural' needs a dataset with its own clients"),

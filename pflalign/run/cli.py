@@ -48,7 +48,7 @@ from pflalign.run.study import (
     parse_seeds,
     parse_sweep,
     scenario_names,
-    scenario_values,
+    scenario_settings,
     wants_report,
 )
 from pflalign.settings.options import ConfigError
@@ -179,12 +179,17 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if not names:
             raise ConfigError("No scenario to run: configs/scenarios is empty or --scenario "
                               "names none.")
-        scenarios = {name: scenario_values(name, args.overrides, extra) for name in names}
+        built = {name: scenario_settings(name, args.overrides, extra) for name in names}
+        scenarios = {name: settings.to_dict() for name, settings in built.items()}
+        notes = tuple(dict.fromkeys(
+            f"scenario {name}: {note}" for name, settings in built.items()
+            for note in settings.notes))
         default_out = ("results/suite" + ("" if args.suite in (None, DEFAULT_SUITE)
                                           else f"-{args.suite}")
                        if args.suite or len(names) > 1 else scenarios[names[0]]["out-dir"])
     else:
-        values = resolve(args.config, args.overrides, extra).to_dict()
+        resolved = resolve(args.config, args.overrides, extra)
+        values, notes = resolved.to_dict(), resolved.notes
         scenarios = {"": values}
         default_out = values["out-dir"]
     if args.out is not None and not args.out.strip():
@@ -198,7 +203,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     return Plan(scenarios=scenarios, seeds=seeds, sweep=parse_sweep(args.sweep),
                 reference=args.reference, tune=args.tune, metric=args.metric,
                 tune_seeds=parse_seeds(args.tune_seeds, "--tune-seeds") if args.tune else (),
-                out_dir=out, command=" ".join([program(), *sys.argv[1:]]))
+                out_dir=out, command=" ".join([program(), *sys.argv[1:]]), notes=notes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             preflight(first.replace({"seed": plan.seeds[0]}))
             prepare_output(plan.out_dir, overwrite=args.overwrite)
         reporter = make_reporter(quiet=args.quiet)
+        for note in plan.notes:
+            reporter.info(note)
         if str(first["methods"]).strip() == "all":
             for label, reason in left_out_by_all(first).items():
                 reporter.info(f"methods = all leaves out {label}: {reason}")

@@ -49,6 +49,7 @@ from pflalign.server.sampling import expected_clients
 from pflalign.settings.options import ConfigError, Option, Value
 from pflalign.settings.schema import (
     FEATURES,
+    FOLLOW_DATA,
     IMAGE,
     RUN_WIDE_KEYS,
     TOKENS,
@@ -215,16 +216,24 @@ def parse_methods(text: str, values: Mapping[str, Value] | None = None,
 
 
 def build_settings(values: Mapping[str, object] | None = None,
-                   source: str = "the config") -> Settings:
+                   source: str = "the config", follow: frozenset | None = None) -> Settings:
     """A validated :class:`Settings`: the defaults, then ``values`` (each coerced and checked), then
     the paths made absolute, the "only with" rules, the checks across keys (each section's on its
     typed view) and every method entry's :meth:`~pflalign.methods.base.Method.check`. The method
     entries are parsed once and kept in the settings (:attr:`Settings.entries`). Every error is
-    one :class:`ConfigError` sentence, raised before any data is read."""
+    one :class:`ConfigError` sentence, raised before any data is read.
+
+    The partition and the model follow the data (:func:`_follow_data`) where the user did not
+    choose them: ``follow`` names those keys (by default, when ``values`` set the dataset, the
+    ones it does not set; :meth:`Settings.replace` passes those its changes leave)."""
     merged: dict[str, Value] = defaults()
     for key, value in (values or {}).items():
         merged[key] = coerce(key, value, source)
     merged.update(_resolved(RunConfig.from_settings(merged)))
+    if follow is None:
+        follow = (frozenset(FOLLOW_DATA) - set(values or {}) if "dataset" in (values or {})
+                  else frozenset())
+    notes = _follow_data(merged, follow)
     check_only_with(merged)
     run, gga = RunConfig.from_settings(merged), GGAParams.from_settings(merged)
     for check in SECTION_CHECKS:
@@ -238,7 +247,42 @@ def build_settings(values: Mapping[str, object] | None = None,
         for choice in choices:
             _check_entry(choice, merged, settings)
     settings.entries = tuple(choices)
+    settings.notes = tuple(notes)
     return settings
+
+
+#: the model a dataset's samples get when the user did not choose one that takes them
+DATA_MODELS = {IMAGE: "cnn", FEATURES: "mlp", TOKENS: "char-lstm"}
+
+
+def _follow_data(merged: dict[str, Value], follow: frozenset) -> list[str]:
+    """Set the partition and the model that the data calls for, where ``follow`` names them:
+    ``natural`` for a dataset that defines its clients, and for samples the model cannot take,
+    the model that takes them (:data:`DATA_MODELS`). Returns a line for each, and one when the
+    user's own partition pools a dataset's clients."""
+    run = RunConfig.from_settings(merged)
+    notes = []
+    if run.partition != "natural" and has_natural_clients(run.dataset, _columns(run)):
+        if "partition" in follow:
+            merged["partition"] = "natural"
+            notes.append(f"partition = natural: dataset = {run.dataset!r} defines its clients"
+                         + ("." if run.dataset in ("synthetic", CLIENTS) else
+                            " (set partition to pool them and split the pool instead)."))
+        elif run.dataset not in ("synthetic", CLIENTS):  # these refuse it in one sentence
+            notes.append(f"dataset = {run.dataset!r} defines its clients, and partition = "
+                         f"{run.partition!r} pools them and splits the pool (set partition = "
+                         "natural to keep them).")
+    kind = _kind(run)
+    model = run.model
+    if ("model" in follow and not is_user_model(model) and not is_language_model(model)
+            and model in MODELS and kind not in MODELS[model].takes
+            and jsonl_path(run.dataset) is None):
+        merged["model"] = DATA_MODELS[kind]
+        if kind == TOKENS and run.tokenizer == _model_tokenizer(model):
+            merged["tokenizer"] = _model_tokenizer(DATA_MODELS[kind])
+        notes.append(f"model = {DATA_MODELS[kind]}: dataset = {run.dataset!r} holds "
+                     f"{_NOUNS[kind]}, which model = {model!r} does not take.")
+    return notes
 
 
 def _resolved(run: RunConfig) -> dict[str, Value]:

@@ -155,6 +155,9 @@ class Plan:
     #: the metric the statistics, the ranks and the tuning use (its direction and scale are
     #: :func:`pflalign.outputs.stats.higher_is_better` and ``metric_scale``)
     metric: str = METRIC
+    #: what the config parser decided that the user did not set (:attr:`Settings.notes`), for
+    #: the command to print; not saved
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.scenarios:
@@ -244,10 +247,16 @@ class Plan:
 def scenario_values(name: str, overrides: Sequence[str],
                     extra: Mapping[str, object]) -> dict[str, Value]:
     """A scenario's full config values: its file, then ``--set`` overrides, then ``extra``."""
+    return scenario_settings(name, overrides, extra).to_dict()
+
+
+def scenario_settings(name: str, overrides: Sequence[str],
+                      extra: Mapping[str, object]) -> Settings:
+    """A scenario's settings: its file, then ``--set`` overrides, then ``extra``."""
     base = build_settings(load_toml(scenario_file(name)), source=f"scenario '{name}'")
     changes: dict[str, object] = dict(parse_override(text) for text in overrides)
     changes.update(extra)
-    return (base.replace(changes, source="the command line") if changes else base).to_dict()
+    return base.replace(changes, source="the command line") if changes else base
 
 
 # --- trials -------------------------------------------------------------------------------------

@@ -872,6 +872,9 @@ NON_RUN_KEYS = keys_in_scope("output")
 #: keys added after results were written, each with the value that computes what runs did
 #: before it existed: a run at that value compares (and fingerprints) as one written without the
 #: key, so that its results and checkpoints still resume
+#: keys whose value follows the dataset when the layer of the config that set the dataset (or a
+#: later one) did not set them (:func:`pflalign.run.config.build_settings`)
+FOLLOW_DATA = ("partition", "model")
 ADDED_KEYS: dict[str, Value] = {"eval-at-start": False, "num-classes": 0,
                                  "input-shape": "", "cache-dir": ""}
 
@@ -885,10 +888,10 @@ class Settings(Mapping[str, Value]):
     as ``validate``, which :meth:`replace` uses, so that a changed copy is checked again."""
 
     __slots__ = ("_values", "_validate", "_hash", "data_key", "run", "training", "gga", "entries",
-                 *SECTIONS)
+                 "notes", *SECTIONS)
 
     def __init__(self, values: Mapping[str, Value],
-                 validate: Callable[[Mapping[str, object], str], Settings],
+                 validate: Callable[[Mapping[str, object], str, frozenset], Settings],
                  entries: tuple | None = None):
         self._values = dict(values)
         self._validate = validate
@@ -906,6 +909,9 @@ class Settings(Mapping[str, Value]):
         #: the method entries of ``methods``, parsed once and checked by the config parser
         #: (:class:`~pflalign.run.config.MethodChoice`; None until it has)
         self.entries = entries
+        #: what the parser decided that the user did not set (a partition or model that follows
+        #: the data) or should know (clients pooled), one line each, for the command to print
+        self.notes: tuple[str, ...] = ()
 
     def __getitem__(self, key: str) -> Value:
         return self._values[key]
@@ -939,7 +945,12 @@ class Settings(Mapping[str, Value]):
         if ("model" in changes and "tokenizer" not in changes
                 and self._values.get("tokenizer") in (self._values.get("model"), "characters")):
             changes["tokenizer"] = ""
-        return self._validate({**self._values, **changes}, source)
+        # a new dataset brings its own partition and model unless these changes set them: the
+        # earlier ones were chosen for the earlier data
+        follow = (frozenset(FOLLOW_DATA) - set(changes)
+                  if changes.get("dataset", self._values.get("dataset"))
+                  != self._values.get("dataset") else frozenset())
+        return self._validate({**self._values, **changes}, source, follow)
 
     @property
     def num_nodes(self) -> int:
