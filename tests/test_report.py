@@ -640,3 +640,25 @@ def test_a_long_run_says_after_its_first_round_how_long_the_rest_takes(capsys):
     assert out[1] == ("[x] round 1 took 61 s, so the other 2 rounds take about 2 min; "
                       "local-steps (optimizer steps per round), local-epochs, fraction-train "
                       "and max-samples bound a round's work.")
+
+
+def test_the_partition_heatmap_names_clients_and_classes(tmp_path, monkeypatch):
+    from pflalign.outputs import plots
+
+    drawn = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.append(fig) or path)
+    run = {"seed": 0, "partition": {"dataset": "shapes", "class-names": ["circle", "square"],
+                                    "clients": [
+        {"id": 0, "name": "carol", "unseen": False, "train-labels": [3, 1]},
+        {"id": 1, "name": "alice", "unseen": True, "train-labels": [0, 4]}]}}
+    plots.plot_partition(tmp_path / "p.png", run, "t")
+    (ax, _) = drawn[0].axes  # the heatmap and its colour bar
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["carol", "alice*"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["circle", "square"]
+    del run["partition"]["class-names"]
+    for client in run["partition"]["clients"]:
+        del client["name"]
+    plots.plot_partition(tmp_path / "q.png", run, "t")
+    (ax, _) = drawn[1].axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "1*"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1"]

@@ -200,6 +200,21 @@ def test_an_image_folder_with_client_folders_runs_on_every_engine(tmp_path):
     assert {c["name"] for c in clients} <= {"north", "south", "east", "west", "up"}
     for c in clients:  # 12 + 13 + 14 images in every client folder
         assert c["num-train"] + c["num-test"] == 39
+    # the names reach the per-client records, the CSV and the partition heatmap's axes
+    assert results["partition"]["class-names"] == ["cat", "dog", "eel"]
+    named = {c["id"]: c["name"] for c in clients}
+    for label in ("fedavg", "local"):
+        assert [r["name"] for r in results["methods"][label]["clients"]] == [
+            named[r["id"]] for r in results["methods"][label]["clients"]]
+    import csv
+
+    from pflalign.outputs.report import write_csv
+
+    rows = list(csv.DictReader(write_csv(tmp_path / "results.csv", results).open()))
+    accuracy = {(r["method"], r["client-name"]): float(r["value"]) for r in rows
+                if r["client"] and r["metric"] == "personal-acc"}
+    assert accuracy == {(label, r["name"]): r["personal-acc"] for label in ("fedavg", "local")
+                        for r in results["methods"][label]["clients"]}
     # decoded once: the array is kept in cache-dir, not in the data folder, and is what a later
     # load reads
     (cached,) = (cache / "images").glob("imagefolder-*.npy")

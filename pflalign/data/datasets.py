@@ -66,6 +66,9 @@ class Dataset:
     #: each natural client's samples are in time order (text): its test split is its last
     #: samples; otherwise a stratified random split, as for the other partitions
     time_ordered: bool = False
+    #: the name of each class (an image folder's class folders, a ClassLabel's names, the
+    #: built-in datasets' classes); empty where the data names none
+    class_names: tuple[str, ...] = ()
     #: some targets are :data:`IGNORE_INDEX` (instructions: a sample is a record of
     #: ``L`` tokens whose labels are its response's next tokens, the prompt and the padding
     #: left out), so a test counts the others
@@ -211,6 +214,14 @@ _CIFAR_FILES = {
     "cifar100": ("cifar-100-python", ["train", "test"], b"fine_labels"),
 }
 _CLASSES = {"fashion-mnist": 10, "mnist": 10, "cifar10": 10, "cifar100": 100}
+#: the built-in datasets' class names, in label order (as torchvision's ``classes``)
+CLASS_NAMES = {
+    "fashion-mnist": ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                      "Sneaker", "Bag", "Ankle boot"),
+    "mnist": tuple(str(d) for d in range(10)),
+    "cifar10": ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+                "truck"),
+}
 
 
 def _read_cifar_batch(path: Path, labels_key: bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -308,7 +319,7 @@ def load_dataset(name: str, data_root: str = "", download: bool = False, tokeniz
     mean, std = _NORMALISATION[name]
     return Dataset(name=name, images=images, labels=labels,
                    num_classes=_CLASSES[name],
-                   mean=mean, std=std)
+                   mean=mean, std=std, class_names=CLASS_NAMES.get(name, ()))
 
 
 def _load_shakespeare(root: Path | None, tokenizer: str, length: int) -> Dataset:

@@ -109,6 +109,8 @@ class FederatedDataset:
         labels = self.dataset.labels[self.pool] if self.dataset.labels.ndim == 1 else None
         return {"dataset": self.dataset.name, "samples": len(self.pool),
                 "fingerprint": self.fingerprint(),
+                **({"class-names": list(self.dataset.class_names)}
+                   if self.dataset.class_names else {}),
                 **self.partition.summary(labels, self.dataset.num_classes)}
 
     def fingerprint(self) -> str:

@@ -170,6 +170,8 @@ class Layout:
     client: str | None
     form: str
     num_classes: int
+    #: a ClassLabel's names (empty for an integer label column)
+    class_names: tuple[str, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -350,7 +352,8 @@ def _layout(target: str, stamp: tuple | None, columns: tuple[str, str, str]) -> 
                           f"beyond its ClassLabel's {num_classes} names.")
     if num_classes < 2:
         raise ConfigError(f"{where}: the labels hold one class; a classifier needs at least two.")
-    return Layout(inputs=inputs, label=label, client=client, form=form, num_classes=num_classes)
+    return Layout(inputs=inputs, label=label, client=client, form=form, num_classes=num_classes,
+                  class_names=tuple(str(n) for n in feature.names) if class_label else ())
 
 
 # --- reading the samples ----------------------------------------------------------------------
@@ -500,4 +503,4 @@ def load_hf(name: str, columns: tuple[str, str, str] = NO_COLUMNS, image_size: i
     labels.setflags(write=False)
     return {"name": name, "images": samples, "labels": labels,
             "num_classes": found.num_classes, "mean": mean, "std": std, "kind": found.kind,
-            "groups": groups, "group_names": group_names}
+            "groups": groups, "group_names": group_names, "class_names": found.class_names}

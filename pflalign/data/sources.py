@@ -336,6 +336,7 @@ def load_imagefolder(name: str, image_size: int, cache_dir: str = "") -> dict:
     images.setflags(write=False)
     labels.setflags(write=False)
     return {"name": name, "images": images, "labels": labels, "num_classes": len(classes),
+            "class_names": tuple(classes),
             "mean": mean, "std": std, "kind": IMAGE, "groups": groups,
             "group_names": group_names}
 

@@ -287,10 +287,13 @@ def plot_partition(path: Path, run: Mapping, title: str) -> Path | None:
     step = max(1, math.ceil(len(clients) / 40))
     ticks = list(range(0, len(clients), step))
     ax.set_yticks(ticks)
-    ax.set_yticklabels([f"{clients[i].get('id', i)}{'*' if clients[i].get('unseen') else ''}"
-                        for i in ticks], fontsize=7)
+    ax.set_yticklabels([f"{clients[i].get('name', clients[i].get('id', i))}"
+                        f"{'*' if clients[i].get('unseen') else ''}" for i in ticks], fontsize=7)
+    classes = run.get("partition", {}).get("class-names") or []
     ax.set_xticks(range(width))
-    ax.set_xticklabels([str(i) for i in range(width)], fontsize=8)
+    ax.set_xticklabels([str(classes[i]) if i < len(classes) else str(i) for i in range(width)],
+                       fontsize=8, rotation=45 if classes else 0,
+                       ha="right" if classes else "center")
     ax.set_xlabel("label")
     ax.set_ylabel("client (* = unseen)" if any(c.get("unseen") for c in clients) else "client")
     dataset = run.get("partition", {}).get("dataset", "")

@@ -844,13 +844,15 @@ def write_report(out_dir: str | Path, doc: Mapping, reference: str | None = None
     return [report, *written]
 
 
-CSV_COLUMNS = ("scenario", "setting", "seed", "method", "round", "metric", "value")
+CSV_COLUMNS = ("scenario", "setting", "seed", "method", "round", "metric", "value", "client",
+               "client-name")
 
 
 def write_csv(path: str | Path, doc: Mapping) -> Path:
     """A tidy CSV of a results document: one row per scenario × setting × seed × method × round
-    × metric (numeric metrics only), with the final metrics under round ``final``. Written
-    atomically."""
+    × metric (numeric metrics only), with the final metrics under round ``final``; then each
+    client's final values (round ``final``, its id under ``client`` and its name, where the data
+    names it, under ``client-name``; empty on the other rows). Written atomically."""
     path = Path(path)
     tmp = path.with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as handle:
@@ -868,7 +870,16 @@ def write_csv(path: str | Path, doc: Mapping) -> Path:
                                 value, int | float):
                             continue
                         writer.writerow((*head, label, number, metric,
-                                         repr(value) if isinstance(value, float) else value))
+                                         repr(value) if isinstance(value, float) else value,
+                                         "", ""))
+                for client in result.get("clients", []):
+                    for metric, value in client.items():
+                        if metric in ("id", "name", "unseen") or isinstance(value, bool) \
+                                or not isinstance(value, int | float):
+                            continue
+                        writer.writerow((*head, label, "final", metric,
+                                         repr(value) if isinstance(value, float) else value,
+                                         client.get("id"), client.get("name", "")))
     os.replace(tmp, path)
     return path
 

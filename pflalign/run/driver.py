@@ -253,8 +253,8 @@ def run_methods(settings: Settings, make_engine: EngineFactory,
             loop, model = entry_loop(method_settings, choice.label, spec.name,
                                      make_engine(method_settings), reporter)
             running = (choice.label, spec.name, overrides, loop)
-            entry = {**loop.run(model, checkpoint), "method": spec.name,
-                     "overrides": overrides}
+            entry = named_clients({**loop.run(model, checkpoint), "method": spec.name,
+                                   "overrides": overrides}, results["partition"])
             note = loop.engine.memory_note()
             if note:
                 reporter.info(f"[{choice.label}] {note}.")
@@ -277,6 +277,16 @@ def run_methods(settings: Settings, make_engine: EngineFactory,
     reporter.result("\n" + comparison_table(results["methods"]))
     reporter.result(f"\nResults written to {path.resolve()}")
     return results
+
+
+def named_clients(entry: dict, partition: Mapping) -> dict:
+    """``entry`` with each per-client record carrying its client's name, where the data names
+    its clients (client folders, a client column or array, text files)."""
+    names = {c["id"]: c["name"] for c in partition.get("clients", []) if "name" in c}
+    if names:
+        entry["clients"] = [{**record, "name": names[record["id"]]} if record["id"] in names
+                            else record for record in entry.get("clients", [])]
+    return entry
 
 
 def _write_interrupted(settings: Settings, results: dict, choices: list,
