@@ -131,15 +131,17 @@ class Method(Generic[P, C, S]):
         (``settings``: the entry's own): the local work (batch size, epochs, steps, the step
         size it tunes), the local optimizer and its keys where the method takes one, then its
         own Params. Written per method into results.json (``hyperparameters``) for the report."""
+        training = settings.training
+        local = {key: getattr(training, name) for name, key in LocalTraining.keys().items()}
         keys = ["batch-size", "local-epochs", "local-steps", *cls.tuned_training]
         if cls.local_optimizer:
-            optimizer = settings["local-optimizer"]
             keys += ["local-optimizer", *{
                 "sgd": ["momentum"], "adam": ["adam-lr"], "adamw": ["adam-lr"],
-                "genie": [k for k in LocalTraining.keys().values() if k.startswith("genie-")],
-            }[optimizer], "weight-decay"]
-        keys += cls.Params.keys().values()
-        return {key: settings[key] for key in dict.fromkeys(keys)}
+                "genie": [k for k in local if k.startswith("genie-")],
+            }[training.local_optimizer], "weight-decay"]
+        params = cls.Params.from_settings(settings)
+        own = {key: getattr(params, name) for name, key in cls.Params.keys().items()}
+        return {**{key: local[key] for key in dict.fromkeys(keys)}, **own}
 
     @classmethod
     def check(cls, settings: Settings) -> None:
