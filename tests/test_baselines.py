@@ -106,6 +106,9 @@ def test_apfl_step_by_hand():
     alpha by <v - w, grad f(v_bar)>, projected onto [0, 1]."""
     gen = torch.Generator().manual_seed(1)
     model = torch.nn.Linear(3, 2)
+    with torch.no_grad():  # seeded here: the global generator's state depends on what ran first
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
     x, y = torch.randn(5, 3, generator=gen), torch.tensor([0, 1, 1, 0, 1])
     w = {k: p.detach().clone() for k, p in model.named_parameters()}
     v = {k: t + 0.5 * torch.randn(t.shape, generator=gen) for k, t in w.items()}
@@ -127,8 +130,13 @@ def test_apfl_step_by_hand():
         torch.testing.assert_close(after[k], t - lr * g)
         torch.testing.assert_close(after[f"{PERSONAL}.{k}"], v[k] - lr * alpha * g_bar[k])
     assert float(after[ALPHA]) == pytest.approx(alpha - alpha_lr * alpha_grad, rel=1e-5)
-    # the projection: a step past either end stops there
-    far = SGDGroups(lr, groups=(EntryGroup(ALPHA, lr=1e4, bounds=(0.0, 1.0)),))
+    # the projection: a step past either end stops there (from the same point: _step moved the
+    # model's parameters)
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(w[k])
+    far = SGDGroups(lr, groups=(EntryGroup(f"{PERSONAL}.", weight_decay=0.0),
+                                EntryGroup(ALPHA, lr=1e4, bounds=(0.0, 1.0))))
     end = float(_step(MixtureObjective({}, {}), model, far,
                       {**with_prefix(v, PERSONAL), ALPHA: torch.tensor(alpha)}, x, y)[ALPHA])
     assert end == (0.0 if alpha_grad > 0 else 1.0)

@@ -133,23 +133,29 @@ def test_bad_tracking_values_are_one_sentence(monkeypatch):
 
 
 def test_a_run_that_fails_ends_its_tracker_runs_as_failed(tmp_path):
-    """A label found bad when the data is read stops the run (exit 2); the MLflow run it had
-    opened is FAILED, not FINISHED, and W&B's run exited non-zero."""
+    """A sweep's second cell reads data with a bad label, which stops the run (exit 2) after
+    the first cell ran (the first cell's data is read before anything is written, so a first
+    cell with bad data would open no tracker run at all): the MLflow run the second cell had
+    opened is FAILED, the first FINISHED, and W&B's runs exited 1 and 0."""
     import numpy as np
 
-    bad = tmp_path / "bad.npz"
+    labels = np.arange(40) % 2
+    good, bad = tmp_path / "good.npz", tmp_path / "bad.npz"
+    np.savez(good, x=np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32),
+             y=labels)
     np.savez(bad, x=np.zeros((40, 4), np.float32), y=np.where(np.arange(40) == 3, -1, 1))
     out = tmp_path / "out"
-    status = main(["--set", f"dataset=npz:{bad}", "--set", "model=mlp", "--set",
-                   "engine=sequential", "--set", "tracking=mlflow,wandb", "--out", str(out),
-                   "--quiet"])
+    status = main(["--set", "model=mlp", "--set", "engine=sequential", "--set", "rounds=1",
+                   "--set", "num-clients=2", "--set", "min-samples-per-client=5",
+                   "--sweep", f"dataset=npz:{good},npz:{bad}", "--set", "tracking=mlflow,wandb",
+                   "--out", str(out), "--quiet"])
     assert status == 2 and not (out / "results.json").exists()
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'tracking' / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("pflalign").experiment_id])
-    assert run.info.status == "FAILED"
-    (path,) = (out / "tracking" / "wandb").glob("offline-run-*/run-*.wandb")
-    exits = [r.exit.exit_code for r in _wandb_records(path) if r.WhichOneof("record_type")
-             == "exit"]
-    assert exits == [1]
+    runs = client.search_runs([client.get_experiment_by_name("pflalign").experiment_id])
+    assert sorted(run.info.status for run in runs) == ["FAILED", "FINISHED"]
+    exits = sorted(r.exit.exit_code for path in (out / "tracking" / "wandb").glob(
+        "offline-run-*/run-*.wandb") for r in _wandb_records(path)
+        if r.WhichOneof("record_type") == "exit")
+    assert exits == [0, 1]

@@ -221,8 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.resume:
             prepare_output(plan.out_dir, overwrite=args.overwrite, create=False)
             # the data and the model load before anything is written (the first run's: a
-            # later scenario's error leaves the finished ones resumable)
-            preflight(first.replace({"seed": plan.seeds[0]}))
+            # later cell's error leaves the finished ones resumable)
+            preflight(first.replace({**plan.settings_list()[0], "seed": plan.seeds[0]},
+                                    follow_data=False))
             prepare_output(plan.out_dir, overwrite=args.overwrite)
         reporter = make_reporter(quiet=args.quiet)
         for note in plan.notes:

@@ -445,7 +445,7 @@ class Study:
                     entry(c, chosen[c.label]["chosen"]) for c in methods)})
             for setting in plan.settings_list():
                 for seed in plan.seeds:
-                    settings = base.replace({**setting, "seed": seed})
+                    settings = base.replace({**setting, "seed": seed}, follow_data=False)
                     where = self.out / "runs" / slug(name or "config")
                     if setting:
                         where = where / slug(setting_label(setting))

@@ -937,10 +937,13 @@ class Settings(Mapping[str, Value]):
     def to_dict(self) -> dict[str, Value]:
         return dict(self._values)
 
-    def replace(self, changes: Mapping[str, object], source: str = "an override") -> Settings:
+    def replace(self, changes: Mapping[str, object], source: str = "an override",
+                follow_data: bool = True) -> Settings:
         """A new Settings with some keys changed (and everything re-validated). A new ``model``
         without a ``tokenizer`` brings its own: a text tokenizer that was the old model's
-        (characters, or the language model itself) is derived again from the new one."""
+        (characters, or the language model itself) is derived again from the new one. A new
+        ``dataset`` brings its own partition and model where ``changes`` set neither (unless
+        ``follow_data`` is false: a sweep's cells keep the study's own)."""
         changes = dict(changes)
         if ("model" in changes and "tokenizer" not in changes
                 and self._values.get("tokenizer") in (self._values.get("model"), "characters")):
@@ -948,7 +951,7 @@ class Settings(Mapping[str, Value]):
         # a new dataset brings its own partition and model unless these changes set them: the
         # earlier ones were chosen for the earlier data
         follow = (frozenset(FOLLOW_DATA) - set(changes)
-                  if changes.get("dataset", self._values.get("dataset"))
+                  if follow_data and changes.get("dataset", self._values.get("dataset"))
                   != self._values.get("dataset") else frozenset())
         return self._validate({**self._values, **changes}, source, follow)
 
