@@ -216,7 +216,8 @@ def parse_methods(text: str, values: Mapping[str, Value] | None = None,
 
 
 def build_settings(values: Mapping[str, object] | None = None,
-                   source: str = "the config", follow: frozenset | None = None) -> Settings:
+                   source: str = "the config", follow: frozenset | None = None,
+                   dataset_set: bool | None = None) -> Settings:
     """A validated :class:`Settings`: the defaults, then ``values`` (each coerced and checked), then
     the paths made absolute, the "only with" rules, the checks across keys (each section's on its
     typed view) and every method entry's :meth:`~pflalign.methods.base.Method.check`. The method
@@ -225,15 +226,18 @@ def build_settings(values: Mapping[str, object] | None = None,
 
     The partition and the model follow the data (:func:`_follow_data`) where the user did not
     choose them: ``follow`` names those keys (by default, when ``values`` set the dataset, the
-    ones it does not set; :meth:`Settings.replace` passes those its changes leave)."""
+    ones it does not set; :meth:`Settings.replace` passes those its changes leave). Only a layer
+    that sets the dataset (``dataset_set``; by default, whether ``values`` holds it) looks at
+    the data for this, so a copy with other changes reads no data files again."""
     merged: dict[str, Value] = defaults()
     for key, value in (values or {}).items():
         merged[key] = coerce(key, value, source)
     merged.update(_resolved(RunConfig.from_settings(merged)))
+    if dataset_set is None:
+        dataset_set = "dataset" in (values or {})
     if follow is None:
-        follow = (frozenset(FOLLOW_DATA) - set(values or {}) if "dataset" in (values or {})
-                  else frozenset())
-    notes = _follow_data(merged, follow)
+        follow = frozenset(FOLLOW_DATA) - set(values or {}) if dataset_set else frozenset()
+    notes = _follow_data(merged, follow) if dataset_set else []
     check_only_with(merged)
     run, gga = RunConfig.from_settings(merged), GGAParams.from_settings(merged)
     for check in SECTION_CHECKS:
@@ -289,8 +293,7 @@ def _resolved(run: RunConfig) -> dict[str, Value]:
     """The values that name files made absolute (the same file for every process and Ray
     worker, whatever its working directory), each read now so that a bad one stops the run
     before any data: the dataset, a user's model, a trace of device profiles, the cache folder;
-    and a text
-    dataset's tokenizer, the model's unless given."""
+    and a text dataset's tokenizer, the model's unless given."""
     out: dict[str, Value] = {"dataset": _resolve_dataset(run)}
     if is_user_model(run.model):
         out["model"] = user.resolved(run.model)

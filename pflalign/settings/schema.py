@@ -891,7 +891,7 @@ class Settings(Mapping[str, Value]):
                  "notes", *SECTIONS)
 
     def __init__(self, values: Mapping[str, Value],
-                 validate: Callable[[Mapping[str, object], str, frozenset], Settings],
+                 validate: Callable[[Mapping[str, object], str, frozenset, bool], Settings],
                  entries: tuple | None = None):
         self._values = dict(values)
         self._validate = validate
@@ -950,10 +950,10 @@ class Settings(Mapping[str, Value]):
             changes["tokenizer"] = ""
         # a new dataset brings its own partition and model unless these changes set them: the
         # earlier ones were chosen for the earlier data
-        follow = (frozenset(FOLLOW_DATA) - set(changes)
-                  if follow_data and changes.get("dataset", self._values.get("dataset"))
-                  != self._values.get("dataset") else frozenset())
-        return self._validate({**self._values, **changes}, source, follow)
+        old = self._values.get("dataset")
+        new_data = changes.get("dataset", old) != old
+        follow = frozenset(FOLLOW_DATA) - set(changes) if follow_data and new_data else frozenset()
+        return self._validate({**self._values, **changes}, source, follow, new_data)
 
     @property
     def num_nodes(self) -> int:
