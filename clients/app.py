@@ -50,6 +50,7 @@ from pflalign.data.node import (
 from pflalign.engines.faults import ClientDropout, with_faults
 from pflalign.engines.host import discovery, handle
 from pflalign.models.language import use_node_copies
+from pflalign.outputs.models import save_node_model
 from pflalign.process.caches import cached
 from pflalign.run.config import build_settings
 from pflalign.settings.schema import Settings
@@ -58,10 +59,13 @@ from pflalign.wire.protocol import (
     CONFIG,
     EVALUATE,
     LABEL,
+    METHOD,
     METRICS,
     QUERY,
     ROUND,
     RUN_CONFIG,
+    SAVED_ON_NODE,
+    SCORED,
     STATE,
     TRAIN,
 )
@@ -112,6 +116,16 @@ def node_cache_dir(node_config: dict) -> Path | None:
     if node_config.get("state-dir"):
         return Path(str(node_config["state-dir"])).expanduser()
     return default_cache_dir() if _one_process_per_message() else None
+
+
+def node_models_dir(node_config: dict, client_id: int) -> Path | None:
+    """Where a deployed node saves its own personal model (save-models): ``models-dir`` from
+    its node config, else its ``state-dir`` or cache folder, in a folder of its client
+    (``node-<id>``, which ``pflalign.load_model`` reads as a run's out-dir); None when it has
+    none of them (a simulated node sends its model to the server instead)."""
+    value = node_config.get("models-dir") or node_config.get("state-dir")
+    root = Path(str(value)).expanduser() if value else node_cache_dir(node_config)
+    return None if root is None else root / f"node-{int(client_id)}"
 
 
 def node_data_of(context: Context, settings: Settings) -> NodeData | None:
@@ -169,6 +183,15 @@ def _reply(msg: Message, context: Context, action: str,
         context.state[label] = ArrayRecord({k: Array(v) for k, v in state.items()})
         if store is not None:
             store.save(state, int(config[ROUND]))
+    root = node_models_dir(dict(context.node_config), client_id_of(context))
+    if SCORED in reply_arrays and node is not None and root is not None:
+        # a deployed node keeps its own personal model (save-models), and says so
+        path = save_node_model(root, settings, label, str(config[METHOD]), node,
+                               reply_arrays[SCORED], metrics, int(config[ROUND]))
+        reply_arrays = {k: v for k, v in reply_arrays.items() if k != SCORED}
+        metrics = {**metrics, SAVED_ON_NODE: 1}
+        log(INFO, "pflalign: client %s saved its personal model of '%s' to %s",
+            client_id_of(context), label, path)
     content = RecordDict({METRICS: MetricRecord(metrics)})
     for name, values in reply_arrays.items():
         content[name] = ArrayRecord({k: v.detach().cpu() for k, v in values.items()})

@@ -10,6 +10,8 @@ the library loads nothing else):
   ``hf:<model>`` with LoRA adapters);
 - the settings and a run: :func:`build_settings` (a config as typed settings, checked once) and
   :func:`simulate` (every method entry of the settings, on their engine);
+- the trained models a run saved (``save-models``): :func:`load_model` (a client's personal
+  model, or the global model, as a ready ``nn.Module``);
 - the registries: :data:`METHODS` (every method and variant) and :data:`FEATURES` (the round
   features).
 
@@ -28,6 +30,7 @@ _PUBLIC = {
     "GENIE": "pflalign.training.optim", "genie_update": "pflalign.training.optim",
     "build_model": "pflalign.models.registry",
     "build_settings": "pflalign.run.config", "simulate": "pflalign.run.driver",
+    "load_model": "pflalign.run.models",
     "METHODS": "pflalign.methods.registry", "FEATURES": "pflalign.round.feature",
 }
 

@@ -10,8 +10,9 @@ equality (floats included). Wall-clock entries (``*-seconds``, ``seconds-per-rou
 run to run and are skipped; so are the run's start time, its total seconds, the package versions
 and each method's ``processes`` (the run's own process ids and peak memory). The partition
 summary and the config must match too (``out-dir``, ``engine``, the engines' own keys and
-``report`` aside, so that two engines' runs of one config can be compared). Prints one line per
-difference and a summary; exits 1 when anything differs.
+``report``, ``save-models`` and the other output keys aside, so that two engines' runs of one
+config can be compared). Prints one line per difference and a summary; exits 1 when anything
+differs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 from pathlib import Path
 
 IGNORED_CONFIG = {"out-dir", "engine", "cohort-size", "batched-backend", "batched-workers",
-                  "memory-budget-gb", "report", "cache-dir"}
+                  "memory-budget-gb", "report", "cache-dir", "save-models", "keep-checkpoints"}
 
 
 def _timing(key: str) -> bool:

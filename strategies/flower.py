@@ -36,6 +36,7 @@ from pflalign.wire.protocol import (
     QUERY,
     RESTORE,
     RUN_CONFIG,
+    SCORED,
     STATE,
     TRAIN,
     UNSEEN,
@@ -70,8 +71,9 @@ def array_bytes(content: RecordDict, skip: tuple[str, ...] = ()) -> int:
 
 def message_bytes(content: RecordDict) -> int:
     """Bytes of array payload in a message (what dominates traffic: the model tensors); a
-    client's restored state after a resume is not counted (no round of the run sends it)."""
-    return array_bytes(content, skip=(RESTORE,))
+    client's restored state after a resume is not counted (no round of the run sends it), nor
+    a model sent back for ``save-models`` (the run's output, not the method's traffic)."""
+    return array_bytes(content, skip=(RESTORE, SCORED))
 
 
 def short_reason(reason: str) -> str:

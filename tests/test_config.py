@@ -271,7 +271,8 @@ def test_key_scopes_are_declared_and_the_key_tuples_derived_from_them():
     # keys that change nothing a run computes (a resume may change them)
     assert set(NON_RUN_KEYS) == {"out-dir", "checkpoint-every", "memory-budget-gb",
                                  "batched-workers", "tracking", "tracking-dir", "report",
-                                 "record-uploads", "audit-secret"}
+                                 "record-uploads", "audit-secret", "save-models",
+                                 "keep-checkpoints"}
     assert {"seed", "dataset", "num-clients", "data-root"} <= set(DATA_KEYS)
     assert {"engine", "attack", "round-timeout"} <= set(RUN_WIDE_KEYS)
     assert not {"lr", "rounds", "aggregation", "model"} & set(RUN_WIDE_KEYS)

@@ -146,6 +146,25 @@ def _script(work: Path, env: dict[str, str], *args: str, timeout: float
 
 
 @needs_fashion_mnist
+def _nodes_kept_their_models(work, method: dict) -> None:
+    """save-models on SuperNodes: each node saved its own personal model in its node directory
+    (none went to the server), and it scores its client exactly as the run did; the server
+    saved the global model."""
+    from pflalign.data.node import node_data_from_file
+    from pflalign.run.models import entry_settings, load_model
+    from pflalign.training.loops import evaluate
+
+    assert method["models"]["on-node"] == 3 and method["models"]["clients"] == 0
+    assert method["models"]["global"]
+    finals = {c["id"]: c["personal-acc"] for c in method["clients"]}
+    for i in range(3):
+        model = load_model(work / f"node-{i}" / "state" / f"node-{i}", "pflalign", i)
+        node = node_data_from_file(str(work / "partitions" / f"client-{i}.npz"),
+                                   entry_settings(model.manifest), i)
+        stats = evaluate(model.module, node.data.test_x, node.data.test_y, model.inputs)
+        assert stats.correct / stats.count == finals[i]
+
+
 def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
     work = tmp_path / "deploy"
     out = tmp_path / "out"
@@ -220,6 +239,7 @@ def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
         reference = _reference_run(run_config, tmp_path / "reference", missed)
         differences, compared = _compare(reference, results)
         assert compared > 50 and not differences, differences
+        _nodes_kept_their_models(work, method)
         print(f"deployment test: {time.monotonic() - started:.0f}s; rounds:",
               [(r["round"], r.get("failures"), round(r["round-seconds"], 1))
                for r in method["rounds"]])

@@ -195,7 +195,7 @@ def test_bad_folders_keys_and_a_missing_library(tmp_path, monkeypatch):
                        "Hugging Face hub did not give that dataset"):
         build_settings({"dataset": "hf:nobody/nothing"})  # offline: HF_HUB_OFFLINE (conftest)
     with pytest.raises(ConfigError, match="label-column = 'y' names a column of a Hugging Face "
-                       "dataset, and dataset = 'fashion-mnist' is not one"):
+                       "dataset or a table, and dataset = 'fashion-mnist' is neither"):
         build_settings({"label-column": "y"})
     name = save(tmp_path / "plain-features", {"x": [0.5, 0.2] * 10, "label": [0, 1] * 10})
     with pytest.raises(ConfigError, match="partition = 'natural' needs a dataset with its own "

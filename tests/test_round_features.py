@@ -23,7 +23,7 @@ from pflalign.server.runtime import ServerRuntime
 from pflalign.wire.protocol import CLIENT_SECONDS
 
 TINY = {"engine": "sequential", "num-clients": 4, "max-samples": 800, "rounds": 3,
-        "eval-every": 3, "fraction-train": 0.5, "local-steps": 2}
+        "eval-every": 3, "fraction-train": 0.5, "local-steps": 2, "save-models": "none"}
 
 
 def _features(method: str = "fedavg", **values) -> list[str]:
@@ -38,7 +38,9 @@ def _features(method: str = "fedavg", **values) -> list[str]:
 @needs_fashion_mnist
 def test_the_config_turns_on_exactly_its_features_in_registry_order():
     assert list(FEATURES) == ["gga", "record-uploads", "clock", "telemetry", "audit",
-                              "update-bounds", "central-dp", "local-dp"]
+                              "update-bounds", "central-dp", "local-dp", "saved-models"]
+    # save-models (on by default) asks for the models last, after every check of the replies
+    assert _features(**{"save-models": "final"})[-1] == "saved-models"
     # every run reports its processes and its audits (zero audited at fraction 0)
     assert _features(**{"update-norm-bound": 0}) == ["telemetry", "audit"]
     assert _features() == ["telemetry", "audit", "update-bounds"]

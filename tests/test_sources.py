@@ -116,7 +116,7 @@ def _bad(tmp_path, name: str, **arrays) -> str:
     ({"x": np.zeros((5, 8, 8), np.int32), "y": np.zeros(5, int)},
      "x is int32; give images as uint8 (0..255) or feature vectors as floats"),
     ({"x": np.zeros((5, 2, 2, 2, 2), np.float32), "y": np.zeros(5, int)},
-     "feature vectors must be N x D"),
+     "give feature vectors N x D, or images N x H x W or N x C x H x W"),
     ({"images": np.zeros((5, 8, 8), np.uint8), "y": np.zeros(5, int)},
      "has no x array (it has images, y)"),
     ({"x": np.zeros((5, 8, 8), np.uint8), "y": np.zeros(5, int), "client": np.zeros(4, int)},

@@ -69,6 +69,9 @@ class Dataset:
     #: the name of each class (an image folder's class folders, a ClassLabel's names, the
     #: built-in datasets' classes); empty where the data names none
     class_names: tuple[str, ...] = ()
+    #: each sample's split as the data gives it (0: train, 1: test; a split column or array,
+    #: or per-client train/test folders), which partition = natural keeps; None: drawn
+    split: np.ndarray | None = None
     #: some targets are :data:`IGNORE_INDEX` (instructions: a sample is a record of
     #: ``L`` tokens whose labels are its response's next tokens, the prompt and the padding
     #: left out), so a test counts the others
@@ -118,10 +121,11 @@ class TokenIds:
 
 def input_transform(kind: str, mean: tuple[float, ...], std: tuple[float, ...],
                     ) -> Normalizer | TokenIds | AsFloat:
-    """What turns a stored batch of ``kind`` into the model's input."""
+    """What turns a stored batch of ``kind`` into the model's input: images without a mean and
+    standard deviation are float images, used as given."""
     if kind == TOKENS:
         return TokenIds()
-    return AsFloat() if kind == FEATURES else Normalizer(mean, std)
+    return AsFloat() if kind == FEATURES or not mean else Normalizer(mean, std)
 
 
 #: how to get a damaged dataset file back, for error messages
@@ -280,18 +284,21 @@ def _load_cifar(name: str, root: Path | None, download: bool) -> tuple[np.ndarra
 @cached(maxsize=2)
 def load_dataset(name: str, data_root: str = "", download: bool = False, tokenizer: str = "",
                  sequence_length: int = 80, image_size: int = 0,
-                 columns: tuple[str, str, str] = ("", "", ""), cache_dir: str = "") -> Dataset:
+                 columns: tuple[str, ...] = ("", "", "", ""), cache_dir: str = "") -> Dataset:
     """Load a dataset once per process (cached): pooled train+test images as uint8, or a text
     dataset's token windows (``tokenizer``: ``characters`` or a language model's name;
-    ``sequence_length`` tokens of context a sample). ``columns``: a Hugging Face dataset's
-    input, label and client columns (:mod:`pflalign.data.hf_source`; empty: found);
+    ``sequence_length`` tokens of context a sample). ``columns``: a Hugging Face dataset's or a
+    table's input, label, client and split columns (:mod:`pflalign.data.hf_source`,
+    :func:`pflalign.data.sources.load_table`; empty: found);
     ``cache_dir``: where decoded images are kept (the ``cache-dir`` key)."""
     from pflalign.data import hf_source, sources
 
     if name.startswith(hf_source.HF):
-        return Dataset(**hf_source.load_hf(name, columns, image_size, cache_dir))
+        return Dataset(**hf_source.load_hf(name, tuple(columns)[:3], image_size, cache_dir))
     if sources.npz_path(name) is not None:
         return Dataset(**sources.load_npz(name))
+    if sources.table_path(name) is not None:
+        return Dataset(**sources.load_table(name, columns))
     if name.startswith(sources.IMAGEFOLDER):
         return Dataset(**sources.load_imagefolder(name, image_size, cache_dir))
     if name.startswith(sources.TEXT):

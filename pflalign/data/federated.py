@@ -115,14 +115,16 @@ class FederatedDataset:
 
     def fingerprint(self) -> str:
         """The first 16 hex digits of the SHA-256 of the data a run uses: the samples in use
-        (their inputs, or a text dataset's token stream) and their labels, so two runs that
-        report the same one read the same data whatever its file or folder was called. Hashed
-        once per process (about 0.1 s for Fashion-MNIST's 55 MB)."""
+        (their inputs, or a text dataset's token stream), their labels and the split the data
+        gives (where it gives one), so two runs that report the same one read the same data
+        whatever its file or folder was called. Hashed once per process (about 0.1 s for
+        Fashion-MNIST's 55 MB)."""
         if not self._digest:
             digest = hashlib.sha256()
             data = self.dataset
             inputs = data.tokens if data.tokens is not None else data.images[self.pool]
-            for array in (inputs, data.labels[self.pool], self.pool):
+            given = () if data.split is None else (data.split[self.pool],)  # its own split
+            for array in (inputs, data.labels[self.pool], self.pool, *given):
                 array = np.ascontiguousarray(array)
                 digest.update(f"{array.dtype.str}{array.shape}".encode())
                 digest.update(memoryview(array).cast("B"))
@@ -143,12 +145,14 @@ def _build(key: tuple) -> Federation:
         return synthetic.synthetic_federation(cfg)
     dataset = load_dataset(cfg["dataset"], cfg["data-root"], cfg["download"], cfg["tokenizer"],
                            cfg["sequence-length"], cfg["image-size"],
-                           tuple(cfg[k] for k in COLUMN_KEYS), cfg["cache-dir"])
-    pool, groups = dataset.sample_ids(), dataset.groups
+                           (*(cfg[k] for k in COLUMN_KEYS), cfg["split-column"]),
+                           cfg["cache-dir"])
+    pool, groups, split = dataset.sample_ids(), dataset.groups, dataset.split
     if 0 < cfg["max-samples"] < len(pool):
         chosen = np.sort(np.random.default_rng([cfg["seed"], 2]).choice(
             len(pool), cfg["max-samples"], replace=False))
         pool, groups = pool[chosen], None if groups is None else groups[chosen]
+        split = None if split is None else split[chosen]
     partition = make_partition(
         dataset.labels[pool], dataset.num_classes, scheme=cfg["partition"],
         num_clients=cfg["num-clients"], num_unseen=cfg["num-unseen-clients"], seed=cfg["seed"],
@@ -157,7 +161,7 @@ def _build(key: tuple) -> Federation:
         test_fraction=cfg["test-fraction"], angles=parse_angles(cfg["rotation-angles"]),
         unseen_groups=cfg["rotation-unseen-groups"], groups=groups,
         group_names=dataset.group_names, time_ordered=dataset.time_ordered,
-        partition_args=cfg["partition-args"])
+        partition_args=cfg["partition-args"], split=split)
     if cfg["evaluate-on"] == "validation":
         partition = validation_partition(partition, dataset.labels[pool],
                                          cfg["validation-fraction"], cfg["seed"])

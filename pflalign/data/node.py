@@ -29,7 +29,7 @@ import json
 import time
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +71,9 @@ class NodeData:
     unseen: bool
     #: the run's clients (num-clients + num-unseen-clients)
     num_clients: int
+    #: how a batch becomes the model's input: the samples' kind and the images' mean and std
+    #: (what a saved model's manifest records, :mod:`pflalign.outputs.models`)
+    inputs: dict = field(default_factory=dict, hash=False, compare=False)
 
     def discovery(self) -> dict[str, int]:
         """The client's answer to discovery: its stable id and split sizes."""
@@ -87,7 +90,10 @@ def pooled_node_data(settings: Mapping[str, object], client_id: int,
     return NodeData(client_id=client_id, data=data, num_classes=federation.dataset.num_classes,
                     input_shape=federation.dataset.input_shape,
                     unseen=federation.partition.is_unseen(client_id),
-                    num_clients=federation.partition.num_clients)
+                    num_clients=federation.partition.num_clients,
+                    inputs={"kind": federation.dataset.kind,
+                            "mean": list(federation.dataset.mean or ()),
+                            "std": list(federation.dataset.std or ())})
 
 
 # --- partition files ---------------------------------------------------------------------------
@@ -178,7 +184,9 @@ def _load_partition(path: str, mtime_ns: int, size: int) -> tuple[dict, NodeData
     node = NodeData(client_id=int(meta["client-id"]), data=data,
                     num_classes=int(meta["num-classes"]),
                     input_shape=tuple(int(d) for d in meta["input-shape"]),  # type: ignore[arg-type]
-                    unseen=bool(meta["unseen"]), num_clients=int(meta["num-clients"]))
+                    unseen=bool(meta["unseen"]), num_clients=int(meta["num-clients"]),
+                    inputs={"kind": str(meta.get("kind", IMAGE)), "mean": list(meta["mean"]),
+                            "std": list(meta["std"])})
     return meta, node
 
 

@@ -316,13 +316,20 @@ def make_partition(labels: np.ndarray, num_classes: int, *, scheme: str, num_cli
                    min_samples: int = 10, test_fraction: float = 0.25,
                    angles: Sequence[float] = (0.0,), unseen_groups: int = 0,
                    groups: np.ndarray | None = None, group_names: Sequence[str] = (),
-                   time_ordered: bool = True, partition_args: str = "") -> Partition:
+                   time_ordered: bool = True, partition_args: str = "",
+                   split: np.ndarray | None = None) -> Partition:
     """Partition over ``num_clients + num_unseen`` clients; split each into train/test.
     ``groups`` (one natural client per sample) is what ``scheme = natural`` partitions by; with
     ``time_ordered`` each natural client's last samples are its test split (text), otherwise a
     stratified random one. ``scheme = flwr:NAME`` is flwr-datasets' partitioner of that name,
-    built with ``partition_args``."""
+    built with ``partition_args``. ``split`` (each sample's split as the data gives it, 0 train
+    and 1 test) replaces the drawn split of each natural client; another partition refuses it."""
     total = num_clients + num_unseen
+    if split is not None and scheme != "natural":
+        raise ConfigError(f"partition = {scheme!r} pools the samples and splits each client's "
+                          "share at random, but the data gives each sample's train/test split, "
+                          "which belongs to its own clients: set partition = natural (with a "
+                          "client column or array), or leave the split out of the data.")
     rng = np.random.default_rng([seed, 0])
     topped_up = 0
     rotations: list[float] = []
@@ -333,7 +340,15 @@ def make_partition(labels: np.ndarray, num_classes: int, *, scheme: str, num_cli
                               "imagefolder:DIR with one folder per client); choose iid, "
                               "dirichlet, pathological, quantity or rotated.")
         parts, names = natural_partition(groups, total, rng, min_samples, group_names)
-        if time_ordered:
+        if split is not None:
+            splits = [(part[split[part] == 0], part[split[part] == 1]) for part in parts]
+            empty = [(names[i], side) for i, (train, test) in enumerate(splits)
+                     for side, rows in (("train", train), ("test", test)) if len(rows) == 0]
+            if empty:
+                raise ConfigError(f"partition = natural: client {empty[0][0]!r} has no "
+                                  f"{empty[0][1]} samples in the data's split; give every "
+                                  "client both (or leave the split out, to draw one).")
+        elif time_ordered:
             splits = [split_in_order(part, test_fraction) for part in parts]
         else:
             split_rng = np.random.default_rng([seed, 1])

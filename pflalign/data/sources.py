@@ -1,17 +1,24 @@
-"""A researcher's own data: ``dataset = npz:PATH``.
+"""A researcher's own data: ``dataset = npz:PATH``, ``csv:PATH`` / ``parquet:PATH``,
+``imagefolder:DIR``, ``text:DIR`` (and ``jsonl:``/``hf:`` in their own modules).
 
-The file holds ``x`` and ``y`` (and optionally ``client``), as ``numpy.savez`` writes them:
+An npz file holds ``x`` and ``y`` (and optionally ``client`` and ``split``), as
+``numpy.savez`` writes them:
 
 - ``x``: the samples, either images as ``uint8`` (0..255), ``N x H x W`` (one channel) or
-  ``N x C x H x W`` (channels first), or feature vectors as floats, ``N x D``;
+  ``N x C x H x W`` (channels first), images as floats (already normalised: used as given), or
+  feature vectors as floats, ``N x D``;
 - ``y``: ``N`` integer labels, ``0..K-1`` (``K`` = the largest label + 1);
 - ``client`` (optional): ``N`` integers or strings, each sample's own client, for
-  ``partition = natural``; every other partition splits by ``y`` as it does a built-in dataset.
+  ``partition = natural``; every other partition splits by ``y`` as it does a built-in dataset;
+- ``split`` (optional): each sample's split, ``train``/``test`` or 0/1, which ``partition =
+  natural`` keeps in place of a drawn one.
 
-Images are normalised per channel by the file's own mean and standard deviation, as the
-built-in datasets are by their published ones; feature vectors go to the model as they are
-(float32). What the samples are (:func:`dataset_kind`) is read from the array headers alone,
-before any data, so a config is checked without loading the file.
+A table (:func:`load_table`) has a label column (names or integers, encoded with their names kept),
+feature columns, and optionally a client and a split column. Images in uint8 are normalised per
+channel by the data's own mean and standard deviation, as the built-in datasets are by their
+published ones; feature vectors go to the model as they are (float32). What the samples are
+(:func:`dataset_kind`) is read from the array headers alone, before any data, so a config is checked
+without loading the file.
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ from pflalign.settings.options import ConfigError
 from pflalign.settings.schema import DATASETS, FEATURES, IMAGE, TOKENS
 
 NPZ = "npz:"
+#: the splits a sample's split (a column, an array, a folder) may name, and their codes
+SPLITS = {"train": 0, "test": 1}
 #: what a dataset value may be besides a built-in name, for messages
-USER_FORMS = ("npz:PATH, imagefolder:DIR, text:DIR, jsonl:PATH or hf:NAME_OR_PATH (your own "
-              "data: docs/data.md)")
+USER_FORMS = ("npz:PATH, csv:PATH, parquet:PATH, imagefolder:DIR, text:DIR, jsonl:PATH or "
+              "hf:NAME_OR_PATH (your own data: docs/data.md)")
 
 
 def npz_path(name: str) -> Path | None:
@@ -46,13 +55,17 @@ def npz_path(name: str) -> Path | None:
     return Path(text).expanduser()
 
 
-def check_dataset_name(name: str, columns: tuple[str, str, str] = NO_COLUMNS) -> None:
+def check_dataset_name(name: str, columns: tuple[str, ...] = NO_COLUMNS) -> None:
     """A dataset value names a built-in dataset or a readable source, in one sentence if not
-    (``columns``: a Hugging Face dataset's column keys, :mod:`pflalign.data.hf_source`)."""
+    (``columns``: the input, label, client and split column keys of a Hugging Face dataset,
+    :mod:`pflalign.data.hf_source`, or of a table)."""
     if name in DATASETS:
         return
     if name.startswith(HF):
-        hf_source.layout(name, columns)
+        hf_source.layout(name, tuple(columns)[:3])
+        return
+    if table_path(name) is not None:
+        table_layout(name, columns)
         return
     if name.startswith(NPZ):
         _headers(npz_path(name))
@@ -111,9 +124,12 @@ def _headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
             raise ConfigError(f"{where}: x is uint8 of shape {x_shape}; images must be N x H x W "
                               "or N x C x H x W.")
     elif x_dtype.kind == "f":
-        if len(x_shape) != 2:
-            raise ConfigError(f"{where}: x is {x_dtype} of shape {x_shape}; feature vectors "
-                              "must be N x D (images: uint8 N x H x W or N x C x H x W).")
+        if len(x_shape) == 4 and x_shape[1] not in (1, 3) and x_shape[3] in (1, 3):
+            raise ConfigError(f"{where}: x has shape {x_shape}, channels last; images must be "
+                              "channels first: x.transpose(0, 3, 1, 2).")
+        if len(x_shape) not in (2, 3, 4):
+            raise ConfigError(f"{where}: x is {x_dtype} of shape {x_shape}; give feature "
+                              "vectors N x D, or images N x H x W or N x C x H x W.")
     else:
         raise ConfigError(f"{where}: x is {x_dtype}; give images as uint8 (0..255) or feature "
                           "vectors as floats.")
@@ -126,14 +142,22 @@ def _headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
                               f"sample (shape ({x_shape[0]},)).")
         if c_dtype.kind not in "iuUS":
             raise ConfigError(f"{where}: client is {c_dtype}; give integer or string ids.")
+    if "split" in headers:
+        s_shape, s_dtype = headers["split"]
+        if s_shape != (x_shape[0],) or s_dtype.kind not in "iubUS":
+            raise ConfigError(f"{where}: split has shape {s_shape} and dtype {s_dtype}; it must "
+                              f"give each sample's split (shape ({x_shape[0]},)): 'train' or "
+                              "'test', or 0 and 1.")
     return headers
 
 
-def dataset_kind(name: str, columns: tuple[str, str, str] = NO_COLUMNS) -> str:
+def dataset_kind(name: str, columns: tuple[str, ...] = NO_COLUMNS) -> str:
     """What the samples of dataset ``name`` are (``image``, ``tokens`` or ``features``), known
     before any data is read."""
     if name.startswith(HF):
-        return hf_source.layout(name, columns).kind
+        return hf_source.layout(name, tuple(columns)[:3]).kind
+    if table_path(name) is not None:
+        return FEATURES
     if name.startswith(IMAGEFOLDER):
         return IMAGE
     if name.startswith(TEXT):
@@ -146,13 +170,15 @@ def dataset_kind(name: str, columns: tuple[str, str, str] = NO_COLUMNS) -> str:
             check_dataset_name(name)
         return DATASETS[name]
     shape, dtype = _headers(path)["x"]
-    return FEATURES if dtype.kind == "f" else IMAGE
+    return FEATURES if dtype.kind == "f" and len(shape) == 2 else IMAGE
 
 
-def has_natural_clients(name: str, columns: tuple[str, str, str] = NO_COLUMNS) -> bool:
+def has_natural_clients(name: str, columns: tuple[str, ...] = NO_COLUMNS) -> bool:
     """Whether dataset ``name`` says which client each sample belongs to."""
     if name.startswith(HF):
-        return hf_source.layout(name, columns).client is not None
+        return hf_source.layout(name, tuple(columns)[:3]).client is not None
+    if table_path(name) is not None:
+        return table_layout(name, columns)["client"] is not None
     if name.startswith(IMAGEFOLDER):
         return scan_imagefolder(folder_of(name, IMAGEFOLDER))[0] is not None
     if name.startswith(TEXT):
@@ -174,6 +200,7 @@ def load_npz(name: str) -> dict:
     with np.load(path, allow_pickle=False) as data:
         x, y = data["x"], data["y"]
         client = data["client"] if "client" in headers else None
+        split = split_codes(data["split"], where) if "split" in headers else None
     if y.size and y.min() < 0:
         raise ConfigError(f"{where}: y holds the label {int(y.min())}; labels must be 0..K-1.")
     labels = y.astype(np.int64)
@@ -188,17 +215,20 @@ def load_npz(name: str) -> dict:
     if x.dtype.kind == "f":
         if not np.isfinite(x).all():
             raise ConfigError(f"{where}: x holds NaN or infinite values.")
-        samples = np.ascontiguousarray(x, dtype=np.float32)
-        kind, mean, std = FEATURES, (), ()
+        # feature vectors, or images already normalised by the user: used as given
+        samples = np.ascontiguousarray(x[:, None] if x.ndim == 3 else x, dtype=np.float32)
+        kind, mean, std = (FEATURES if x.ndim == 2 else IMAGE), (), ()
     else:
         samples = np.ascontiguousarray(x[:, None] if x.ndim == 3 else x)
         kind = IMAGE
         mean, std = _channel_moments(samples)
     samples.setflags(write=False)
     labels.setflags(write=False)
+    if split is not None:
+        split.setflags(write=False)
     return {"name": name, "images": samples, "labels": labels, "num_classes": num_classes,
             "mean": mean, "std": std, "kind": kind, "groups": groups,
-            "group_names": group_names}
+            "group_names": group_names, "split": split}
 
 
 # --- image folders: dataset = imagefolder:DIR ---------------------------------------------------
@@ -228,10 +258,11 @@ def _images_in(folder: Path) -> list[Path]:
 
 
 def scan_imagefolder(root: Path) -> tuple[list[str] | None, list[str], list[tuple[Path, str, str]]]:
-    """The layout of an image folder: ``ROOT/<class>/<image>`` (torchvision's ImageFolder), or
-    ``ROOT/<client>/<class>/<image>`` (each client's own folder: a natural partition). Returns
-    the clients (None for the first layout), the classes (sorted, as ImageFolder sorts them) and
-    every image as (path, class, client)."""
+    """The layout of an image folder: ``ROOT/<class>/<image>`` (torchvision's ImageFolder),
+    ``ROOT/<client>/<class>/<image>`` (each client's own folder: a natural partition), or
+    ``ROOT/<client>/{train,test}/<class>/<image>`` (each client's own split too). Returns the
+    clients (None for the first layout), the classes (sorted, as ImageFolder sorts them) and
+    every image as (path, class, client); :func:`folder_splits` gives the split of each."""
     where = f"dataset = 'imagefolder:{root}'"
     if not root.is_dir():
         raise ConfigError(f"{where}: the folder does not exist.")
@@ -248,9 +279,19 @@ def scan_imagefolder(root: Path) -> tuple[list[str] | None, list[str], list[tupl
                               "not; use one layout: DIR/<class>/<image> or "
                               "DIR/<client>/<class>/<image>.")
         clients = [p.name for p in subfolders]
+        split = [c for c in subfolders if {p.name for p in _visible(c) if p.is_dir()}
+                 <= set(SPLITS)]
+        if split and len(split) != len(subfolders):
+            odd = [p.name for p in subfolders if p not in split][:3]
+            raise ConfigError(f"{where}: some client folders hold train and test folders and "
+                              f"some ({odd}) do not; use one layout: DIR/<client>/<class>/<image>"
+                              " or DIR/<client>/{train,test}/<class>/<image>.")
         for client in subfolders:
-            for cls in [p for p in _visible(client) if p.is_dir()]:
-                files += [(f, cls.name, client.name) for f in _images_in(cls)]
+            homes = ([client / s for s in SPLITS if (client / s).is_dir()] if split
+                     else [client])
+            for home in homes:
+                for cls in [p for p in _visible(home) if p.is_dir()]:
+                    files += [(f, cls.name, client.name) for f in _images_in(cls)]
     else:
         clients = None
         for cls in subfolders:
@@ -269,6 +310,15 @@ def scan_imagefolder(root: Path) -> tuple[list[str] | None, list[str], list[tupl
         if empty:
             raise ConfigError(f"{where}: client folder {empty[0]!r} has no images.")
     return clients, classes, files
+
+
+def folder_splits(root: Path, files: list[tuple[Path, str, str]]) -> np.ndarray | None:
+    """Each image's split (0 train, 1 test) in the layout ``ROOT/<client>/{train,test}/...``;
+    None in the others."""
+    parts = [p.relative_to(root).parts for p, _, _ in files]
+    if not parts or len(parts[0]) != 4 or parts[0][1] not in SPLITS:
+        return None
+    return np.array([SPLITS[p[1]] for p in parts], dtype=np.int8)
 
 
 def _decoded(files: list[tuple[Path, str, str]], size: int, where: str) -> np.ndarray:
@@ -333,12 +383,13 @@ def load_imagefolder(name: str, image_size: int, cache_dir: str = "") -> dict:
         group_names = tuple(clients)
     images = np.ascontiguousarray(images)
     mean, std = _channel_moments(images)
-    images.setflags(write=False)
-    labels.setflags(write=False)
+    split = folder_splits(root, files)
+    for array in (images, labels, *([] if split is None else [split])):
+        array.setflags(write=False)
     return {"name": name, "images": images, "labels": labels, "num_classes": len(classes),
             "class_names": tuple(classes),
             "mean": mean, "std": std, "kind": IMAGE, "groups": groups,
-            "group_names": group_names}
+            "group_names": group_names, "split": split}
 
 
 # --- text files: dataset = text:DIR -------------------------------------------------------------
@@ -384,3 +435,178 @@ def check_characters(name: str, texts: list[tuple[str, str]]) -> None:
         raise ConfigError(f"dataset = {name!r}: {outside / total:.0%} of the text's characters "
                           "are outside char-lstm's 80-symbol vocabulary (they would all become "
                           "spaces); use model = hf:<model>, whose own tokenizer reads them.")
+
+
+# --- tables: dataset = csv:PATH or parquet:PATH --------------------------------------------------
+CSV, PARQUET = "csv:", "parquet:"
+TABLES = (CSV, PARQUET)
+#: a table's columns when the keys leave them empty: the first of each list that is there
+_LABEL_NAMES = ("label", "labels", "y", "target", "class")
+_CLIENT_NAMES = ("client", "client_id", "user", "user_id")
+_SPLIT_NAMES = ("split",)
+
+
+def table_path(name: str) -> Path | None:
+    """The file of ``dataset = csv:PATH`` or ``parquet:PATH``, or None for another dataset."""
+    prefix = next((p for p in TABLES if name.startswith(p)), None)
+    if prefix is None:
+        return None
+    text = name[len(prefix):].strip()
+    if not text:
+        raise ConfigError(f"dataset = {prefix!r} needs a path: dataset = '{prefix}/path/to/"
+                          f"data.{prefix[:-1]}'.")
+    return Path(text).expanduser()
+
+
+def _read_table(path: Path, header_only: bool = False):
+    """The table as a pandas DataFrame (no rows with ``header_only``)."""
+    where = f"dataset = '{path}'"
+    try:
+        import pandas as pd
+    except ImportError:
+        raise ConfigError(f"{where}: a table is read with pandas (and Parquet with pyarrow): "
+                          "pip install \"pflalign[tables]\".") from None
+    if not path.is_file():
+        raise ConfigError(f"{where}: the file does not exist.")
+    try:
+        if path.suffix.lower() in (".parquet", ".pq") or str(path).endswith(".parquet"):
+            if header_only:
+                import pyarrow.parquet as pq
+
+                return pd.DataFrame(columns=pq.read_schema(path).names)
+            return pd.read_parquet(path)
+        return pd.read_csv(path, nrows=0 if header_only else None)
+    except (ValueError, OSError, ImportError) as err:
+        raise ConfigError(f"{where} cannot be read as a table ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0] if str(err) else ''}).") from None
+    except Exception as err:  # pandas' and pyarrow's own parser errors
+        raise ConfigError(f"{where} cannot be read as a table ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0] if str(err) else ''}).") from None
+
+
+def table_layout(name: str, columns: tuple[str, ...]) -> dict[str, object]:
+    """The columns of ``dataset = csv:/parquet:PATH`` from its header alone: ``label``,
+    ``client`` (or None), ``split`` (or None) and the ``features``; ``columns``: the
+    input-column, label-column, client-column and split-column keys (empty: found by name)."""
+    path = table_path(name)
+    where = f"dataset = '{name}'"
+    header = [str(c) for c in _read_table(path, header_only=True).columns]
+    given_input, given_label, given_client, given_split = (
+        (tuple(columns) + ("", "", "", ""))[:4])
+
+    def pick(given: str, names: tuple[str, ...], key: str, required: bool) -> str | None:
+        given = given.strip()
+        if given:
+            if given not in header:
+                raise ConfigError(f"{where}: {key} = {given!r} is not one of its columns "
+                                  f"({', '.join(header[:12])}{' ...' if len(header) > 12 else ''})"
+                                  f"; name one of them.")
+            return given
+        found = next((c for c in names if c in header), None)
+        if found is None and required:
+            raise ConfigError(f"{where} has no label column (none of {', '.join(names)}; its "
+                              f"columns are {', '.join(header[:12])}"
+                              f"{' ...' if len(header) > 12 else ''}); name it with "
+                              "label-column.")
+        return found
+
+    label = pick(given_label, _LABEL_NAMES, "label-column", True)
+    client = pick(given_client, _CLIENT_NAMES, "client-column", False)
+    split = pick(given_split, _SPLIT_NAMES, "split-column", False)
+    taken = {label, client, split} - {None}
+    if given_input.strip():
+        features = [c.strip() for c in given_input.split(",") if c.strip()]
+        unknown = [c for c in features if c not in header]
+        if unknown:
+            raise ConfigError(f"{where}: input-column names {', '.join(unknown[:3])}, which "
+                              "it does not have; name its feature columns.")
+        clash = [c for c in features if c in taken]
+        if clash:
+            raise ConfigError(f"{where}: column {clash[0]!r} is both a feature and the "
+                              "labels, clients or split; leave it out of input-column.")
+    else:
+        features = [c for c in header if c not in taken]
+    if not features:
+        raise ConfigError(f"{where} has no feature columns beside its labels, clients and "
+                          "split.")
+    return {"label": label, "client": client, "split": split, "features": features}
+
+
+def split_codes(values: np.ndarray, where: str) -> np.ndarray:
+    """Each sample's split as 0 (train) or 1 (test), from ``train``/``test`` strings
+    (any case) or the integers 0 and 1; one sentence for any other value."""
+    values = np.asarray(values)
+    if values.dtype.kind in "iub":
+        bad = values[(values != 0) & (values != 1)]
+        if bad.size:
+            raise ConfigError(f"{where}: the split holds {bad[0]!r}; each sample's split must "
+                              "be train or test (0 or 1).")
+        return values.astype(np.int8)
+    text = np.char.lower(np.char.strip(values.astype(str)))
+    known = np.isin(text, list(SPLITS))
+    if not known.all():
+        first = int(np.flatnonzero(~known)[0])
+        raise ConfigError(f"{where}: the split of row {first} is {str(values[first])!r}; each "
+                          "row's split must be train or test.")
+    return (text == "test").astype(np.int8)
+
+
+def load_table(name: str, columns: tuple[str, ...]) -> dict:
+    """The fields of the pooled dataset of ``dataset = csv:PATH`` or ``parquet:PATH``: its
+    feature columns as float32 vectors, its labels encoded 0..K-1 with their names kept (the
+    sorted distinct values: strings, or numbers written as text), each row's client and split
+    where the table has those columns."""
+    path = table_path(name)
+    where = f"dataset = '{name}'"
+    layout = table_layout(name, columns)
+    frame = _read_table(path)
+    if len(frame) == 0:
+        raise ConfigError(f"{where} holds no rows.")
+    features = frame[layout["features"]]
+    numeric = [c for c in layout["features"] if features[c].dtype.kind not in "iufb"]
+    if numeric:
+        raise ConfigError(f"{where}: column {numeric[0]!r} is not numeric "
+                          f"({features[numeric[0]].dtype}); encode it as numbers, or leave it "
+                          "out with input-column.")
+    x = features.to_numpy(dtype=np.float32)
+    if not np.isfinite(x).all():
+        row = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0])
+        raise ConfigError(f"{where}: row {row} has a missing or infinite feature value; fill "
+                          "or drop it.")
+    raw = frame[layout["label"]]
+    if raw.isna().any():
+        raise ConfigError(f"{where}: row {int(np.flatnonzero(raw.isna().to_numpy())[0])} has no "
+                          f"label in column {layout['label']!r}.")
+    if raw.dtype.kind == "f" and not np.all(np.mod(raw.to_numpy(), 1) == 0):
+        raise ConfigError(f"{where}: the label column {layout['label']!r} holds non-integer "
+                          "numbers; a classifier needs classes (integers or names).")
+    values = raw.to_numpy()
+    if values.dtype.kind == "f":
+        values = values.astype(np.int64)
+    names, labels = np.unique(values if values.dtype.kind in "iu" else values.astype(str),
+                              return_inverse=True)
+    if len(names) < 2:
+        raise ConfigError(f"{where}: the label column {layout['label']!r} holds one class; a "
+                          "classifier needs at least two.")
+    groups, group_names = None, ()
+    if layout["client"] is not None:
+        clients = frame[layout["client"]]
+        if clients.isna().any():
+            raise ConfigError(f"{where}: row {int(np.flatnonzero(clients.isna().to_numpy())[0])} "
+                              f"has no client in column {layout['client']!r}.")
+        ids = clients.to_numpy()
+        found, groups = np.unique(ids if ids.dtype.kind in "iu" else ids.astype(str),
+                                  return_inverse=True)
+        groups = groups.astype(np.int64)
+        group_names = tuple(str(n) for n in found)
+    split = None
+    if layout["split"] is not None:
+        split = split_codes(frame[layout["split"]].to_numpy(), where)
+        split.setflags(write=False)
+    labels = labels.astype(np.int64)
+    samples = np.ascontiguousarray(x)
+    samples.setflags(write=False)
+    labels.setflags(write=False)
+    return {"name": name, "images": samples, "labels": labels, "num_classes": len(names),
+            "class_names": tuple(str(n) for n in names), "mean": (), "std": (),
+            "kind": FEATURES, "groups": groups, "group_names": group_names, "split": split}

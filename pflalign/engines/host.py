@@ -30,6 +30,7 @@ from pflalign.data.federated import federated_dataset
 from pflalign.data.node import NodeData
 from pflalign.methods.base import Method
 from pflalign.methods.registry import METHODS
+from pflalign.models.registry import ModelTemplate
 from pflalign.process.caches import cached
 from pflalign.server.privacy import run_noise_multiplier
 from pflalign.settings.options import Value
@@ -56,6 +57,8 @@ from pflalign.wire.protocol import (
     QUERY,
     RESTORE,
     ROUND,
+    SAVE_SCORED,
+    SCORED,
     STATE,
     TRAIN,
     UNSEEN,
@@ -188,7 +191,11 @@ def finish(call: Call, result: object) -> tuple[Metrics, ReplyArrays, State | No
     :func:`train_reply`)."""
     client_id = call.client.client_id
     if call.action == EVALUATE:
-        return evaluation_reply(client_id, result), {}, call.restored  # type: ignore[arg-type]
+        reply: ReplyArrays = {}
+        if call.received.config.get(SAVE_SCORED) and call.client.scored is not None:
+            scored = scored_arrays(call.method, call.client)
+            reply = {SCORED: scored} if scored is not None else {}
+        return evaluation_reply(client_id, result), reply, call.restored  # type: ignore[arg-type]
     upload, new_state = result  # type: ignore[misc]
     kept = state_to_keep(new_state, call.restored)
     upload = counted(upload, call.client.data.num_train)
@@ -197,6 +204,26 @@ def finish(call: Call, result: object) -> tuple[Metrics, ReplyArrays, State | No
     metrics, reply = train_reply(client_id, upload, call.saved, kept,
                                  time.perf_counter() - call.started)
     return metrics, reply, kept
+
+
+@cached(maxsize=8)
+def saved_keys(method: Method, template: ModelTemplate, num_classes: int) -> tuple[str, ...]:
+    """The entries of a saved client model of ``method`` on ``template``'s model
+    (:meth:`~pflalign.methods.base.Method.saved_keys`), once per process."""
+    return method.saved_keys(template.new(), num_classes)
+
+
+def scored_arrays(method: Method, client: ClientRuntime) -> dict[str, torch.Tensor] | None:
+    """The model that scored ``client`` in its latest evaluation (:attr:`ClientRuntime.scored`),
+    as the entries a saved client model holds; None when it is not of the method's
+    :meth:`~pflalign.methods.base.Method.scored_module` (the server then says the client's model
+    is not saved: its metrics stand)."""
+    scored = client.scored
+    state = scored.state_dict() if isinstance(scored, torch.nn.Module) else scored
+    keys = saved_keys(method, client.template, client.num_classes)
+    if any(k not in state for k in keys):  # type: ignore[operator]
+        return None
+    return {k: state[k].detach() for k in keys}  # type: ignore[index]
 
 
 def privatized(upload: Upload, received: Received, run: RunConfig, client_id: int) -> Upload:

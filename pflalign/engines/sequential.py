@@ -27,7 +27,7 @@ from pflalign.engines.store import ClientStateStore
 from pflalign.outputs.results import Reporter
 from pflalign.settings.schema import Settings
 from pflalign.wire.messages import ClientInfo, Exchange, Outgoing, Reply
-from pflalign.wire.protocol import NUM_TEST, NUM_TRAIN, RESTORE, UNSEEN
+from pflalign.wire.protocol import NUM_TEST, NUM_TRAIN, RESTORE, SCORED, UNSEEN
 from pflalign.wire.state import State
 from pflalign.wire.traffic import records_bytes, sent_bytes
 
@@ -106,8 +106,9 @@ class SequentialEngine(Engine):
         if state is not None:
             self.states[cid] = state
         reply_arrays = numpy_records(arrays)
+        # a model sent back for save-models is the run's output, not the method's traffic
         return (Reply(cid, f"client {cid}", metrics=metrics, arrays=reply_arrays),
-                records_bytes(reply_arrays.values()))
+                records_bytes(r for name, r in reply_arrays.items() if name != SCORED))
 
     def exchange(self, action: str, messages: Sequence[Outgoing]) -> Exchange:
         replies, down, up = [], 0, 0

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import ClassVar, Generic, TypeVar
 
+from torch import nn
+
 from pflalign.models.language import is_language_model
 from pflalign.server.aggregation import FlatSpec
 from pflalign.server.runtime import ServerRuntime
@@ -196,6 +198,22 @@ class Method(Generic[P, C, S]):
             raise ConfigError(f"local-optimizer = {optimizer!r} does not apply to {cls.name} "
                               "(own local update rule); set it per method instead, e.g. "
                               "'fedavg(local-optimizer=genie)', or use pflalign-genie.")
+
+    # --- what a client's evaluation scores (save-models) ----------------------------------------
+    def scored_module(self, model: nn.Module, num_classes: int) -> nn.Module:
+        """A module of the form :meth:`evaluate` scores as a client's personal model, around
+        ``model`` (a fresh copy of the run's model; ``num_classes``: the task's): the model
+        itself, or the method's own wrapper (FedDBE's, GPFL's, FedCP's). A saved client model
+        (:mod:`pflalign.round.features.models`) is loaded into it."""
+        return model
+
+    def saved_keys(self, model: nn.Module, num_classes: int) -> tuple[str, ...]:
+        """The state-dict entries of a saved client model (:meth:`scored_module` around
+        ``model``): all but frozen parameters (a language model's base weights, which the run's
+        model rebuilds). Computed once per method and model shape."""
+        scored = self.scored_module(model, num_classes)
+        frozen = {k for k, p in scored.named_parameters() if not p.requires_grad}
+        return tuple(k for k in scored.state_dict() if k not in frozen)
 
     # --- client rules --------------------------------------------------------------------------
     def train(self, client: ClientRuntime, received: Received, state: C) -> Rule:

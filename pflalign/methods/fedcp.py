@@ -128,7 +128,8 @@ class FedCPModel(nn.Module):
         super().__init__()
         self.model, self.global_head = model, global_head
         self.personal_head, self.policy = personal_head, policy
-        self.vector = client_vector(personal_head.weight)
+        # in the state dict: a saved model keeps it
+        self.register_buffer("vector", client_vector(personal_head.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with without_head(self.model):
@@ -281,6 +282,13 @@ class FedCP(Method):
                       state: FedCPClientState) -> FedCPModel:
         model, global_head, personal_head, policy, _ = self._parts(client, received, state)
         return FedCPModel(model, global_head, personal_head, policy)
+
+    def scored_module(self, model: nn.Module, num_classes: int) -> nn.Module:
+        global_head = head_of(model)[1]
+        personal_head = nn.Linear(global_head.in_features, global_head.out_features,
+                                  bias=global_head.bias is not None)
+        return FedCPModel(model, global_head, personal_head,
+                          ConditionalPolicy(global_head.in_features))
 
     def evaluate(self, client: ClientRuntime, received: Received,
                  state: FedCPClientState) -> dict:

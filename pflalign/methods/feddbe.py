@@ -77,7 +77,8 @@ class BiasedModel(nn.Module):
 
     def __init__(self, model: nn.Module, bias: torch.Tensor):
         super().__init__()
-        self.model, self.bias = model, bias
+        self.model = model
+        self.register_buffer("bias", bias)  # in the state dict: a saved model keeps it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with without_head(self.model):
@@ -174,12 +175,18 @@ class FedDBE(FedAvg):
         return Upload(result.model, metrics,
                       arrays={FEATURE_MEAN: {MEAN: result.state[MEAN]}}), new
 
+    def scored_module(self, model: nn.Module, num_classes: int) -> nn.Module:
+        return BiasedModel(model, torch.zeros(head_of(model)[1].in_features))
+
     def evaluate(self, client: ClientRuntime, received: Received,
                  state: FedDBEClientState) -> dict:
         model = client.new_model(received.model)
         global_result = client.test(model)
-        if state.bias is None:
-            return client.eval_metrics(global_result, global_result)
+        if state.bias is None:  # scored as the global model: a zero bias changes no output
+            zero = BiasedModel(model, torch.zeros(head_of(model)[1].in_features,
+                                                  device=client.device))
+            return client.eval_metrics(dataclasses.replace(global_result, scored=zero),
+                                      global_result)
         personal = client.test(BiasedModel(model, state.bias.to(client.device)))
         return client.eval_metrics(personal, global_result)
 

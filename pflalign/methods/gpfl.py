@@ -140,7 +140,8 @@ class GPFLModel(nn.Module):
 
     def __init__(self, model: nn.Module, valve: ConditionalValve, personal: torch.Tensor):
         super().__init__()
-        self.model, self.valve, self.personal = model, valve, personal
+        self.model, self.valve = model, valve
+        self.register_buffer("personal", personal)  # in the state dict: a saved model keeps it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with without_head(self.model):
@@ -286,6 +287,10 @@ class GPFL(Method):
                         arrays={COV: prefixed(result.extras, COV),
                                 GCE: prefixed(result.extras, GCE)})
         return upload, GPFLClientState({k: v for k, v in result.model.items() if k in personal})
+
+    def scored_module(self, model: nn.Module, num_classes: int) -> nn.Module:
+        features = head_of(model)[1].in_features
+        return GPFLModel(model, ConditionalValve(features), torch.zeros(features))
 
     def evaluate(self, client: ClientRuntime, received: Received,
                  state: GPFLClientState) -> Rule:

@@ -68,6 +68,7 @@ from pflalign.wire.protocol import (
     LOCAL_STEPS,
     MODEL,
     NEXT_CORRECT,
+    SAVE_SCORED,
     TRAIN,
     TRAIN_LOSS,
     Metric,
@@ -251,6 +252,12 @@ class PFLAlignClientState(ArrayState):
     fit_correct: int | None = None
     fit_count: int | None = None
     fit_loss_sum: float | None = None
+    #: theta_end itself, kept with its score under save-models (an evaluation scores the client
+    #: by it until the client trains again, and the run's final one saves it): one model more
+    #: per client that trained
+    fit_model: TorchState | None = None
+    #: ... and its scores beyond accuracy (eval-metrics), each a 0-d float64 tensor
+    fit_scores: TorchState | None = None
 
 
 @dataclass
@@ -356,6 +363,9 @@ class PFLAlignMethod(Method):
             fit = client.test(result.model)
             new.fit_correct, new.fit_count, new.fit_loss_sum = fit.correct, fit.count, \
                 fit.loss_sum
+            new.fit_model = dict(result.model) if received.config.get(SAVE_SCORED) else None
+            new.fit_scores = {k: torch.tensor(v, dtype=torch.float64)
+                              for k, v in fit.scores.items()} or None
         return Upload(result.model, metrics), new
 
     def _next_state(self, received: Received, state: PFLAlignClientState,
@@ -380,14 +390,18 @@ class PFLAlignMethod(Method):
         weights = self._next_state(received, state)
         next_result = global_result if weights is None else client.test(weights)
         personal = next_result if state.fit_count is None else EvalStats(
-            correct=state.fit_correct, loss_sum=state.fit_loss_sum, count=state.fit_count)
+            correct=state.fit_correct, loss_sum=state.fit_loss_sum, count=state.fit_count,
+            scored=state.fit_model,
+            scores={k: float(v) for k, v in (state.fit_scores or {}).items()})
         return {**client.eval_metrics(personal, global_result), NEXT_CORRECT: next_result.correct}
 
     # --- server --------------------------------------------------------------------------------
     def train_payload(self, server: ServerRuntime, state: PFLAlignServerState, client: int,
                       server_round: int) -> Payload:
-        config = {EVALUATE_AFTER_FIT: self.last_training_before_evaluation(server, client,
-                                                                           server_round)}
+        fit = self.last_training_before_evaluation(server, client, server_round)
+        config = {EVALUATE_AFTER_FIT: fit}
+        if fit and server.settings.run.save_models != "none":
+            config[SAVE_SCORED] = True  # keep theta_end: a later evaluation scores (saves) it
         if not (self.server_mode and client in state.offsets):
             return Payload({MODEL: server.shared_model(state)}, config)
         offset = state.offsets[client]

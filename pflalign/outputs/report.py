@@ -42,7 +42,8 @@ STUDY_METRICS = ("personal-acc", "personal-acc-bottom10", "global-acc", "unseen-
 #: personal loss, and a language model's perplexities and next-token accuracy
 COMPARABLE_METRICS = ("personal-acc", "personal-acc-unweighted", "personal-acc-bottom10",
                       "global-acc", "unseen-acc", "personal-acc-next", "personal-loss",
-                      "personal-ppl", "global-ppl")
+                      "personal-ppl", "global-ppl", "personal-macro-f1",
+                      "personal-balanced-accuracy", "personal-auroc")
 #: Names of the report file and the plot folder inside a results directory.
 REPORT_FILE, PLOT_DIR = "report.md", "plots"
 LEVEL = 0.95

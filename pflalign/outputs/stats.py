@@ -64,10 +64,20 @@ def is_fraction(metric: str) -> bool:
     return bool(_ACCURACY.search(metric))
 
 
+#: metrics whose direction and range their name does not say: (higher is better, the range of
+#: :data:`SCALES`): the scores beyond accuracy (``eval-metrics``)
+DECLARED: dict[str, tuple[bool, str | None]] = {
+    "personal-macro-f1": (True, "fraction"), "personal-balanced-accuracy": (True, "fraction"),
+    "personal-auroc": (True, "fraction")}
+
+
 def metric_scale(metric: str) -> str | None:
-    """The range a metric lives in, for its intervals (:data:`SCALES`): ``fraction`` for the
-    accuracies (:func:`is_fraction`), ``above-one`` for perplexities (names ending in ``ppl``),
-    ``positive`` for losses (ending in ``loss``), None (unbounded) for anything else."""
+    """The range a metric lives in, for its intervals (:data:`SCALES`): as :data:`DECLARED`
+    says, else ``fraction`` for the accuracies (:func:`is_fraction`), ``above-one`` for
+    perplexities (names ending in ``ppl``), ``positive`` for losses (ending in ``loss``), None
+    (unbounded) for anything else."""
+    if metric in DECLARED:
+        return DECLARED[metric][1]
     if is_fraction(metric):
         return "fraction"
     if metric.endswith("ppl"):
@@ -78,8 +88,10 @@ def metric_scale(metric: str) -> str | None:
 
 
 def higher_is_better(metric: str) -> bool:
-    """A metric's direction: lower is better for losses and perplexities, higher for the
-    rest."""
+    """A metric's direction: as :data:`DECLARED` says, else lower is better for losses and
+    perplexities, higher for the rest."""
+    if metric in DECLARED:
+        return DECLARED[metric][0]
     return not (metric.endswith("loss") or metric.endswith("ppl"))
 
 

@@ -3,7 +3,9 @@
 Seen clients give ``personal-acc`` (every test sample pooled), its spread and worst decile
 (:func:`~pflalign.server.metrics.accuracy_summary`), the personal loss (sample-weighted and
 median), ``global-acc`` for a method with a global model, perplexities for a next-token model,
-and ``personal-acc-next`` where clients report it; unseen clients give ``unseen-acc``. Each
+``personal-acc-next`` where clients report it, and the scores ``eval-metrics`` asks for
+(``personal-macro-f1``, ...: each client's, averaged by test samples); unseen clients give
+``unseen-acc``. Each
 evaluated client's own accuracy goes to the run's per-client results.
 """
 
@@ -30,6 +32,8 @@ from pflalign.wire.protocol import (
     PARTITION_ID,
     PERSONAL_CORRECT,
     PERSONAL_LOSS,
+    SCORED,
+    SCORES,
 )
 
 
@@ -64,8 +68,15 @@ def evaluation_metrics(server: ServerRuntime, method: Method,
     if unseen:
         metrics["unseen-acc"] = (sum(m[PERSONAL_CORRECT] for m in unseen)
                                  / sum(m[NUM_TEST] for m in unseen))
+    scores = [f"personal-{name}" for name in SCORES]
+    for key in scores:  # eval-metrics: the seen clients that have it, by their test samples
+        having = [m for m in seen if key in m]
+        if having:
+            metrics[key] = float(np.average([m[key] for m in having],
+                                            weights=[m[NUM_TEST] for m in having]))
     clients = [{"id": cid, "unseen": info[cid].unseen, "num-train": info[cid].num_train,
-                "num-test": int(m[NUM_TEST]), "personal-acc": m[PERSONAL_CORRECT] / m[NUM_TEST]}
+                "num-test": int(m[NUM_TEST]), "personal-acc": m[PERSONAL_CORRECT] / m[NUM_TEST],
+                **{key: m[key] for key in scores if key in m}}
                for m in rows for cid in [int(m[PARTITION_ID])]]
     return metrics, clients
 
@@ -92,6 +103,8 @@ def evaluation_round(loop, server_round: int) -> Evaluation:
     messages = [loop.messaging.message(cid, method.eval_payload(server, loop.state, cid,
                                                               server_round), server_round)
                 for cid in wanted if cid not in busy]
+    for feature in loop.features:
+        messages = feature.evaluating(loop, messages, server_round)
     return Evaluation(server_round, wanted, busy, messages)
 
 
@@ -101,7 +114,8 @@ def evaluate(loop, evaluation: Evaluation) -> tuple[dict, int, int, Collected]:
     server, method, server_round = loop.server, loop.method, evaluation.number
     messaging = loop.messaging
     exchange = evaluation.exchange or messaging.exchange(EVALUATE, evaluation.messages)
-    collected = messaging.validator.collect(exchange.replies, {}, method.reply_metrics(EVALUATE))
+    collected = messaging.validator.collect(exchange.replies, {}, method.reply_metrics(EVALUATE),
+                                            records=(SCORED,))
     extra: dict = {}
     checked = collected
     for feature in loop.features:

@@ -20,6 +20,7 @@ hook                  when, and what it may do
 ``bound``             the round's updates before aggregation: drop or scale them
 ``release``           the updates the method's rule aggregates: replace them (central DP)
 ``trained``           the training round's row is complete: add entries (epsilon)
+``evaluating``        an evaluation's messages are built, not yet sent (save-models flags them)
 ``evaluated``         an evaluation's replies passed validation: it may reject some
 ``accepted``          metrics of replies that were used (training or evaluation)
 ``final``             the run's final metrics: add entries
@@ -131,6 +132,10 @@ class RoundFeature:
 
     def trained(self, loop, server_round: int, row: dict) -> None:
         """The training round's row is complete (``row``, to add entries to)."""
+
+    def evaluating(self, loop, messages: list[Outgoing], server_round: int) -> list[Outgoing]:
+        """An evaluation's messages, built and not yet sent; returns those to send."""
+        return messages
 
     def evaluated(self, loop, server_round: int, messages: Sequence[Outgoing],
                   collected: Collected, metrics: dict) -> Collected:

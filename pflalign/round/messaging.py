@@ -87,8 +87,8 @@ class Messaging:
         restored state attached to its client's train or evaluate message (as the record
         :data:`~pflalign.wire.protocol.RESTORE`)."""
         limits = self.reply_limits(action)
-        if limits is not None:
-            messages = [replace(m, limits=limits) for m in messages]
+        if limits is not None:  # with the records a feature allowed a message (save-models)
+            messages = [replace(m, limits={**limits, **(m.limits or {})}) for m in messages]
         if not self.pending_restore or action not in (TRAIN, EVALUATE):
             return list(messages)
         return [Outgoing(m.client, Payload({**m.payload.arrays,

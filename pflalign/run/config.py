@@ -28,12 +28,14 @@ from pflalign.data.partition import parse_angles
 from pflalign.data.sources import (
     IMAGEFOLDER,
     NPZ,
+    TABLES,
     TEXT,
     check_dataset_name,
     dataset_kind,
     folder_of,
     has_natural_clients,
     npz_path,
+    table_path,
 )
 from pflalign.methods.registry import METHODS, method_overrides
 from pflalign.models import user
@@ -58,6 +60,7 @@ from pflalign.settings.schema import (
     RunConfig,
     Settings,
 )
+from pflalign.training.scores import SCORES, require_sklearn
 
 
 def _method_options() -> list[Option]:
@@ -383,6 +386,9 @@ def _resolve_dataset(run: RunConfig) -> str:
     path = npz_path(name)
     if path is not None:
         name = NPZ + str(path.resolve())
+    table = table_path(name)
+    if table is not None:
+        name = next(p for p in TABLES if name.startswith(p)) + str(table.resolve())
     for prefix in (IMAGEFOLDER, TEXT):
         folder = folder_of(name, prefix)
         if folder is not None:
@@ -406,9 +412,9 @@ def _kind(run: RunConfig) -> str:
     return dataset_kind(run.dataset, _columns(run))
 
 
-def _columns(run: RunConfig) -> tuple[str, str, str]:
-    """A Hugging Face dataset's column keys (input, label, client)."""
-    return run.input_column, run.label_column, run.client_column
+def _columns(run: RunConfig) -> tuple[str, str, str, str]:
+    """A Hugging Face dataset's or a table's column keys (input, label, client, split)."""
+    return run.input_column, run.label_column, run.client_column, run.split_column
 
 
 def _check_model_name(model: str, key: str) -> None:
@@ -620,6 +626,8 @@ def _check_data(run: RunConfig, gga: GGAParams | None = None) -> None:
                              "choose dataset = 'shakespeare', npz:PATH with a client array, "
                              "imagefolder:DIR with one folder per client (DIR/<client>/<class>/"
                              "<image>), hf:... with a client-column, or another partition."))
+    if run.eval_metrics.strip():
+        _check_scores(run, kind)
     if is_flwr(run.partition):
         check_flwr_partition(run.partition, run.partition_args,
                              run.num_clients + run.num_unseen_clients, run.seed)
@@ -648,6 +656,20 @@ def _check_data(run: RunConfig, gga: GGAParams | None = None) -> None:
             raise ConfigError(f"rotation-unseen-groups = {held_out} leaves no angle of "
                               f"rotation-angles = {run.rotation_angles!r} for the training "
                               "clients; hold out fewer groups or add angles.")
+
+
+def _check_scores(run: RunConfig, kind: str) -> None:
+    """eval-metrics names known scores, of a classifier (not a next-token model), with
+    scikit-learn installed."""
+    names = [s.strip() for s in run.eval_metrics.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SCORES]
+    if unknown:
+        raise ConfigError(f"eval-metrics names {unknown[0]!r}; choose from {', '.join(SCORES)}.")
+    if kind == TOKENS or is_language_model(run.model):
+        raise ConfigError(f"eval-metrics = {run.eval_metrics!r} scores a classifier's classes, "
+                          f"and dataset = {run.dataset!r} is text (each target is the next "
+                          "token; its perplexity is reported): remove eval-metrics.")
+    require_sklearn()
 
 
 def _check_gga(run: RunConfig, gga: GGAParams) -> None:

@@ -28,15 +28,16 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import pflalign.engines.sequential  # noqa: F401  (registers engine = sequential)
 import pflalign.engines.workers  # noqa: F401  (registers engine = batched)
-from pflalign.data.federated import federated_dataset
+from pflalign.data.federated import FederatedDataset, federated_dataset
 from pflalign.engines.base import ENGINE_RUNS, Engine, EngineFactory
 from pflalign.methods.registry import METHODS, method_overrides
 from pflalign.models.language import LoraSpec, is_language_model, run_summary
-from pflalign.models.registry import batch_norm_keys, head_of, model_template
+from pflalign.models.registry import MODELS, batch_norm_keys, head_of, model_template
 from pflalign.models.user import is_user_model
 from pflalign.outputs.results import Reporter, comparison_table, new_results, write_results
 from pflalign.process.interrupt import Interrupted, check_stop
@@ -150,9 +151,27 @@ def preflight(settings: Settings) -> None:
     """Load the run's data and partition and build its model (a user's is then checked on a
     batch, and for the parts every method entry needs), so that their errors come before the
     command writes anything. Both are cached per process: the run reads neither again."""
-    federated_dataset(settings)
-    template_model(settings)()
+    federation = federated_dataset(settings)
+    model = template_model(settings)()
+    if settings.run.model in MODELS and isinstance(federation, FederatedDataset):
+        check_model_takes(settings.run.model, model, federation)
     check_model_parts(settings)
+
+
+def check_model_takes(name: str, model, federation: FederatedDataset) -> None:
+    """A registered model gives outputs for two of the data's samples, or the run is refused in
+    one sentence (a CNN's kernels larger than small images, say)."""
+    dataset = federation.dataset
+    rows = federation.pool[:2]
+    batch = dataset.normalizer()(torch.from_numpy(np.ascontiguousarray(dataset.images[rows])))
+    try:
+        with torch.no_grad():
+            model.eval()(batch)
+    except RuntimeError as err:
+        raise ConfigError(f"model = {name!r} cannot take this data's samples "
+                          f"({' x '.join(map(str, dataset.input_shape))}): "
+                          f"{str(err).splitlines()[0]}; choose another model (docs/data.md) or "
+                          "larger inputs (image-size).") from None
 
 
 def check_model_parts(settings: Settings) -> None:
@@ -267,7 +286,8 @@ def run_methods(settings: Settings, make_engine: EngineFactory,
             running = None
             results["seconds"] = earlier_seconds + time.perf_counter() - started
             path = write_results(settings.run.out_dir, results)
-            checkpoint.remove()
+            if not settings.run.keep_checkpoints:
+                checkpoint.remove()
         if path is None:  # resumed with every entry finished already
             results["seconds"] = earlier_seconds + time.perf_counter() - started
             path = write_results(settings.run.out_dir, results)

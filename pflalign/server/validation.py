@@ -146,13 +146,15 @@ class ReplyValidator:
         return None
 
     def collect(self, replies: Iterable[Reply], arrays: Mapping[str, FlatSpec],
-                schema: Mapping[str, Metric]) -> Collected:
+                schema: Mapping[str, Metric], records: Collection[str] = ()) -> Collected:
         """The validated (metrics, array records) pairs sorted by client id, and the counts of
-        failed and rejected replies; each unusable reply is warned about by client id."""
+        failed and rejected replies; each unusable reply is warned about by client id.
+        ``records``: array records a reply may carry beside ``arrays``, checked by the caller
+        (an evaluation reply's saved model)."""
         collected = Collected(good=[])
         for reply in replies:
             try:
-                collected.good.append(self.validate(reply, arrays, schema))
+                collected.good.append(self.validate(reply, arrays, schema, records))
             except ClientFailure as failure:
                 self.warn(f"{failure}; the reply is skipped.")
                 if reply.error is not None and not reply.refused:

@@ -35,7 +35,8 @@ class OnlyWith:
 
     key: str
     values: tuple[Value, ...] = ()
-    prefix: str = ""
+    #: a prefix, or several (``("hf:", "csv:")``)
+    prefix: str | tuple[str, ...] = ""
     #: or: every value of ``key`` but these
     besides: tuple[Value, ...] = ()
     why: str = ""
@@ -48,13 +49,17 @@ class OnlyWith:
             return other not in self.besides
         return other in self.values or bool(self.prefix and str(other).startswith(self.prefix))
 
+    @property
+    def prefixes(self) -> tuple[str, ...]:
+        return (self.prefix,) if isinstance(self.prefix, str) and self.prefix else (
+            tuple(self.prefix) if self.prefix else ())
+
     def describe(self) -> str:
         """The help text's sentence: ``Only with dp = central or local.``"""
         if self.besides:
             return f"Only with {self.key} other than {' or '.join(map(str, self.besides))}."
         named = [str(v).lower() if isinstance(v, bool) else str(v) for v in self.values]
-        if self.prefix:
-            named.append(f"{self.prefix}<...>")
+        named += [f"{p}<...>" for p in self.prefixes]
         return f"Only with {self.key} = {' or '.join(named)}."
 
     def refusal(self, name: str, value: Value, other: Value) -> str:

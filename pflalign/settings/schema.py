@@ -75,9 +75,9 @@ _FOLLOWED = OnlyWith("device-profiles", besides=("none",), fix=_PROFILES_FIX,
                      why="follows the clients on the simulated clock, which needs device profiles")
 _FLWR_PARTITION = OnlyWith("partition", prefix="flwr:", fix="clear {name}",
                            why="is for partition = flwr:<Partitioner>, and partition = {other}")
-_HF_COLUMN = OnlyWith("dataset", prefix="hf:", fix="clear {name}",
-                      why="names a column of a Hugging Face dataset, and dataset = {other} is not "
-                          "one (hf:...)")
+_HF_COLUMN = OnlyWith("dataset", prefix=("hf:", "csv:", "parquet:"), fix="clear {name}",
+                      why="names a column of a Hugging Face dataset or a table, and dataset = "
+                          "{other} is neither (hf:..., csv:..., parquet:...)")
 _CLIENTS_DATA = OnlyWith("dataset", ("clients",), fix="remove it, or set dataset = 'clients'",
                          why="describes the data the clients hold under dataset = 'clients', and "
                              "dataset = {other}")
@@ -113,6 +113,14 @@ class FederationConfig(Params):
         'Also evaluate before round 1 (a row for round 0: the initial model, e.g. a pretrained '
         'language model before any adapter trains; eval-fraction applies), so the plots start '
         'from it.',
+        group='run', scope='run')
+    eval_metrics: str = param(
+        '',
+        'Scores beyond accuracy each evaluated client computes on its test split, '
+        'comma-separated: macro-f1, balanced-accuracy, auroc (one-vs-rest for more than two '
+        'classes); each is reported as personal-<score>, averaged over the clients by their '
+        'test samples, per client in results.json, and may be --metric '
+        '(pip install "pflalign[metrics]": scikit-learn). Classification only.',
         group='run', scope='run')
     eval_fraction: float = param(
         1.0,
@@ -186,19 +194,31 @@ class DataConfig(Params):
         'C x H x W or H x W x C), one column of number lists (feature vectors), or '
         'comma-separated numeric columns (one feature each). Empty: the Image column, else a '
         "column named 'image' or 'img', else every numeric column but the label and client "
-        'columns.',
+        'columns. dataset = csv:/parquet:...: the feature columns, comma-separated; empty: every '
+        'column but the label, client and split columns.',
         group='data', scope='data',
         only_with=_HF_COLUMN)
     label_column: str = param(
         '',
         'dataset = hf:...: the column of the labels, integers 0..K-1 (a ClassLabel or an '
-        "integer column). Empty: 'label', 'labels', or the one ClassLabel column.",
+        "integer column). Empty: 'label', 'labels', or the one ClassLabel column. "
+        "dataset = csv:/parquet:...: the labels, names or integers (encoded 0..K-1 in sorted "
+        "order, their names kept); empty: 'label', 'labels', 'y', 'target' or 'class'.",
         group='data', scope='data',
         only_with=_HF_COLUMN)
     client_column: str = param(
         '',
         "dataset = hf:...: the column of each sample's client (integers or strings), for "
-        "partition = natural. Empty: 'client' or 'client_id' where there is one, else none.",
+        "partition = natural. Empty: 'client' or 'client_id' where there is one, else none "
+        "(tables: also 'user' or 'user_id').",
+        group='data', scope='data',
+        only_with=_HF_COLUMN)
+    split_column: str = param(
+        '',
+        "dataset = csv:/parquet:...: the column of each row's split, train or test, which "
+        "partition = natural keeps for every client in place of a drawn split (an npz file's "
+        "split array, and image folders DIR/<client>/{train,test}/<class>/, do the same). "
+        "Empty: 'split' where there is one, else none.",
         group='data', scope='data',
         only_with=_HF_COLUMN)
     data_root: str = param(
@@ -737,6 +757,19 @@ class OutputsConfig(Params):
         'Write a checkpoint (server state, every client\'s state, the finished rounds) every N '
         'rounds, so that `simulate.py --resume DIR` continues a killed run exactly; 0 = never.',
         minimum=0, group='run', scope='output')
+    save_models: str = param(
+        'final',
+        'The trained models a run gives back, per method entry, under out-dir/models/<entry>/: '
+        'final = the global model (the server state) and every client\'s personal model, the '
+        'model its final evaluation scored, as safetensors files with a manifest.json (load one '
+        'with pflalign.load_model, score them on other data with `pflalign-evaluate`); '
+        'none = no models. On SuperNodes each node keeps its own model (docs/deployment.md).',
+        choices=('final', 'none'), group='run', scope='output')
+    keep_checkpoints: bool = param(
+        False,
+        'Keep each method entry\'s last checkpoint (out-dir/checkpoints/) after its results are '
+        'written, instead of removing it.',
+        group='run', scope='output')
     tracking: str = param(
         '',
         'Experiment trackers that also get every round\'s metrics, the config and the outputs: '
@@ -876,7 +909,8 @@ NON_RUN_KEYS = keys_in_scope("output")
 #: later one) did not set them (:func:`pflalign.run.config.build_settings`)
 FOLLOW_DATA = ("partition", "model")
 ADDED_KEYS: dict[str, Value] = {"eval-at-start": False, "num-classes": 0,
-                                 "input-shape": "", "cache-dir": ""}
+                                 "input-shape": "", "cache-dir": "", "split-column": "",
+                                 "eval-metrics": ""}
 
 
 class Settings(Mapping[str, Value]):

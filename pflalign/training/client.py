@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -76,6 +77,11 @@ class ClientRuntime:
         self.template: ModelTemplate = model_template(settings.run.model, tuple(node.input_shape),
                                                       node.num_classes, settings.run.seed,
                                                       LoraSpec.of(settings.run))
+        #: what the latest :meth:`eval_metrics` scored as this client's personal model (a
+        #: module or a state dict; None before one, or when the score was recorded earlier)
+        self.scored: nn.Module | Mapping[str, torch.Tensor] | None = None
+        #: the scores beyond accuracy each test computes (``eval-metrics``)
+        self.scores = tuple(s.strip() for s in settings.run.eval_metrics.split(",") if s.strip())
 
     # --- models --------------------------------------------------------------------------------
     def new_model(self, state: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
@@ -309,19 +315,26 @@ class ClientRuntime:
         """The test counts and summed loss of ``model``: a module, or a model's state dict
         (scored on the template's reused module: :meth:`~pflalign.models.registry.ModelTemplate.
         scorer`)."""
+        scored = model
         if not isinstance(model, nn.Module):
             model = self.template.scorer(model, self.device)
-        return evaluate(model, self.data.test_x, self.data.test_y, self.data.normalize)
+        stats = evaluate(model, self.data.test_x, self.data.test_y, self.data.normalize,
+                         scores=self.scores)
+        return replace(stats, scored=scored)
 
-    @staticmethod
-    def eval_metrics(personal: EvalStats, global_: EvalStats | None = None,
+    def eval_metrics(self, personal: EvalStats, global_: EvalStats | None = None,
                      ) -> dict[str, float | int]:
         """An evaluation reply: the personal model's counts and loss, and the global model's
-        correct count when the method has one."""
+        correct count when the method has one, and the personal model's scores beyond
+        accuracy (``eval-metrics``: ``personal-<score>``). What ``personal`` scored is kept as
+        :attr:`scored` (``save-models`` sends it back in the run's final round)."""
+        self.scored = personal.scored
         metrics: dict[str, float | int] = {
             NUM_TEST: personal.count, PERSONAL_CORRECT: personal.correct,
             PERSONAL_LOSS: personal.loss_sum / max(personal.count, 1)}
         if global_ is not None:
             metrics[GLOBAL_CORRECT] = global_.correct
             metrics[GLOBAL_LOSS] = global_.loss_sum / max(global_.count, 1)
+        for name, value in personal.scores.items():  # eval-metrics: the personal model's
+            metrics[f"personal-{name}"] = value
         return metrics

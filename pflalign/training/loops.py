@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -76,6 +76,10 @@ class EvalStats:
     correct: int
     loss_sum: float
     count: int
+    #: what was scored (a module, or a model's state dict), for ``save-models``; never compared
+    scored: object = field(default=None, compare=False, repr=False)
+    #: the scores beyond accuracy that ``eval-metrics`` asks for (:mod:`~pflalign.training.scores`)
+    scores: dict = field(default_factory=dict, compare=False)
 
 
 def batch_indices(num_samples: int, batch_size: int, epochs: int, max_steps: int,
@@ -199,18 +203,27 @@ def head_inputs(model: nn.Module, head: nn.Module, batches: Iterable[torch.Tenso
 
 @torch.inference_mode()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Normalizer,
-             batch_size: int = 256) -> EvalStats:
+             batch_size: int = 256, scores: Sequence[str] = ()) -> EvalStats:
     """Accuracy counts and summed cross-entropy of ``model`` on (x, y), in eval mode (per
     target: a sample's label, or each token of a language model's window; a target that is
     :data:`~pflalign.data.datasets.IGNORE_INDEX`, an instruction's prompt or padding, is
-    neither scored nor counted)."""
+    neither scored nor counted); with ``scores``, those of
+    :func:`~pflalign.training.scores.classification_scores` too, from the same outputs."""
     model.eval()
     correct = 0
     loss_sum = 0.0
+    outputs = []
     for start in range(0, len(y), batch_size):
         logits = model(normalize(x[start:start + batch_size]))
         targets = y[start:start + batch_size]
         correct += int((logits.argmax(dim=1) == targets).sum())
         loss_sum += float(F.cross_entropy(logits, targets, reduction="sum"))
+        if scores:
+            outputs.append(logits)
     count = y.numel() if y.dim() == 1 else int((y != IGNORE_INDEX).sum())
-    return EvalStats(correct=correct, loss_sum=loss_sum, count=count)
+    found = {}
+    if scores and outputs:
+        from pflalign.training.scores import classification_scores
+
+        found = classification_scores(y, torch.cat(outputs), scores)
+    return EvalStats(correct=correct, loss_sum=loss_sum, count=count, scores=found)

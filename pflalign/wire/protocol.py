@@ -24,12 +24,19 @@ METRICS = "metrics"  #: a reply's metrics
 RESTORE = "restore-state"
 #: a reply to :data:`STATE`: the client's saved method state for the message's method entry
 CLIENT_STATE = "client-state"
+#: an evaluation reply in the run's final round under ``save-models``: the model that scored the
+#: client (its personal model), for the server to save (:mod:`pflalign.round.features.models`);
+#: the run's output, not the method's traffic, so never counted in ``bytes-up``
+SCORED = "scored-model"
 
 # --- the per-message config --------------------------------------------------------------------
 METHOD = "method"  #: the registered method's name
 LABEL = "label"  #: the method entry's label (its state namespace)
 ROUND = "server-round"
 ACTION = "action"  #: a query's purpose beside discovery (``gga``)
+#: an evaluation message: reply with the model that scored you (:data:`SCORED`); a training
+#: message: keep what your next evaluation scores (pFLAlign's model right after training)
+SAVE_SCORED = "save-scored"
 
 # --- actions -----------------------------------------------------------------------------------
 TRAIN, EVALUATE, QUERY = "train", "evaluate", "query"
@@ -57,6 +64,9 @@ PERSONAL_CORRECT, PERSONAL_LOSS = "personal-correct", "personal-loss"
 GLOBAL_CORRECT = "global-correct"  #: the global model's correct count (methods that have one)
 GLOBAL_LOSS = "global-loss"  #: the global model's mean loss (methods that have one)
 NEXT_CORRECT = "next-correct"  #: pFLAlign's next starting point theta_g + Delta_i
+#: an evaluation reply under save-models from a deployed SuperNode: 1 when the node saved its
+#: model in its own directory rather than sending it (:data:`SCORED`)
+SAVED_ON_NODE = "model-saved-on-node"
 #: correct counts a reply may carry, each at most its num-test
 CORRECT_COUNTS = (PERSONAL_CORRECT, GLOBAL_CORRECT, NEXT_CORRECT)
 #: the mean losses an evaluation reply may carry
@@ -116,7 +126,13 @@ TRAIN_METRICS: Mapping[str, Metric] = {
     HAD_STATE: FLAG, KEPT_STATE: FLAG, **PROCESS}
 #: the metrics of every evaluation reply
 EVAL_METRICS: Mapping[str, Metric] = {
-    PARTITION_ID: ID, NUM_TEST: SAMPLES, PERSONAL_CORRECT: COUNT, PERSONAL_LOSS: LOSS, **PROCESS}
+    PARTITION_ID: ID, NUM_TEST: SAMPLES, PERSONAL_CORRECT: COUNT, PERSONAL_LOSS: LOSS,
+    SAVED_ON_NODE: Metric(0, 1, integer=True, required=False), **PROCESS}
+#: the scores beyond accuracy a run may ask for (``eval-metrics``,
+#: :mod:`pflalign.training.scores`), each a fraction, reported as ``personal-<score>``
+SCORES = ("macro-f1", "balanced-accuracy", "auroc")
+EVAL_METRICS = {**EVAL_METRICS, **{f"personal-{name}": Metric(0, 1, required=False)
+                                   for name in SCORES}}
 #: ... and those of a method with a global model
 GLOBAL_EVAL_METRICS: Mapping[str, Metric] = {GLOBAL_CORRECT: COUNT, GLOBAL_LOSS: LOSS}
 

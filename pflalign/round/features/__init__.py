@@ -8,6 +8,7 @@ from pflalign.round.features.telemetry import Telemetry
 from pflalign.round.features.audit import Audits
 from pflalign.round.features.robustness import UpdateBounds
 from pflalign.round.features.privacy import CentralDP, LocalDPAccounting
+from pflalign.round.features.models import SavedModels
 
 __all__ = ["AnnealedWarmStart", "Audits", "CentralDP", "LocalDPAccounting", "RecordUploads",
-           "SimulatedClock", "Telemetry", "UpdateBounds"]
+           "SavedModels", "SimulatedClock", "Telemetry", "UpdateBounds"]

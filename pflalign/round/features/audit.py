@@ -53,6 +53,7 @@ from pflalign.wire.protocol import (
     ID,
     PARTITION_ID,
     PROCESS_METRICS,
+    SAVED_ON_NODE,
     STATE,
     STATE_CHUNK,
     TRAIN,
@@ -245,8 +246,12 @@ class Audit:
             # the process metrics name the process that computed a reply, and this one is
             # the server's: never compared (nor the wall-clock seconds of a training reply)
             if action == EVALUATE:
+                # a saved model is compared where the client sent one (a SuperNode keeps its
+                # own: saved-on-node), which then must be the model that scored it
                 problem = disagreement(metrics, recomputed, self.eval_integer,
-                                       skip=PROCESS_METRICS)
+                                       skip=(SAVED_ON_NODE, *PROCESS_METRICS)
+                                       ) or array_disagreement(
+                    arrays, {k: v for k, v in reply.items() if k in arrays})
             else:
                 problem = disagreement(metrics, recomputed, self.train_integer,
                                        skip=(CLIENT_SECONDS, *PROCESS_METRICS)

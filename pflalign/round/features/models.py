@@ -1,0 +1,161 @@
+"""``save-models``: the global model and every client's personal model, written at the end.
+
+In the run's final evaluation each client is asked to send back the model that scored it
+(:data:`~pflalign.wire.protocol.SAVE_SCORED`); its reply carries it as the record
+:data:`~pflalign.wire.protocol.SCORED`, which must have exactly the entries, shapes and dtypes of
+the method's scored module (:meth:`~pflalign.methods.base.Method.saved_keys`) and finite values,
+or it is not saved (the client's metrics stand: they passed their own checks). The models go to
+``<out-dir>/models/<entry>/`` (:mod:`pflalign.outputs.models`), with the server state after the
+last round as the global model. A model sent back is the run's output, not the method's traffic:
+it is not counted in ``bytes-up``. A deployed SuperNode saves its own model in its node directory
+and replies without it (``model-saved-on-node``); the manifest lists it under ``on-node``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from pflalign.data.federated import federated_dataset
+from pflalign.methods.base import Method
+from pflalign.outputs.models import (
+    FORMAT,
+    GLOBAL,
+    client_file,
+    entry_dir,
+    models_fingerprint,
+    write_arrays,
+    write_manifest,
+)
+from pflalign.round.feature import RoundFeature, register
+from pflalign.server.aggregation import FlatSpec
+from pflalign.server.validation import Collected, quote
+from pflalign.settings.schema import Settings
+from pflalign.wire.messages import Outgoing
+from pflalign.wire.protocol import (
+    ARRAY_HEADER,
+    NUM_TEST,
+    PARTITION_ID,
+    PERSONAL_CORRECT,
+    PERSONAL_LOSS,
+    SAVE_SCORED,
+    SAVED_ON_NODE,
+    SCORED,
+)
+
+
+@register
+class SavedModels(RoundFeature):
+    """Asks for each client's scored model in the final evaluation and writes the models."""
+
+    name = "saved-models"
+
+    @classmethod
+    def wanted(cls, settings: Settings, method: Method) -> bool:
+        return settings.run.save_models != "none"
+
+    def __init__(self, loop):
+        self.folder = entry_dir(loop.server.settings.run.out_dir, loop.label)
+        #: what a client's saved model must be (the scored module's entries), and the most
+        #: bytes it may take: known at the final evaluation (:meth:`_expect`)
+        self.spec: FlatSpec | None = None
+        self.limit = 0
+        #: per client: the manifest's record of its saved model
+        self.saved: dict[int, dict] = {}
+        self.on_node: list[int] = []
+
+    def _expect(self, loop) -> None:
+        """The spec of a client's saved model: the entries of the method's scored module around
+        the run's model (:meth:`~pflalign.methods.base.Method.saved_keys`)."""
+        if self.spec is None:
+            server = loop.server
+            model = copy.deepcopy(server.template_model())
+            keys = loop.method.saved_keys(model, server.num_classes)
+            state = loop.method.scored_module(model, server.num_classes).state_dict()
+            self.spec = FlatSpec.of({k: state[k].detach().cpu().numpy() for k in keys})
+            self.limit = self.spec.nbytes + ARRAY_HEADER * len(self.spec.keys)
+
+    def evaluating(self, loop, messages: list[Outgoing], server_round: int) -> list[Outgoing]:
+        if server_round != loop.server.rounds:
+            return messages
+        self._expect(loop)
+        return [replace(m, config={**m.config, SAVE_SCORED: True},
+                        limits={**(m.limits or {}), SCORED: self.limit}) for m in messages]
+
+    def evaluated(self, loop, server_round: int, messages: Sequence[Outgoing],
+                  collected: Collected, metrics: dict) -> Collected:
+        if server_round != loop.server.rounds:
+            return collected
+        self.saved, self.on_node = {}, []
+        missing = []
+        for reply, arrays in collected.good:
+            cid = int(reply[PARTITION_ID])
+            if reply.get(SAVED_ON_NODE):
+                self.on_node.append(cid)
+                continue
+            model = arrays.get(SCORED)
+            self._expect(loop)
+            problem = "it sent none" if model is None else self.spec.problem_with(model)
+            if problem is None and not all(np.isfinite(np.asarray(v)).all()
+                                           for v in model.values()
+                                           if np.asarray(v).dtype.kind == "f"):
+                problem = "it is not finite"
+            if problem:
+                missing.append(f"client {cid} ({quote(problem, 160)})")
+                continue
+            file = client_file(cid)
+            write_arrays(self.folder / file, model, {"client": str(cid),
+                                                     "round": str(server_round)})
+            count = int(reply[NUM_TEST])
+            self.saved[cid] = {"id": cid, "file": file, "round": server_round,
+                               "unseen": bool(loop.server.clients[cid].unseen),
+                               NUM_TEST: count,
+                               "personal-acc": reply[PERSONAL_CORRECT] / max(count, 1),
+                               PERSONAL_LOSS: float(reply[PERSONAL_LOSS])}
+        if missing:
+            loop.warn(f"round {server_round}: the personal models of {len(missing)} clients are "
+                      f"not saved: {'; '.join(missing[:3])}"
+                      f"{' ...' if len(missing) > 3 else ''}.")
+        return collected
+
+    def result(self, loop) -> dict:
+        server = loop.server
+        settings = server.settings
+        fingerprint = models_fingerprint(settings, loop.label)
+        global_saved = loop.method.has_global_model and loop.state is not None
+        if loop.state is not None:
+            write_arrays(self.folder / GLOBAL, loop.state.to_arrays(),
+                         {"round": str(len(loop.rounds))})
+        data = federated_dataset(settings)
+        dataset = data.dataset  # under dataset = clients, what the config says of the data
+        names = dict(enumerate(getattr(data.partition, "names", ()) or ()))
+        manifest = {
+            "format": FORMAT, "label": loop.label, "method": loop.method.name,
+            "fingerprint": fingerprint, "round": len(loop.rounds),
+            "model": {"name": settings.run.model, "input-shape": list(dataset.input_shape),
+                      "num-classes": dataset.num_classes,
+                      "parameters": server.trainable_spec.size},
+            "inputs": {"kind": dataset.kind, "mean": list(dataset.mean or ()),
+                       "std": list(dataset.std or ())},
+            "data-fingerprint": data.fingerprint() if hasattr(data, "fingerprint") else None,
+            "class-names": list(getattr(dataset, "class_names", ()) or ()),
+            "settings": settings.to_dict(),
+            "global": GLOBAL if global_saved else None,
+            "server-state": GLOBAL if loop.state is not None else None,
+            "clients": [{**record, **({"name": names[cid]} if cid in names else {})}
+                        for cid, record in sorted(self.saved.items())],
+            "on-node": sorted(self.on_node)}
+        path = write_manifest(self.folder, manifest)
+        loop.reporter.info(f"[{loop.label}] saved the models of {len(self.saved)} clients"
+                           + (f" ({len(self.on_node)} more on their nodes)" if self.on_node
+                              else "")
+                           + (" and the global model" if global_saved else "")
+                           + f" in {Path(path).parent}")
+        # what results.json says of them: the same on every engine and in every out-dir
+        return {"models": {"fingerprint": fingerprint, "clients": len(self.saved),
+                           "on-node": len(self.on_node), "global": global_saved}}
+
