@@ -164,3 +164,27 @@ def test_a_client_that_sends_a_malformed_model_loses_only_its_model(tmp_path, mo
         load_model(out, "fedavg", 1)
     assert np.isfinite(load_model(out, "fedavg", 2).module.state_dict()[
         next(iter(load_model(out, "fedavg", 2).module.state_dict()))].numpy()).all()
+
+
+def test_save_models_best_keeps_the_round_with_the_best_validation_score(tmp_path):
+    from pflalign.run.evaluate import evaluate_saved
+
+    results, out = run(tmp_path, "best", methods="fedavg,fedrep,pflalign", rounds=4,
+                       **{"save-models": "best", "evaluate-on": "validation"})
+    for label, entry in results["methods"].items():
+        manifest = json.loads((out / "models" / label / "manifest.json").read_text())
+        scores = [(r["round"], r["personal-acc"]) for r in entry["rounds"]]
+        best = max(scores, key=lambda pair: (pair[1], -pair[0]))[0]  # the first best round
+        assert manifest["round"] == best and {c["round"] for c in manifest["clients"]} == {best}
+        chosen = [c for c in manifest["clients"] if not c["unseen"]]
+        pooled = (sum(c["personal-acc"] * c["num-test"] for c in chosen)
+                  / sum(c["num-test"] for c in chosen))
+        assert pooled == pytest.approx(dict(scores)[best], abs=1e-12)
+    # the models score their clients' validation splits as they did in that round
+    checked = evaluate_saved(out)
+    assert all(r["same-as-run"] for m in checked["methods"].values() for r in m["clients"])
+    with pytest.raises(ConfigError, match="evaluate-on = 'validation'"):
+        build_settings({"save-models": "best"})
+    with pytest.raises(ConfigError, match="set eval-fraction = 1"):
+        build_settings({"save-models": "best", "evaluate-on": "validation",
+                        "eval-fraction": 0.5})

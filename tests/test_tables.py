@@ -59,6 +59,15 @@ def test_a_csv_with_string_labels_clients_and_a_split_runs_bit_for_bit_on_every_
         assert client["test-labels"] == [int((rows.label == k).sum())
                                          for k in partition["class-names"]]
     assert results["config"]["partition"] == "natural" and results["config"]["model"] == "mlp"
+    # the report's per-client table names the clients
+    from pflalign.outputs.report import write_report
+
+    report = write_report(tmp_path / "report", results)[0].read_text()
+    acc = {label: {c["name"]: c["personal-acc"] for c in entry["clients"]}
+           for label, entry in results["methods"].items()}
+    for name in CLIENTS:
+        assert (f"| {name} | 10 | {100 * acc['fedavg'][name]:.2f} | "
+                f"{100 * acc['fedrep'][name]:.2f} |") in report
     # the same table as Parquet is the same data
     parquet = build_settings({**values, "dataset": f"parquet:{tmp_path / 'mail.parquet'}"})
     assert federated_dataset(parquet).fingerprint() == partition["fingerprint"]

@@ -59,6 +59,12 @@ def test_tensorboard_has_every_round_and_the_report(tracked_run):
             assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6)
     assert "report.md" in " ".join(events.Tags()["tensors"])
     assert any(tag.startswith("plots/") for tag in events.Tags()["images"])
+    # each client's final values, under its name (the file's client names), at the last round
+    clients = results["methods"]["fedavg"]["clients"]
+    assert {c["name"] for c in clients} <= {"ana", "bo", "cy", "dee", "ed", "flo"}
+    for client in clients:
+        (logged,) = events.Scalars(f"fedavg/clients/{client['name']}/personal-acc")
+        assert logged.step == 3 and logged.value == pytest.approx(client["personal-acc"])
 
 
 def test_mlflow_has_the_metrics_the_config_and_the_outputs(tracked_run):

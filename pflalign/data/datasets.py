@@ -284,21 +284,23 @@ def _load_cifar(name: str, root: Path | None, download: bool) -> tuple[np.ndarra
 @cached(maxsize=2)
 def load_dataset(name: str, data_root: str = "", download: bool = False, tokenizer: str = "",
                  sequence_length: int = 80, image_size: int = 0,
-                 columns: tuple[str, ...] = ("", "", "", ""), cache_dir: str = "") -> Dataset:
+                 columns: tuple[str, ...] = ("", "", "", ""), cache_dir: str = "",
+                 task: str = "classification") -> Dataset:
     """Load a dataset once per process (cached): pooled train+test images as uint8, or a text
     dataset's token windows (``tokenizer``: ``characters`` or a language model's name;
     ``sequence_length`` tokens of context a sample). ``columns``: a Hugging Face dataset's or a
     table's input, label, client and split columns (:mod:`pflalign.data.hf_source`,
     :func:`pflalign.data.sources.load_table`; empty: found);
-    ``cache_dir``: where decoded images are kept (the ``cache-dir`` key)."""
+    ``cache_dir``: where decoded images are kept (the ``cache-dir`` key); ``task = regression``:
+    float targets (npz and tables only)."""
     from pflalign.data import hf_source, sources
 
     if name.startswith(hf_source.HF):
         return Dataset(**hf_source.load_hf(name, tuple(columns)[:3], image_size, cache_dir))
     if sources.npz_path(name) is not None:
-        return Dataset(**sources.load_npz(name))
+        return Dataset(**sources.load_npz(name, task))
     if sources.table_path(name) is not None:
-        return Dataset(**sources.load_table(name, columns))
+        return Dataset(**sources.load_table(name, columns, task))
     if name.startswith(sources.IMAGEFOLDER):
         return Dataset(**sources.load_imagefolder(name, image_size, cache_dir))
     if name.startswith(sources.TEXT):

@@ -106,7 +106,8 @@ class FederatedDataset:
     def summary(self) -> dict:
         """The partition, with each client's label counts where a sample has one label, and the
         dataset's content fingerprint (:meth:`fingerprint`)."""
-        labels = self.dataset.labels[self.pool] if self.dataset.labels.ndim == 1 else None
+        labels = (self.dataset.labels[self.pool] if self.dataset.labels.ndim == 1
+                  and self.dataset.labels.dtype.kind in "iu" else None)  # not a regression's
         return {"dataset": self.dataset.name, "samples": len(self.pool),
                 "fingerprint": self.fingerprint(),
                 **({"class-names": list(self.dataset.class_names)}
@@ -146,7 +147,7 @@ def _build(key: tuple) -> Federation:
     dataset = load_dataset(cfg["dataset"], cfg["data-root"], cfg["download"], cfg["tokenizer"],
                            cfg["sequence-length"], cfg["image-size"],
                            (*(cfg[k] for k in COLUMN_KEYS), cfg["split-column"]),
-                           cfg["cache-dir"])
+                           cfg["cache-dir"], cfg["task"])
     pool, groups, split = dataset.sample_ids(), dataset.groups, dataset.split
     if 0 < cfg["max-samples"] < len(pool):
         chosen = np.sort(np.random.default_rng([cfg["seed"], 2]).choice(

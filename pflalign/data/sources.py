@@ -55,10 +55,12 @@ def npz_path(name: str) -> Path | None:
     return Path(text).expanduser()
 
 
-def check_dataset_name(name: str, columns: tuple[str, ...] = NO_COLUMNS) -> None:
+def check_dataset_name(name: str, columns: tuple[str, ...] = NO_COLUMNS,
+                       task: str | None = None) -> None:
     """A dataset value names a built-in dataset or a readable source, in one sentence if not
     (``columns``: the input, label, client and split column keys of a Hugging Face dataset,
-    :mod:`pflalign.data.hf_source`, or of a table)."""
+    :mod:`pflalign.data.hf_source`, or of a table; ``task``: an npz file's labels checked
+    against it)."""
     if name in DATASETS:
         return
     if name.startswith(HF):
@@ -68,7 +70,7 @@ def check_dataset_name(name: str, columns: tuple[str, ...] = NO_COLUMNS) -> None
         table_layout(name, columns)
         return
     if name.startswith(NPZ):
-        _headers(npz_path(name))
+        _headers(npz_path(name), task)
         return
     if name.startswith(IMAGEFOLDER):
         scan_imagefolder(folder_of(name, IMAGEFOLDER))
@@ -83,8 +85,9 @@ def check_dataset_name(name: str, columns: tuple[str, ...] = NO_COLUMNS) -> None
                       f"{USER_FORMS}.")
 
 
-def _headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Each array's shape and dtype in the .npz file, from its header alone (no data read)."""
+def _headers(path: Path, task: str | None = None) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each array's shape and dtype in the .npz file, from its header alone (no data read);
+    with ``task``, ``y``'s type checked against it (float targets only for a regression)."""
     if not path.exists():
         raise ConfigError(f"dataset = 'npz:{path}': the file does not exist.")
     try:
@@ -114,8 +117,9 @@ def _headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     if len(y_shape) != 1 or y_shape[0] != x_shape[0]:
         raise ConfigError(f"{where}: y has shape {y_shape} but x has {x_shape[0] if x_shape else 0}"
                           f" samples; y must hold one label per sample (shape ({x_shape[0]},)).")
-    if y_dtype.kind not in "iu":
-        raise ConfigError(f"{where}: y is {y_dtype}; labels must be integers 0..K-1.")
+    if y_dtype.kind not in "iuf" or (y_dtype.kind == "f" and task == "classification"):
+        raise ConfigError(f"{where}: y is {y_dtype}; labels must be integers 0..K-1 (for "
+                          "float targets, set task = regression).")
     if x_dtype.kind == "u" and x_dtype.itemsize == 1:
         if len(x_shape) == 4 and x_shape[1] not in (1, 3) and x_shape[3] in (1, 3):
             raise ConfigError(f"{where}: x has shape {x_shape}, channels last; images must be "
@@ -191,9 +195,21 @@ def has_natural_clients(name: str, columns: tuple[str, ...] = NO_COLUMNS) -> boo
     return "client" in _headers(path)
 
 
-def load_npz(name: str) -> dict:
+def regression_targets(values: np.ndarray, where: str) -> np.ndarray:
+    """A regression's targets as float32, or one sentence for a missing or infinite one."""
+    targets = np.asarray(values, dtype=np.float64)
+    bad = ~np.isfinite(targets)
+    if bad.any():
+        raise ConfigError(f"{where}: the target of row {int(np.flatnonzero(bad)[0])} is "
+                          f"{float(targets[bad][0])}; a regression needs a finite target for "
+                          "every sample (fill or drop it).")
+    return targets.astype(np.float32)
+
+
+def load_npz(name: str, task: str = "classification") -> dict:
     """The fields of the pooled :class:`~pflalign.data.datasets.Dataset` of ``dataset =
-    npz:PATH`` (which :func:`pflalign.data.datasets.load_dataset` reads once per process)."""
+    npz:PATH`` (which :func:`pflalign.data.datasets.load_dataset` reads once per process);
+    ``task = regression``: ``y`` holds float targets."""
     path = npz_path(name)
     headers = _headers(path)
     where = f"dataset = 'npz:{path}'"
@@ -201,12 +217,19 @@ def load_npz(name: str) -> dict:
         x, y = data["x"], data["y"]
         client = data["client"] if "client" in headers else None
         split = split_codes(data["split"], where) if "split" in headers else None
-    if y.size and y.min() < 0:
-        raise ConfigError(f"{where}: y holds the label {int(y.min())}; labels must be 0..K-1.")
-    labels = y.astype(np.int64)
-    num_classes = int(labels.max()) + 1
-    if num_classes < 2:
-        raise ConfigError(f"{where}: y holds one class; a classifier needs at least two.")
+    if task == "regression":
+        labels, num_classes = regression_targets(y, where), 1
+    else:
+        if y.dtype.kind == "f":
+            raise ConfigError(f"{where}: y is {y.dtype}; labels must be integers 0..K-1 (for "
+                              "float targets, set task = regression).")
+        if y.size and y.min() < 0:
+            raise ConfigError(f"{where}: y holds the label {int(y.min())}; labels must be "
+                              "0..K-1.")
+        labels = y.astype(np.int64)
+        num_classes = int(labels.max()) + 1
+        if num_classes < 2:
+            raise ConfigError(f"{where}: y holds one class; a classifier needs at least two.")
     groups, group_names = None, ()
     if client is not None:
         names, groups = np.unique(client, return_inverse=True)
@@ -551,7 +574,7 @@ def split_codes(values: np.ndarray, where: str) -> np.ndarray:
     return (text == "test").astype(np.int8)
 
 
-def load_table(name: str, columns: tuple[str, ...]) -> dict:
+def load_table(name: str, columns: tuple[str, ...], task: str = "classification") -> dict:
     """The fields of the pooled dataset of ``dataset = csv:PATH`` or ``parquet:PATH``: its
     feature columns as float32 vectors, its labels encoded 0..K-1 with their names kept (the
     sorted distinct values: strings, or numbers written as text), each row's client and split
@@ -574,20 +597,28 @@ def load_table(name: str, columns: tuple[str, ...]) -> dict:
         raise ConfigError(f"{where}: row {row} has a missing or infinite feature value; fill "
                           "or drop it.")
     raw = frame[layout["label"]]
-    if raw.isna().any():
-        raise ConfigError(f"{where}: row {int(np.flatnonzero(raw.isna().to_numpy())[0])} has no "
-                          f"label in column {layout['label']!r}.")
-    if raw.dtype.kind == "f" and not np.all(np.mod(raw.to_numpy(), 1) == 0):
-        raise ConfigError(f"{where}: the label column {layout['label']!r} holds non-integer "
-                          "numbers; a classifier needs classes (integers or names).")
-    values = raw.to_numpy()
-    if values.dtype.kind == "f":
-        values = values.astype(np.int64)
-    names, labels = np.unique(values if values.dtype.kind in "iu" else values.astype(str),
-                              return_inverse=True)
-    if len(names) < 2:
-        raise ConfigError(f"{where}: the label column {layout['label']!r} holds one class; a "
-                          "classifier needs at least two.")
+    if task == "regression":
+        if raw.dtype.kind not in "iuf":
+            raise ConfigError(f"{where}: the target column {layout['label']!r} is not numeric "
+                              f"({raw.dtype}); a regression needs numbers.")
+        names, labels = (), regression_targets(raw.to_numpy(), where)
+    else:
+        if raw.isna().any():
+            raise ConfigError(f"{where}: row {int(np.flatnonzero(raw.isna().to_numpy())[0])} "
+                              f"has no label in column {layout['label']!r}.")
+        if raw.dtype.kind == "f" and not np.all(np.mod(raw.to_numpy(), 1) == 0):
+            raise ConfigError(f"{where}: the label column {layout['label']!r} holds "
+                              "non-integer numbers; a classifier needs classes (integers or "
+                              "names), and float targets need task = regression.")
+        values = raw.to_numpy()
+        if values.dtype.kind == "f":
+            values = values.astype(np.int64)
+        names, labels = np.unique(values if values.dtype.kind in "iu" else values.astype(str),
+                                  return_inverse=True)
+        if len(names) < 2:
+            raise ConfigError(f"{where}: the label column {layout['label']!r} holds one class; "
+                              "a classifier needs at least two.")
+        labels = labels.astype(np.int64)
     groups, group_names = None, ()
     if layout["client"] is not None:
         clients = frame[layout["client"]]
@@ -603,10 +634,10 @@ def load_table(name: str, columns: tuple[str, ...]) -> dict:
     if layout["split"] is not None:
         split = split_codes(frame[layout["split"]].to_numpy(), where)
         split.setflags(write=False)
-    labels = labels.astype(np.int64)
     samples = np.ascontiguousarray(x)
     samples.setflags(write=False)
     labels.setflags(write=False)
-    return {"name": name, "images": samples, "labels": labels, "num_classes": len(names),
+    return {"name": name, "images": samples, "labels": labels,
+            "num_classes": len(names) if task != "regression" else 1,
             "class_names": tuple(str(n) for n in names), "mean": (), "std": (),
             "kind": FEATURES, "groups": groups, "group_names": group_names, "split": split}

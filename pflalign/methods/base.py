@@ -84,6 +84,10 @@ class Method(Generic[P, C, S]):
     #: DP-FedAvg's clipped, noised mean then replaces; else :attr:`not_private` says why not
     private: ClassVar[bool] = False
     not_private: ClassVar[str] = "its server rule is not an average of uploaded models"
+    #: the method can run ``task = regression`` (a model with one output and the mean squared
+    #: error); else :attr:`not_regression` says why not
+    regression: ClassVar[bool] = True
+    not_regression: ClassVar[str] = ""
     #: shared local-training keys (:class:`~pflalign.training.loops.LocalTraining`) whose search
     #: spaces ``--tune`` adds to the method's own Params' (empty for a method with its own step
     #: size)
@@ -181,6 +185,9 @@ class Method(Generic[P, C, S]):
             raise ConfigError(f"update-clip = {clip:g} clips the updates of a synchronous round "
                               "against the round's median, and mode = 'async' has no such "
                               "rounds: remove it or set mode = 'sync'.")
+        if settings.run.task == "regression" and not cls.regression:
+            raise ConfigError(f"{cls.name} cannot run task = 'regression': "
+                              f"{cls.not_regression}; leave it out of this run.")
         if settings.run.dp != "off":
             if not cls.private:
                 raise ConfigError(f"{cls.name} cannot run dp = {settings.run.dp!r}: "

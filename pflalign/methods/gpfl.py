@@ -232,6 +232,9 @@ class GPFLServerState(ServerState):
 
 class GPFL(Method):
     name = "gpfl"
+    regression = False
+    not_regression = ("it learns one embedding per class (its GCE) and conditions each client on "
+                      "its class shares, and a regression has no classes")
     feature_head = True
     summary = ("Global and personalized features from one extractor through a conditional valve "
                "steered by a global category embedding; personal heads, the rest averaged.")

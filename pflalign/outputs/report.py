@@ -43,7 +43,8 @@ STUDY_METRICS = ("personal-acc", "personal-acc-bottom10", "global-acc", "unseen-
 COMPARABLE_METRICS = ("personal-acc", "personal-acc-unweighted", "personal-acc-bottom10",
                       "global-acc", "unseen-acc", "personal-acc-next", "personal-loss",
                       "personal-ppl", "global-ppl", "personal-macro-f1",
-                      "personal-balanced-accuracy", "personal-auroc")
+                      "personal-balanced-accuracy", "personal-auroc", "personal-mse",
+                      "personal-mae", "personal-r2", "global-mse", "unseen-mse")
 #: Names of the report file and the plot folder inside a results directory.
 REPORT_FILE, PLOT_DIR = "report.md", "plots"
 LEVEL = 0.95
@@ -144,7 +145,9 @@ def study_protocol(doc: Mapping) -> dict:
     if doc.get("kind") == "study":
         return dict(doc.get("protocol") or {})
     runs = study_runs(doc)
-    return {"seeds": [runs[0]["seed"]], "reference": None, "metric": "personal-acc",
+    regression = (runs[0].get("config") or {}).get("task") == "regression"
+    return {"seeds": [runs[0]["seed"]], "reference": None,
+            "metric": "personal-mse" if regression else "personal-acc",
             "scenarios": [runs[0]["scenario"]], "sweep": {}, "tune": None}
 
 
@@ -806,9 +809,48 @@ def format_report(summary: Mapping, doc: Mapping,
     lines += _protocol_section(summary, doc) + [""]
     lines += _leaderboard(summary) + [""]
     lines += _verdict_section(summary, cd_plot)
+    runs = {g.label: g for g in group_runs(doc)}
     for group in summary["groups"]:
         lines += _group_section(group, summary, plots.get(group["label"], []))
+        if group["label"] in runs:
+            lines += _clients_section(runs[group["label"]])
     return "\n".join(lines).rstrip() + "\n"
+
+
+#: the most clients the report lists one by one (results.csv has every client)
+CLIENT_ROWS = 40
+
+
+def _clients_section(group: Group) -> list[str]:
+    """Each client's final personal score per method in the group's first seed, by the client's
+    name where the data names it: accuracy in %, or a regression's mean squared error."""
+    seed = min(group.runs)
+    methods = group.runs[seed].get("methods", {})
+    by_client: dict[int, dict] = {}
+    regression = False
+    for label, entry in methods.items():
+        for client in entry.get("clients", []):
+            row = by_client.setdefault(client["id"], {"who": client.get("name", client["id"]),
+                                                      "unseen": client.get("unseen"),
+                                                      "num-test": client.get("num-test")})
+            regression = regression or "personal-mse" in client
+            value = client.get("personal-mse" if "personal-mse" in client else "personal-acc")
+            row[label] = "-" if value is None else (f"{value:.4g}" if "personal-mse" in client
+                                                    else f"{100 * value:.2f}")
+    if not by_client:
+        return []
+    what = "personal-mse" if regression else "personal-acc (%)"
+    if len(by_client) > CLIENT_ROWS:
+        return ["### Per client", "",
+                f"{len(by_client)} clients: each one's final {what} per method is in "
+                "results.csv (rows with a client).", ""]
+    labels = list(methods)
+    rows = [[str(row["who"]) + (" (unseen)" if row["unseen"] else ""), str(row["num-test"]),
+             *(row.get(label, "-") for label in labels)]
+            for _, row in sorted(by_client.items())]
+    return ["### Per client", "",
+            f"Each client's final {what} per method, seed {seed}, by its name where the data "
+            "names it.", "", _markdown_table(["client", "test samples", *labels], rows), ""]
 
 
 def write_report(out_dir: str | Path, doc: Mapping, reference: str | None = None) -> list[Path]:

@@ -159,6 +159,10 @@ def round_line(method: str, row: Mapping[str, object], rounds: int) -> str:
                        ("unseen-acc", "unseen")):
         if key in row:
             parts.append(f"{label} {_pct(row[key]).strip()}%")
+    for key, label in (("personal-mse", "personal mse"), ("personal-r2", "R2"),
+                       ("global-mse", "global mse")):  # task = regression
+        if key in row:
+            parts.append(f"{label} {row[key]:.4g}")
     parts.append(f"{row['round-seconds']:.1f}s")
     parts.append(f"up {_mb(row['bytes-up'])} down {_mb(row['bytes-down'])}")
     for key in ("failures", "timeouts", "rejected", "eval-failures", "rolled-back"):
@@ -176,19 +180,34 @@ TABLE_COLUMNS = (
 )
 
 
+#: ... under task = regression
+REGRESSION_COLUMNS = (
+    ("personal-mse", "mse"), ("personal-mae", "mae"), ("personal-r2", "R2"),
+    ("global-mse", "global mse"), ("unseen-mse", "unseen mse"),
+)
+
+
+def _number(value: object) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
 def comparison_table(methods: Mapping[str, Mapping[str, object]]) -> str:
-    """The final metrics of each method side by side (accuracies in %)."""
+    """The final metrics of each method side by side (accuracies in %; a regression's errors
+    and R^2 as they are)."""
     width = max([len("method"), *map(len, methods)])
+    regression = any("personal-mse" in r.get("final", {}) for r in methods.values())
+    columns = REGRESSION_COLUMNS if regression else TABLE_COLUMNS
+    show = _number if regression else _pct
     # a language model's runs: the personal perplexity beside the token accuracies
     ppl = any("personal-ppl" in r.get("final", {}) for r in methods.values())
-    head = f"{'method':<{width}}  " + "  ".join(f"{label:>10}" for _, label in TABLE_COLUMNS)
+    head = f"{'method':<{width}}  " + "  ".join(f"{label:>10}" for _, label in columns)
     head += f"  {'ppl':>8}" if ppl else ""
     head += f"  {'evaluated':>9}  {'s/round':>8}  {'MB up':>8}  {'MB down':>8}"
     lines = [head, "-" * len(head)]
     partial = []
     for name, result in methods.items():
         final = result.get("final", {})
-        cells = "  ".join(f"{_pct(final.get(key)):>10}" for key, _ in TABLE_COLUMNS)
+        cells = "  ".join(f"{show(final.get(key)):>10}" for key, _ in columns)
         if ppl:
             value = final.get("personal-ppl")
             cells += f"  {'-' if value is None else f'{value:.2f}':>8}"

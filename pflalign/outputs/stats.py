@@ -68,7 +68,11 @@ def is_fraction(metric: str) -> bool:
 #: :data:`SCALES`): the scores beyond accuracy (``eval-metrics``)
 DECLARED: dict[str, tuple[bool, str | None]] = {
     "personal-macro-f1": (True, "fraction"), "personal-balanced-accuracy": (True, "fraction"),
-    "personal-auroc": (True, "fraction")}
+    "personal-auroc": (True, "fraction"),
+    # task = regression
+    "personal-mse": (False, "positive"), "personal-mae": (False, "positive"),
+    "global-mse": (False, "positive"), "unseen-mse": (False, "positive"),
+    "personal-r2": (True, None)}
 
 
 def metric_scale(metric: str) -> str | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -170,6 +171,23 @@ class Trackers:
         values = _scalars(row)
         for tool in self.tools:
             tool.log_round(slug(label), int(row["round"]), values)
+
+    def log_clients(self, results: Mapping[str, object]) -> None:
+        """Each method entry's per-client final values, under ``<entry>/clients/<client>/<metric>``
+        at its last round, each client named by its name where the data names it (else its
+        id)."""
+        for label, entry in dict(results.get("methods") or {}).items():
+            rounds = entry.get("rounds") or []
+            if not rounds:
+                continue
+            values = {}
+            for client in entry.get("clients", []):
+                who = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(client.get("name", client["id"])))
+                values.update({f"clients/{who}/{key}": value
+                               for key, value in _scalars(client).items()
+                               if key not in ("id", "unseen")})
+            for tool in self.tools:
+                tool.log_round(slug(label), int(rounds[-1]["round"]), values)
 
     def log_outputs(self, folder: str | Path) -> None:
         """The outputs written in ``folder``: results.json, results.csv, report.md, the plots."""

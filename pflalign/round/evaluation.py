@@ -45,6 +45,8 @@ def evaluation_metrics(server: ServerRuntime, method: Method,
     info = {int(m[PARTITION_ID]): server.clients[int(m[PARTITION_ID])] for m in rows}
     seen = [m for m in rows if not info[int(m[PARTITION_ID])].unseen]
     unseen = [m for m in rows if info[int(m[PARTITION_ID])].unseen]
+    if server.settings.run.task == "regression":
+        return regression_metrics(method, rows, seen, unseen, info)
     if seen:
         metrics.update(accuracy_summary([m[PERSONAL_CORRECT] for m in seen],
                                         [m[NUM_TEST] for m in seen]))
@@ -77,6 +79,40 @@ def evaluation_metrics(server: ServerRuntime, method: Method,
     clients = [{"id": cid, "unseen": info[cid].unseen, "num-train": info[cid].num_train,
                 "num-test": int(m[NUM_TEST]), "personal-acc": m[PERSONAL_CORRECT] / m[NUM_TEST],
                 **{key: m[key] for key in scores if key in m}}
+               for m in rows for cid in [int(m[PARTITION_ID])]]
+    return metrics, clients
+
+
+def _weighted(rows: Sequence[Mapping[str, float]], key: str) -> float | None:
+    """The test-sample-weighted mean of ``key`` over the ``rows`` that have it (None: none)."""
+    having = [m for m in rows if key in m]
+    if not having:
+        return None
+    return float(np.average([m[key] for m in having], weights=[m[NUM_TEST] for m in having]))
+
+
+def regression_metrics(method: Method, rows: Sequence[Mapping[str, float]],
+                       seen: Sequence[Mapping[str, float]], unseen: Sequence[Mapping[str, float]],
+                       info: Mapping) -> tuple[dict, list[dict]]:
+    """``task = regression``: the seen clients' mean squared error (every test sample pooled:
+    their mean losses weighted by test samples), mean absolute error and R^2 (each client's,
+    weighted by test samples; R^2 of the clients that have it), the global model's MSE, and the
+    unseen clients' MSE; per client its own."""
+    metrics: dict = {}
+    for prefix, group in (("personal", seen), ("unseen", unseen)):
+        if group:
+            metrics[f"{prefix}-mse"] = _weighted(group, PERSONAL_LOSS)
+    if seen:
+        for key in ("personal-mae", "personal-r2"):
+            value = _weighted(seen, key)
+            if value is not None:
+                metrics[key] = value
+        metrics[f"{PERSONAL_LOSS}-median"] = float(np.median([m[PERSONAL_LOSS] for m in seen]))
+        if method.has_global_model and all(GLOBAL_LOSS in m for m in seen):
+            metrics["global-mse"] = _weighted(seen, GLOBAL_LOSS)
+    clients = [{"id": cid, "unseen": info[cid].unseen, "num-train": info[cid].num_train,
+                "num-test": int(m[NUM_TEST]), "personal-mse": float(m[PERSONAL_LOSS]),
+                **{key: m[key] for key in ("personal-mae", "personal-r2") if key in m}}
                for m in rows for cid in [int(m[PARTITION_ID])]]
     return metrics, clients
 

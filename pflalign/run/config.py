@@ -400,7 +400,7 @@ def _resolve_dataset(run: RunConfig) -> str:
     folder = None if target is None else local_folder(target)
     if folder is not None:
         name = HF + str(folder.resolve())
-    check_dataset_name(name, _columns(run))
+    check_dataset_name(name, _columns(run), run.task)
     return name
 
 
@@ -596,8 +596,17 @@ def _check_model(run: RunConfig, gga: GGAParams | None = None) -> None:
 
 
 def _check_outputs(run: RunConfig, gga: GGAParams | None = None) -> None:
-    """The outputs section: the trackers named exist."""
+    """The outputs section: the trackers named exist; save-models = best chooses by validation
+    data, over whole evaluations."""
     parse_tracking(run.tracking)
+    if run.save_models == "best" and run.evaluate_on != "validation":
+        raise ConfigError("save-models = 'best' chooses the round by its evaluation, which would "
+                          f"then be on test data (evaluate-on = {run.evaluate_on!r}): set "
+                          "evaluate-on = 'validation', or save-models = 'final'.")
+    if run.save_models == "best" and run.eval_fraction < 1:
+        raise ConfigError(f"save-models = 'best' compares whole evaluations, and eval-fraction = "
+                          f"{run.eval_fraction:g} evaluates a sample of the clients before the "
+                          "last round: set eval-fraction = 1, or save-models = 'final'.")
 
 
 def _check_engine(run: RunConfig, gga: GGAParams | None = None) -> None:
@@ -628,6 +637,8 @@ def _check_data(run: RunConfig, gga: GGAParams | None = None) -> None:
                              "<image>), hf:... with a client-column, or another partition."))
     if run.eval_metrics.strip():
         _check_scores(run, kind)
+    if run.task == "regression":
+        _check_regression(run)
     if is_flwr(run.partition):
         check_flwr_partition(run.partition, run.partition_args,
                              run.num_clients + run.num_unseen_clients, run.seed)
@@ -656,6 +667,28 @@ def _check_data(run: RunConfig, gga: GGAParams | None = None) -> None:
             raise ConfigError(f"rotation-unseen-groups = {held_out} leaves no angle of "
                               f"rotation-angles = {run.rotation_angles!r} for the training "
                               "clients; hold out fewer groups or add angles.")
+
+
+#: the partitions that need no class labels, so apply to a regression's targets
+REGRESSION_PARTITIONS = ("natural", "iid", "quantity")
+
+
+def _check_regression(run: RunConfig) -> None:
+    """task = regression: float targets from an npz file or a table, a partition that needs no
+    classes, no classification scores, no annealing on a classifier's loss; scikit-learn."""
+    if npz_path(run.dataset) is None and table_path(run.dataset) is None:
+        raise ConfigError(f"task = 'regression' reads float targets from dataset = npz:PATH, "
+                          f"csv:PATH or parquet:PATH, and dataset = {run.dataset!r} is none of "
+                          "them.")
+    if run.partition not in REGRESSION_PARTITIONS:
+        raise ConfigError(f"partition = {run.partition!r} splits the samples by class, and "
+                          "task = 'regression' has no classes: choose "
+                          f"{', '.join(REGRESSION_PARTITIONS)}.")
+    if run.eval_metrics.strip():
+        raise ConfigError(f"eval-metrics = {run.eval_metrics!r} scores a classifier's classes, "
+                          "and task = 'regression' has none (it reports personal-mse, -mae and "
+                          "-r2): remove eval-metrics.")
+    require_sklearn()
 
 
 def _check_scores(run: RunConfig, kind: str) -> None:

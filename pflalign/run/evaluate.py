@@ -67,36 +67,42 @@ def evaluate_saved(out_dir: str | Path, methods: list[str] | None = None,
         if changes:
             settings = settings.replace(changes, source="--set")
         configure_threads(settings.run.client_resources_num_cpus)
+        regression = settings.run.task == "regression"
+        key = "personal-mse" if regression else "personal-acc"  # a regression's score
         rows = []
         for record in manifest["clients"]:
             model = load_model(out, label, record["id"])
             data = pooled_node_data(settings, record["id"], "cpu").data
             with torch.no_grad():
                 stats = evaluate(model.module, data.test_x, data.test_y, model.inputs)
+            loss = stats.loss_sum / max(stats.count, 1)
             row = {"id": record["id"], **({"name": record["name"]} if "name" in record else {}),
-                   "num-test": stats.count, "personal-acc": stats.correct / max(stats.count, 1),
-                   "personal-loss": stats.loss_sum / max(stats.count, 1)}
+                   "num-test": stats.count, key: loss if regression
+                   else stats.correct / max(stats.count, 1), "personal-loss": loss}
             if not changes:
-                row["same-as-run"] = (row["personal-acc"] == record["personal-acc"]
+                row["same-as-run"] = (row[key] == record[key]
                                       and row["num-test"] == record["num-test"]
                                       and row["personal-loss"] == record["personal-loss"])
             rows.append(row)
         tested = sum(r["num-test"] for r in rows)
         scores["methods"][label] = {
-            "method": manifest["method"], "clients": rows,
-            "personal-acc": (sum(r["personal-acc"] * r["num-test"] for r in rows) / tested
-                             if tested else float("nan"))}
+            "method": manifest["method"], "clients": rows, "metric": key,
+            key: (sum(r[key] * r["num-test"] for r in rows) / tested
+                  if tested else float("nan"))}
     return scores
 
 
 def table(scores: dict) -> str:
-    lines = [f"{'method':<24} {'clients':>7} {'personal-acc':>12}  per client (acc %)"]
+    lines = [f"{'method':<24} {'clients':>7} {'score':>12}  per client"]
     for label, entry in scores["methods"].items():
-        per = ", ".join(f"{r.get('name', r['id'])}: {100 * r['personal-acc']:.2f}"
+        key = entry["metric"]
+        show = (lambda v: f"{v:.4g}") if key == "personal-mse" else (
+            lambda v: f"{100 * v:.2f}%")
+        per = ", ".join(f"{r.get('name', r['id'])}: {show(r[key])}"
                         for r in entry["clients"][:6])
         more = " ..." if len(entry["clients"]) > 6 else ""
-        lines.append(f"{label:<24} {len(entry['clients']):>7} "
-                     f"{100 * entry['personal-acc']:>11.2f}%  {per}{more}")
+        lines.append(f"{label:<24} {len(entry['clients']):>7} {show(entry[key]):>12}  "
+                     f"{key}: {per}{more}")
         same = [r["same-as-run"] for r in entry["clients"] if "same-as-run" in r]
         if same:
             lines.append(f"{'':<24} {sum(same)} of {len(same)} clients score exactly as in "

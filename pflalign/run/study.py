@@ -74,6 +74,8 @@ DEFAULT_SUITE = "default"
 #: the metric tuning optimizes (on validation data) and tables lead with, unless --metric names
 #: another of :data:`~pflalign.outputs.report.COMPARABLE_METRICS`
 METRIC = "personal-acc"
+#: ... and a regression's (task = regression), lower is better
+REGRESSION_METRIC = "personal-mse"
 PLAN_FILE = "plan.json"
 
 #: runs one cell group: (its settings, reporter, resume) -> its results (run_methods' dict)
@@ -162,6 +164,9 @@ class Plan:
     def __post_init__(self) -> None:
         if not self.scenarios:
             raise ConfigError("A study needs at least one scenario.")
+        if self.metric == METRIC and self.settings(next(iter(self.scenarios))).run.task == \
+                "regression":
+            self.metric = REGRESSION_METRIC  # a regression has no accuracy
         if self.metric not in COMPARABLE_METRICS:
             raise ConfigError(f"--metric {self.metric!r} is not a metric a run reports at its "
                               f"end; choose one of {', '.join(COMPARABLE_METRICS)}.")
@@ -379,6 +384,8 @@ class Study:
                 trackers.close(failed=True)
                 self.tracked = None
             raise
+        if trackers is not None:
+            trackers.log_clients(results)  # each client's final values, by name
         if trackers is not None and directory != self.out:
             try:
                 trackers.log_outputs(directory)  # the group's results.json

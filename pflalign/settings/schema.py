@@ -255,6 +255,13 @@ class DataConfig(Params):
         'Use a random (seeded) subset of this many samples of the pooled dataset; 0 uses all '
         'of it.',
         minimum=0, group='data', scope='data')
+    task: str = param(
+        'classification',
+        'What the labels are: classification (classes; accuracy, cross-entropy) or regression '
+        '(dataset = npz: or csv:/parquet: with float targets: a model with one output, trained on '
+        'the mean squared error; personal-mse, personal-mae and personal-r2 reported, per client '
+        'too; partition = natural, iid or quantity; pip install "pflalign[metrics]").',
+        choices=('classification', 'regression'), group='data', scope='data')
     partition: str = param(
         'dirichlet',
         'How samples are split across clients: iid, dirichlet (label skew), pathological '
@@ -763,8 +770,11 @@ class OutputsConfig(Params):
         'final = the global model (the server state) and every client\'s personal model, the '
         'model its final evaluation scored, as safetensors files with a manifest.json (load one '
         'with pflalign.load_model, score them on other data with `pflalign-evaluate`); '
+        'best = the same from the evaluation round whose pooled validation personal-acc (a '
+        'regression\'s personal-mse) was best, with evaluate-on = validation and eval-fraction '
+        '= 1 (never chosen by test data; every evaluation then sends its models back); '
         'none = no models. On SuperNodes each node keeps its own model (docs/deployment.md).',
-        choices=('final', 'none'), group='run', scope='output')
+        choices=('final', 'best', 'none'), group='run', scope='output')
     keep_checkpoints: bool = param(
         False,
         'Keep each method entry\'s last checkpoint (out-dir/checkpoints/) after its results are '
@@ -910,7 +920,7 @@ NON_RUN_KEYS = keys_in_scope("output")
 FOLLOW_DATA = ("partition", "model")
 ADDED_KEYS: dict[str, Value] = {"eval-at-start": False, "num-classes": 0,
                                  "input-shape": "", "cache-dir": "", "split-column": "",
-                                 "eval-metrics": ""}
+                                 "eval-metrics": "", "task": "classification"}
 
 
 class Settings(Mapping[str, Value]):

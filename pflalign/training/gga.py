@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pflalign.settings.schema import GGA_OBJECTIVES
+from pflalign.training.loops import task_loss
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -40,7 +40,7 @@ def _params(model: nn.Module, params: Sequence[torch.Tensor] | None) -> list[tor
 
 def domain_gradients(model: nn.Module, batches: Sequence[Batch],
                      params: Sequence[torch.Tensor] | None = None,
-                     loss_fn: LossFn = F.cross_entropy) -> tuple[list[torch.Tensor], float]:
+                     loss_fn: LossFn = task_loss) -> tuple[list[torch.Tensor], float]:
     """Each domain's flattened loss gradient over ``params`` (default: every trainable
     parameter), and the sample-weighted mean loss over all domains (3.2 step 2)."""
     params = _params(model, params)
@@ -95,7 +95,7 @@ def gga_anneal(model: nn.Module, batches: Sequence[Batch], *, rho: float = 1e-5,
                candidates: int = 250, loss_tolerance: float = 0.1, proposal: str = "walk",
                perturb: Sequence[torch.Tensor] | None = None,
                generator: torch.Generator | None = None,
-               loss_fn: LossFn = F.cross_entropy) -> AnnealResult:
+               loss_fn: LossFn = task_loss) -> AnnealResult:
     """One GGA annealing step in place on ``model`` (docs/algorithms.md 3.2 steps 1-5).
 
     From the anchor ``theta_0``: ``candidates`` times, perturb the ``perturb`` parameters (default:
@@ -156,7 +156,7 @@ class GGA:
     def __init__(self, model: nn.Module, *, start_step: int = 100, end_step: int = 200,
                  candidates: int = 250, rho: float = 1e-5, loss_tolerance: float = 0.1,
                  proposal: str = "walk", perturb: Sequence[torch.Tensor] | None = None,
-                 generator: torch.Generator | None = None, loss_fn: LossFn = F.cross_entropy):
+                 generator: torch.Generator | None = None, loss_fn: LossFn = task_loss):
         if end_step < start_step:
             raise ValueError(f"GGA: end_step {end_step} is before start_step {start_step}.")
         self.model = model
@@ -176,7 +176,7 @@ class GGA:
 
 def gga_l_gradients_(model: nn.Module, batches: Sequence[Batch], *, gamma: float = 1e-3,
                      noise: str = "normal", generator: torch.Generator | None = None,
-                     loss_fn: LossFn = F.cross_entropy) -> tuple[float, float]:
+                     loss_fn: LossFn = task_loss) -> tuple[float, float]:
     """GGA-L (3.5): set each trainable parameter's ``.grad`` to ``grad L_all + alpha xi`` with
     ``alpha = gamma (1 - mean pairwise cosine of the domain gradients)``; the caller's optimizer
     step then applies it. ``noise="normal"`` is the reference code's ``xi ~ N(0, 1)``;
@@ -229,7 +229,7 @@ def count_sketch(vector: torch.Tensor, dim: int, seed: int) -> torch.Tensor:
 def candidate_statistics(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                          perturb: Sequence[str], *, seed: int, server_round: int,
                          candidates: int, rho: float, sketch_dim: int,
-                         loss_fn: LossFn = F.cross_entropy,
+                         loss_fn: LossFn = task_loss,
                          ) -> tuple[list[float], torch.Tensor]:
     """A client's answer to an annealing round: for the anchor (k = 0) and each candidate
     ``theta + eps_k`` (k = 1..K; ``eps_k`` on the named ``perturb`` parameters), its loss on

@@ -121,10 +121,18 @@ def stopping(order: Iterable[T], per_epoch: int, until: Callable[[list[float]], 
         yield batch
 
 
+def task_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The batch's mean loss: cross-entropy of class logits, or for float targets (``task =
+    regression``) the mean squared error of the model's single output."""
+    if targets.is_floating_point():
+        return F.mse_loss(outputs.squeeze(-1), targets)
+    return F.cross_entropy(outputs, targets)
+
+
 def train_batches(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Normalizer, *,
                   optimizer: torch.optim.Optimizer, batch_size: int, epochs: int = 1,
                   max_steps: int = 0, generator: torch.Generator,
-                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = task_loss,
                   before_step: Callable[[], None] | None = None, steps_per_batch: int = 1,
                   after_batch: Callable[[], None] | None = None,
                   step_loss: StepLoss | None = None, batches_per_step: int = 1,
@@ -213,16 +221,25 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, normalize: Norm
     correct = 0
     loss_sum = 0.0
     outputs = []
+    regression = y.is_floating_point()  # task = regression: squared errors, no classes
     for start in range(0, len(y), batch_size):
         logits = model(normalize(x[start:start + batch_size]))
         targets = y[start:start + batch_size]
+        if regression:
+            loss_sum += float(((logits.squeeze(-1) - targets) ** 2).sum())
+            outputs.append(logits.squeeze(-1))
+            continue
         correct += int((logits.argmax(dim=1) == targets).sum())
         loss_sum += float(F.cross_entropy(logits, targets, reduction="sum"))
         if scores:
             outputs.append(logits)
     count = y.numel() if y.dim() == 1 else int((y != IGNORE_INDEX).sum())
     found = {}
-    if scores and outputs:
+    if regression and outputs:
+        from pflalign.training.scores import regression_scores
+
+        found = regression_scores(y, torch.cat(outputs))
+    elif scores and outputs:
         from pflalign.training.scores import classification_scores
 
         found = classification_scores(y, torch.cat(outputs), scores)

@@ -67,7 +67,13 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     """The batch's mean cross-entropy (a language model's window: its tokens' mean per sample),
     padding left out by ``mask``. A ``mask`` of the targets' shape (masked targets: an
     instruction's response tokens) weights each target: the mean over the scored tokens of the
-    batch, as ``F.cross_entropy`` gives it without a mask, skipping the ignored targets."""
+    batch, as ``F.cross_entropy`` gives it without a mask, skipping the ignored targets.
+
+    Float targets are a regression's (``task = regression``): the loss is then the mean squared
+    error of the model's single output, every method's objective unchanged otherwise."""
+    if targets.is_floating_point():
+        errors = (logits.squeeze(-1) - targets) ** 2
+        return errors.mean() if mask is None else batch_mean(errors, mask)
     if mask is None:
         return F.cross_entropy(logits, targets)
     losses = F.cross_entropy(logits, targets, reduction="none")

@@ -40,6 +40,20 @@ def require_sklearn() -> None:
                           "(or scikit-learn>=1.5).") from None
 
 
+def regression_scores(targets: torch.Tensor, predictions: torch.Tensor) -> dict[str, float]:
+    """A regression's scores beside its mean squared error (``personal-loss``): the mean absolute
+    error and R^2 (``sklearn.metrics.mean_absolute_error`` and ``r2_score``; R^2 left out for a
+    client whose test targets are all one value, where it is not defined)."""
+    from sklearn.metrics import mean_absolute_error, r2_score
+
+    y = targets.detach().cpu().double().numpy()
+    predicted = predictions.detach().cpu().double().numpy()
+    scores = {"mae": float(mean_absolute_error(y, predicted))}
+    if len(y) >= 2 and np.ptp(y) > 0:
+        scores["r2"] = float(r2_score(y, predicted))
+    return scores
+
+
 def classification_scores(labels: torch.Tensor, logits: torch.Tensor,
                           wanted: Sequence[str]) -> dict[str, float]:
     """The scores ``wanted`` (of :data:`SCORES`) of the outputs ``logits`` (N x K) for the test

@@ -132,7 +132,11 @@ EVAL_METRICS: Mapping[str, Metric] = {
 #: :mod:`pflalign.training.scores`), each a fraction, reported as ``personal-<score>``
 SCORES = ("macro-f1", "balanced-accuracy", "auroc")
 EVAL_METRICS = {**EVAL_METRICS, **{f"personal-{name}": Metric(0, 1, required=False)
-                                   for name in SCORES}}
+                                   for name in SCORES},
+                # task = regression: the mean absolute error, and R^2 (at most 1; a model far
+                # worse than the mean has a large negative one)
+                "personal-mae": Metric(0, LARGEST, required=False),
+                "personal-r2": Metric(-LARGEST, 1, required=False)}
 #: ... and those of a method with a global model
 GLOBAL_EVAL_METRICS: Mapping[str, Metric] = {GLOBAL_CORRECT: COUNT, GLOBAL_LOSS: LOSS}
 

@@ -1,6 +1,8 @@
 """``save-models``: the global model and every client's personal model, written at the end.
 
-In the run's final evaluation each client is asked to send back the model that scored it
+In the run's final evaluation (under ``save-models = best``, in every evaluation round, whose
+models are kept while its pooled validation score is the best so far: :func:`round_score`) each
+client is asked to send back the model that scored it
 (:data:`~pflalign.wire.protocol.SAVE_SCORED`); its reply carries it as the record
 :data:`~pflalign.wire.protocol.SCORED`, which must have exactly the entries, shapes and dtypes of
 the method's scored module (:meth:`~pflalign.methods.base.Method.saved_keys`) and finite values,
@@ -67,6 +69,11 @@ class SavedModels(RoundFeature):
         #: per client: the manifest's record of its saved model
         self.saved: dict[int, dict] = {}
         self.on_node: list[int] = []
+        #: save-models = best: every evaluation is a candidate, the best so far by the seen
+        #: clients' pooled validation score (accuracy, or a regression's mean squared error)
+        self.best = loop.server.settings.run.save_models == "best"
+        self.best_score: float | None = None
+        self.best_round = 0
 
     def _expect(self, loop) -> None:
         """The spec of a client's saved model: the entries of the method's scored module around
@@ -79,8 +86,12 @@ class SavedModels(RoundFeature):
             self.spec = FlatSpec.of({k: state[k].detach().cpu().numpy() for k in keys})
             self.limit = self.spec.nbytes + ARRAY_HEADER * len(self.spec.keys)
 
+    def _candidate(self, loop, server_round: int) -> bool:
+        """Whether this evaluation's models may be the ones saved."""
+        return server_round == loop.server.rounds or (self.best and server_round > 0)
+
     def evaluating(self, loop, messages: list[Outgoing], server_round: int) -> list[Outgoing]:
-        if server_round != loop.server.rounds:
+        if not self._candidate(loop, server_round):
             return messages
         self._expect(loop)
         return [replace(m, config={**m.config, SAVE_SCORED: True},
@@ -88,8 +99,20 @@ class SavedModels(RoundFeature):
 
     def evaluated(self, loop, server_round: int, messages: Sequence[Outgoing],
                   collected: Collected, metrics: dict) -> Collected:
-        if server_round != loop.server.rounds:
+        if not self._candidate(loop, server_round):
             return collected
+        regression = loop.server.settings.run.task == "regression"
+        if self.best:
+            score = round_score(loop, collected, regression)
+            if score is None or (self.best_score is not None and (
+                    score >= self.best_score if regression else score <= self.best_score)):
+                return collected  # not better than the best so far: its models are not kept
+            self.best_score, self.best_round = score, server_round
+            for path in (self.folder / "clients").glob("*.safetensors"):
+                path.unlink()  # the previous best's
+            if loop.state is not None:
+                write_arrays(self.folder / GLOBAL, loop.state.to_arrays(),
+                             {"round": str(server_round)})
         self.saved, self.on_node = {}, []
         missing = []
         for reply, arrays in collected.good:
@@ -114,7 +137,10 @@ class SavedModels(RoundFeature):
             self.saved[cid] = {"id": cid, "file": file, "round": server_round,
                                "unseen": bool(loop.server.clients[cid].unseen),
                                NUM_TEST: count,
-                               "personal-acc": reply[PERSONAL_CORRECT] / max(count, 1),
+                               # a regression's loss is its mean squared error; no accuracy
+                               ("personal-mse" if regression else "personal-acc"): (
+                                   float(reply[PERSONAL_LOSS]) if regression
+                                   else reply[PERSONAL_CORRECT] / max(count, 1)),
                                PERSONAL_LOSS: float(reply[PERSONAL_LOSS])}
         if missing:
             loop.warn(f"round {server_round}: the personal models of {len(missing)} clients are "
@@ -127,7 +153,7 @@ class SavedModels(RoundFeature):
         settings = server.settings
         fingerprint = models_fingerprint(settings, loop.label)
         global_saved = loop.method.has_global_model and loop.state is not None
-        if loop.state is not None:
+        if loop.state is not None and not self.best:
             write_arrays(self.folder / GLOBAL, loop.state.to_arrays(),
                          {"round": str(len(loop.rounds))})
         data = federated_dataset(settings)
@@ -135,7 +161,11 @@ class SavedModels(RoundFeature):
         names = dict(enumerate(getattr(data.partition, "names", ()) or ()))
         manifest = {
             "format": FORMAT, "label": loop.label, "method": loop.method.name,
-            "fingerprint": fingerprint, "round": len(loop.rounds),
+            "fingerprint": fingerprint,
+            "round": self.best_round if self.best else len(loop.rounds),
+            "chosen": ("the evaluation round with the best pooled validation "
+                       + ("personal-mse" if settings.run.task == "regression" else "personal-acc")
+                       + " of the seen clients" if self.best else "the final round"),
             "model": {"name": settings.run.model, "input-shape": list(dataset.input_shape),
                       "num-classes": dataset.num_classes,
                       "parameters": server.trainable_spec.size},
@@ -159,3 +189,16 @@ class SavedModels(RoundFeature):
         return {"models": {"fingerprint": fingerprint, "clients": len(self.saved),
                            "on-node": len(self.on_node), "global": global_saved}}
 
+
+def round_score(loop, collected: Collected, regression: bool) -> float | None:
+    """An evaluation's score for save-models = best: the seen clients' pooled accuracy (correct
+    over test samples), or a regression's pooled mean squared error; None without a seen
+    client."""
+    rows = [m for m, _ in collected.good
+            if not loop.server.clients[int(m[PARTITION_ID])].unseen]
+    tested = sum(m[NUM_TEST] for m in rows)
+    if not tested:
+        return None
+    if regression:
+        return sum(m[PERSONAL_LOSS] * m[NUM_TEST] for m in rows) / tested
+    return sum(m[PERSONAL_CORRECT] for m in rows) / tested
