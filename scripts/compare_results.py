@@ -53,15 +53,18 @@ def _compare_rows(where: str, a: dict, b: dict, out: list[str], allow_new: bool 
 
 def compare(before: dict, after: dict, allow_new: bool = False) -> tuple[list[str], int]:
     """The differences between two results dictionaries, and how many values were compared.
-    With ``allow_new``, methods, config keys and metrics only in ``after`` (added since) are not
-    differences."""
+    With ``allow_new``, methods, config keys, partition-summary keys and metrics only in ``after``
+    (added since) are not differences."""
     out: list[str] = []
     checked = 0
     config_a = {k: v for k, v in before.get("config", {}).items() if k not in IGNORED_CONFIG}
     config_b = {k: v for k, v in after.get("config", {}).items() if k not in IGNORED_CONFIG
                 and (k in config_a or not allow_new)}
     checked += _compare_rows("config", config_a, config_b, out)
-    if before.get("partition") != after.get("partition"):
+    partition_a = before.get("partition") or {}
+    partition_b = {k: v for k, v in (after.get("partition") or {}).items()
+                   if k in partition_a or not allow_new}  # keys a later version added
+    if partition_a != partition_b:
         out.append("partition summaries differ")
     methods_a, methods_b = before.get("methods", {}), after.get("methods", {})
     for name in sorted(set(methods_a) ^ set(methods_b)):
