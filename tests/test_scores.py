@@ -106,6 +106,9 @@ def test_a_runs_scores_are_its_saved_models_and_its_averages_its_clients(tmp_pat
             assert record["personal-macro-f1"] == f1_score(
                 data.test_y.numpy(), predicted, average="macro", zero_division=0)
     assert federated_dataset(settings).dataset.class_names == ("ham", "spam", "unsure")
+    model = load_model(tmp_path / "out", "fedrep", "alice")  # by its name
+    assert model.class_names == ("ham", "spam", "unsure") and model.client_name == "alice"
+    assert model.feature_names == tuple(f"f{j}" for j in range(6))
 
 
 def test_scores_declare_their_direction_and_range_and_bad_requests_are_refused(tmp_path):

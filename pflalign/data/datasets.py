@@ -69,6 +69,9 @@ class Dataset:
     #: the name of each class (an image folder's class folders, a ClassLabel's names, the
     #: built-in datasets' classes); empty where the data names none
     class_names: tuple[str, ...] = ()
+    #: the name of each feature (a table's feature columns, in the order the model takes them);
+    #: empty where the data names none
+    feature_names: tuple[str, ...] = ()
     #: each sample's split as the data gives it (0: train, 1: test; a split column or array,
     #: or per-client train/test folders), which partition = natural keeps; None: drawn
     split: np.ndarray | None = None

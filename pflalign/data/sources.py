@@ -640,4 +640,5 @@ def load_table(name: str, columns: tuple[str, ...], task: str = "classification"
     return {"name": name, "images": samples, "labels": labels,
             "num_classes": len(names) if task != "regression" else 1,
             "class_names": tuple(str(n) for n in names), "mean": (), "std": (),
-            "kind": FEATURES, "groups": groups, "group_names": group_names, "split": split}
+            "kind": FEATURES, "groups": groups, "group_names": group_names, "split": split,
+            "feature_names": tuple(layout["features"])}

@@ -90,7 +90,8 @@ class SavedModel(nn.Module):
     (class logits). ``module`` is the model itself (it takes prepared inputs) and ``inputs`` what
     prepares them, so that ``module(inputs(x))`` is exactly what the run computed. Its
     attributes name what it is: ``method``, ``label``, ``client`` and ``client_name`` (None for
-    the global model), ``class_names`` and the whole ``manifest``."""
+    the global model), ``class_names``, a table's ``feature_names`` (the columns its inputs are,
+    in order) and the whole ``manifest``."""
 
     def __init__(self, module: nn.Module, inputs, manifest: Mapping, client: int | None,
                  client_name: str | None):
@@ -101,6 +102,8 @@ class SavedModel(nn.Module):
         self.method, self.label = manifest["method"], manifest["label"]
         self.client, self.client_name = client, client_name
         self.class_names = tuple(manifest.get("class-names") or ())
+        #: a table's feature columns, in the order ``forward`` takes them (empty: not a table)
+        self.feature_names = tuple(manifest.get("feature-names") or ())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(self.inputs(x))

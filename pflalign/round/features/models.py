@@ -173,6 +173,7 @@ class SavedModels(RoundFeature):
                        "std": list(dataset.std or ())},
             "data-fingerprint": data.fingerprint() if hasattr(data, "fingerprint") else None,
             "class-names": list(getattr(dataset, "class_names", ()) or ()),
+            "feature-names": list(getattr(dataset, "feature_names", ()) or ()),
             "settings": settings.to_dict(),
             "global": GLOBAL if global_saved else None,
             "server-state": GLOBAL if loop.state is not None else None,
