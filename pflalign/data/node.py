@@ -39,6 +39,7 @@ from pflalign.data.datasets import ClientData, input_transform
 from pflalign.data.federated import federated_dataset
 from pflalign.data.image_arrays import cache_root
 from pflalign.process.caches import cached
+from pflalign.settings.fingerprint import digest
 from pflalign.settings.options import ConfigError
 from pflalign.settings.schema import DATA_KEYS, DATA_LOCATION_KEYS, IMAGE, NON_RUN_KEYS
 from pflalign.wire.protocol import NUM_TEST, NUM_TRAIN, PARTITION_ID, UNSEEN
@@ -50,14 +51,10 @@ FORMAT_VERSION = 1
 _SPLITS = ("train_x", "train_y", "test_x", "test_y")
 
 
-def _digest(payload: object) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
 def data_fingerprint(settings: Mapping[str, object]) -> str:
     """A short hash of the config keys that define every client's data (the keys of
     :data:`~pflalign.settings.schema.DATA_KEYS` except where the files are read from)."""
-    return _digest({k: settings[k] for k in DATA_KEYS if k not in DATA_LOCATION_KEYS})[:16]
+    return digest({k: settings[k] for k in DATA_KEYS if k not in DATA_LOCATION_KEYS})[:16]
 
 
 @dataclass(frozen=True)
@@ -256,7 +253,7 @@ def cached_node_data(settings: Mapping[str, object], client_id: int,
 # --- state files -------------------------------------------------------------------------------
 def run_key(settings: Mapping[str, object]) -> str:
     """A hash of the run's settings, except those that change no client's computation."""
-    return _digest({k: v for k, v in settings.items() if k not in NON_RUN_KEYS})[:16]
+    return digest({k: v for k, v in settings.items() if k not in NON_RUN_KEYS})[:16]
 
 
 class StateStore:
@@ -276,7 +273,7 @@ class StateStore:
         self.dir = Path(state_dir).expanduser()
         self.run_id, self.label, self.run_key = int(run_id), label, run_key(settings)
         self.client_id = int(client_id)
-        key = _digest([self.run_id, label, self.run_key, self.client_id])[:20]
+        key = digest([self.run_id, label, self.run_key, self.client_id])[:20]
         self.own = f"{self.PREFIX}client{self.client_id}-"
         self.path = self.dir / f"{self.own}{key}.npz"
 
@@ -317,8 +314,8 @@ class StateStore:
 
 def file_sha256(path: str | Path) -> str:
     """The SHA-256 of a file's bytes (to name a state file in logs)."""
-    digest = hashlib.sha256()
+    hasher = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+            hasher.update(block)
+    return hasher.hexdigest()

@@ -23,9 +23,7 @@ given later. A deployed SuperNode keeps its own client's model in its node direc
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -34,9 +32,11 @@ import torch
 from torch import nn
 
 from pflalign.outputs.results import slug
+from pflalign.settings.fingerprint import entry_fingerprint
 from pflalign.settings.options import ConfigError
-from pflalign.settings.schema import ADDED_KEYS, NON_RUN_KEYS, EngineConfig
+from pflalign.settings.schema import EngineConfig
 from pflalign.wire.protocol import NUM_TEST, PERSONAL_CORRECT, PERSONAL_LOSS
+from pflalign.wire.state import atomic_write
 
 #: where the models of a run writing to ``out-dir`` live
 DIRECTORY = "models"
@@ -57,15 +57,13 @@ def client_file(cid: int) -> str:
 
 def write_arrays(path: Path, arrays: Mapping[str, np.ndarray],
                  metadata: Mapping[str, str] | None = None) -> None:
-    """Write ``arrays`` as a safetensors file at ``path``, atomically (a temporary file
-    renamed)."""
-    from safetensors.numpy import save_file
+    """Write ``arrays`` as a safetensors file at ``path``, atomically
+    (:func:`~pflalign.wire.state.atomic_write`)."""
+    from safetensors.numpy import save
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
-              metadata=dict(metadata or {}))
-    os.replace(tmp, path)
+    data = save({k: np.ascontiguousarray(v) for k, v in arrays.items()},
+                metadata=dict(metadata or {}))
+    atomic_write(path, lambda handle: handle.write(data))
 
 
 def read_arrays(path: Path) -> dict[str, np.ndarray]:
@@ -75,11 +73,9 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
 
 
 def write_manifest(folder: Path, manifest: Mapping) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / MANIFEST
-    tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, path)
+    text = (json.dumps(manifest, indent=1) + "\n").encode()
+    atomic_write(path, lambda handle: handle.write(text))
     return path
 
 
@@ -177,10 +173,7 @@ def models_fingerprint(settings: Mapping[str, object], label: str) -> str:
     settings without those that change nothing it computes (the output keys, keys added later at
     their old value) nor the engine's (every engine computes the same models)."""
     engine = set(EngineConfig.keys().values())
-    kept = {k: v for k, v in settings.items() if k not in NON_RUN_KEYS and k not in engine
-            and not (k in ADDED_KEYS and v == ADDED_KEYS[k])}
-    payload = json.dumps({**kept, "methods": label, "label": label}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+    return entry_fingerprint({k: v for k, v in settings.items() if k not in engine}, label)
 
 
 # --- a deployed SuperNode's own model -----------------------------------------------------------

@@ -21,7 +21,6 @@ one, never a partial one, and it is removed once the entry's results are in ``re
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
@@ -33,8 +32,8 @@ import torch
 
 from pflalign.outputs.results import slug
 from pflalign.server.validation import ClientFailure, state_problem
+from pflalign.settings.fingerprint import entry_fingerprint
 from pflalign.settings.options import ConfigError
-from pflalign.settings.schema import ADDED_KEYS, NON_RUN_KEYS
 from pflalign.wire.messages import Payload
 from pflalign.wire.protocol import CLIENT_STATE, ID, PARTITION_ID, STATE, STATE_CHUNK
 from pflalign.wire.state import State, atomic_write
@@ -47,25 +46,6 @@ DIRECTORY = "checkpoints"
 #: array groups of a checkpoint file
 SERVER, BEFORE, CLIENT, RNG, SCHEDULER = ("server", "before-aggregation", "client", "rng",
                                           "scheduler")
-
-
-def _digest(payload: object) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-def comparable(settings: Mapping[str, object]) -> dict[str, object]:
-    """``settings`` without the keys that change nothing a run computes (:data:`NON_RUN_KEYS`),
-    nor the keys added later at the value that computes what runs did before them
-    (:data:`ADDED_KEYS`)."""
-    return {k: v for k, v in settings.items() if k not in NON_RUN_KEYS
-            and not (k in ADDED_KEYS and v == ADDED_KEYS[k])}
-
-
-def entry_fingerprint(settings: Mapping[str, object], label: str) -> str:
-    """A hash of a method entry's own settings (its overrides applied, ``methods`` naming just
-    this entry), without :data:`NON_RUN_KEYS`: equal exactly when the entry would compute the
-    same thing."""
-    return _digest({**comparable(settings), "methods": label, "label": label})[:24]
 
 
 def checkpoint_path(out_dir: str | Path, label: str) -> Path:

@@ -41,10 +41,11 @@ from pflalign.models.registry import MODELS, batch_norm_keys, head_of, model_tem
 from pflalign.models.user import is_user_model
 from pflalign.outputs.results import Reporter, comparison_table, new_results, write_results
 from pflalign.process.interrupt import Interrupted, check_stop
-from pflalign.round.checkpoint import Checkpoint, comparable
+from pflalign.round.checkpoint import Checkpoint
 from pflalign.round.loop import RoundLoop
 from pflalign.run.config import MethodChoice, method_choices
 from pflalign.server.runtime import ServerRuntime
+from pflalign.settings.fingerprint import comparable
 from pflalign.settings.options import ConfigError
 from pflalign.settings.schema import Settings
 from pflalign.wire.state import State

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from pflalign.outputs.models import _manifests, check_fingerprint
-from pflalign.run.models import entry_settings, load_model
+from pflalign.run.models import client_model, entry_settings
 from pflalign.settings.options import ConfigError
 
 
@@ -71,7 +71,7 @@ def evaluate_saved(out_dir: str | Path, methods: list[str] | None = None,
         key = "personal-mse" if regression else "personal-acc"  # a regression's score
         rows = []
         for record in manifest["clients"]:
-            model = load_model(out, label, record["id"])
+            model = client_model(folder, manifest, settings, record)
             data = pooled_node_data(settings, record["id"], "cpu").data
             with torch.no_grad():
                 stats = evaluate(model.module, data.test_x, data.test_y, model.inputs)

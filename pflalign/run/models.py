@@ -37,9 +37,9 @@ def entry_settings(manifest: Mapping) -> Settings:
                           follow=frozenset())
 
 
-def _base_model(manifest: Mapping) -> nn.Module:
+def _base_model(manifest: Mapping, settings: Settings) -> nn.Module:
     """A fresh copy of the run's model (its initial weights: a language model's frozen base)."""
-    model, settings = manifest["model"], entry_settings(manifest)
+    model = manifest["model"]
     template = model_template(model["name"], tuple(model["input-shape"]), model["num-classes"],
                               settings.run.seed, LoraSpec.of(settings.run))
     return template.new()
@@ -59,20 +59,28 @@ def load_model(out_dir: str | Path, method: str | None = None,
     out = Path(out_dir)
     folder, manifest = find_entry(out, method)
     check_fingerprint(out, folder, manifest)
-    model = _base_model(manifest)
-    if client is None:
-        if not manifest.get("global"):
-            raise ConfigError(f"{manifest['label']} has no global model that scores a client "
-                              "(its clients keep their own); name a client with client=.")
-        arrays = read_arrays(folder / GLOBAL)
-        state = {k.partition("/")[2]: torch.from_numpy(v) for k, v in arrays.items()
-                 if k.startswith("model/")}
-        model.load_state_dict({**model.state_dict(), **state})
-        return SavedModel(model, _inputs(manifest), manifest, None, None).eval()
-    record = client_entry(manifest, client)
     settings = entry_settings(manifest)
+    if client is not None:
+        return client_model(folder, manifest, settings, client_entry(manifest, client))
+    if not manifest.get("global"):
+        raise ConfigError(f"{manifest['label']} has no global model that scores a client "
+                          "(its clients keep their own); name a client with client=.")
+    model = _base_model(manifest, settings)
+    arrays = read_arrays(folder / GLOBAL)
+    state = {k.partition("/")[2]: torch.from_numpy(v) for k, v in arrays.items()
+             if k.startswith("model/")}
+    model.load_state_dict({**model.state_dict(), **state})
+    return SavedModel(model, _inputs(manifest), manifest, None, None).eval()
+
+
+def client_model(folder: Path, manifest: Mapping, settings: Settings,
+                 record: Mapping) -> SavedModel:
+    """The saved personal model of the client ``record`` (the manifest's) in the entry's models
+    ``folder``, its ``settings`` (:func:`entry_settings`) given, so that loading many clients
+    reads the manifest and builds the settings once."""
     built = METHODS[manifest["method"]].build(settings)
-    module = built.scored_module(model, manifest["model"]["num-classes"])
+    module = built.scored_module(_base_model(manifest, settings),
+                                 manifest["model"]["num-classes"])
     state = {k: torch.from_numpy(v) for k, v in read_arrays(folder / record["file"]).items()}
     expected = module.state_dict()
     unknown = [k for k in state if k not in expected]
