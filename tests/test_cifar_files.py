@@ -1,7 +1,7 @@
 """CIFAR-10 and CIFAR-100 from files in torchvision's extracted on-disk format (pickled batches
 of N x 3072 uint8 rows, channel-major), written here with a few hundred images, so the loading
 path runs without a download: the pooled arrays equal what was written (train batches, then
-test), a CIFAR-10 run agrees on the sequential, batched and Flower engines, and a damaged batch
+test), a CIFAR-10 run agrees on the sequential and batched engines, and a damaged batch
 is one sentence."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_cifar10_files_load_and_run_on_every_engine(tmp_path):
     assert dataset.num_classes == 10 and dataset.input_shape == (3, 32, 32)
     results = three_engines({**RUN, "dataset": "cifar10", "data-root": str(tmp_path / "data"),
                              "model": "cnn", "methods": "fedavg,pflalign"}, tmp_path / "runs",
-                            compared_at_least=40)
+                            compared_at_least=40, flower=False)
     clients = results["partition"]["clients"]
     assert sum(c["num-train"] + c["num-test"] for c in clients) == len(labels)
 

@@ -241,9 +241,9 @@ def test_federated_dataset_of_the_tiny_text(tiny_texts):
 
 def test_engines_agree_on_the_tiny_text(tiny_texts, tmp_path):
     """Sequential, batched and a real Flower simulation give the same metrics on text (Ditto,
-    whose personal model trains a full epoch, is in test_language's three engines on text: 13 s
-    of the LSTM per engine here; local, which only trains, in the all-methods Flower test)."""
-    methods = "fedavg,fedrep,pflalign"
+    whose personal model trains a full epoch, is in test_language's three engines on text;
+    FedRep and local in the all-methods Flower test)."""
+    methods = "fedavg,pflalign"
     sequential = three_engines({**TINY, "data-root": str(tiny_texts / "sdist"),
                                 "methods": methods}, tmp_path, 100)
     for label in methods.split(","):

@@ -1,8 +1,10 @@
 """A researcher's own data (``dataset = npz:PATH``): written here, then run as a user runs it.
 
-Each source runs a short simulation on the sequential and batched engines and through a real
-Flower simulation (``simulate.py``), which must agree bit for bit (:func:`harness.three_engines`;
-an npz file of images does so in test_user_model.py, under a user's model);
+Each source runs a short simulation on the sequential and batched engines, which must agree bit
+for bit (:func:`harness.three_engines`). A Flower engine's nodes read every source through the
+same pooled loader; it runs on Flower in test_user_model.py (an npz file of images, under a
+user's model), test_hf_source.py (a Hugging Face folder), test_tables.py (a CSV of features)
+and test_shakespeare.py (text);
 what the run read is checked against the file (per-channel moments, the natural clients and
 their sizes). Bad files are one sentence each, raised before anything is written.
 """
@@ -77,7 +79,7 @@ def test_images_from_an_npz_file(tmp_path):
 
 def test_feature_vectors_with_natural_clients(tmp_path):
     """The sequential and batched engines (an npz file read by the Flower engine's nodes is
-    test_user_model's three-engine test; feature vectors on Flower, test_synthetic's)."""
+    test_user_model's three-engine test; feature vectors on Flower, test_tables' CSV)."""
     path = tmp_path / "features.npz"
     write_features(path)
     assert dataset_kind(f"npz:{path}") == "features"
@@ -195,7 +197,8 @@ def test_an_image_folder_with_client_folders_runs_on_every_engine(tmp_path):
     cache = tmp_path / "cache"
     results = three_engines({**RUN, "dataset": f"imagefolder:{root}", "image-size": 16,
                              "model": "cnn", "methods": "fedavg,local", "partition": "natural",
-                             "cache-dir": str(cache)}, tmp_path, compared_at_least=40)
+                             "cache-dir": str(cache)}, tmp_path, compared_at_least=40,
+                            flower=False)
     clients = results["partition"]["clients"]
     assert {c["name"] for c in clients} <= {"north", "south", "east", "west", "up"}
     for c in clients:  # 12 + 13 + 14 images in every client folder
@@ -266,7 +269,7 @@ def test_text_files_one_client_each_run_on_every_engine(tmp_path):
     results = three_engines({**RUN, "dataset": f"text:{folder}", "model": "char-lstm",
                              "sequence-length": 20, "partition": "natural", "batch-size": 32,
                              "local-steps": 3, "methods": "fedavg,local"}, tmp_path,
-                            compared_at_least=40)
+                            compared_at_least=40, flower=False)
     names = {c["name"] for c in results["partition"]["clients"]}
     assert len(names) == 4 and names <= {p.stem for p in folder.glob("*.txt")}
     (folder / "bad.txt").write_bytes(b"caf\xe9 au lait")

@@ -144,11 +144,12 @@ def test_bad_synthetic_configs_are_one_sentence(changes: dict, message: str):
 
 
 def test_synthetic_runs_bit_for_bit_on_every_engine(tmp_path):
-    """Sequential, batched and a real Flower simulation give the same metrics; an unseen client
-    is generated like the others."""
+    """The sequential and batched engines give the same metrics (feature vectors run on Flower
+    in test_tables.py's CSV test); an unseen client is generated like the others."""
     results = three_engines({**BASE, "num-clients": 6, "num-unseen-clients": 1, "rounds": 2,
                              "fraction-train": 0.5, "methods": "fedavg,pflalign",
-                             "synthetic-max-samples": 60}, tmp_path, compared_at_least=20)
+                             "synthetic-max-samples": 60}, tmp_path, compared_at_least=20,
+                            flower=False)
     final = results["methods"]["pflalign"]["final"]
     assert results["partition"]["dataset"] == "synthetic(1,1)"
     assert "unseen-acc" in final and final["personal-acc"] > 0.3

@@ -2,7 +2,8 @@
 
 A CSV (and the same table as Parquet) with string labels, named clients and a split column; an
 npz of float images with a split array; an image folder with each client's own train and test
-folders: each runs on the sequential, batched and Flower engines bit for bit, keeps the data's
+folders: each runs on the sequential and batched engines bit for bit (the CSV also on the Flower
+engine, whose nodes read every source through the same pooled loader), keeps the data's
 own split for every client, and names its classes and clients. Bad tables get
 one sentence and write nothing.
 """
@@ -84,7 +85,7 @@ def test_float_images_with_a_split_array_are_used_as_given(tmp_path):
     np.savez(tmp_path / "float.npz", x=x, y=y, client=np.array(CLIENTS)[np.arange(n) % 3],
              split=split)
     values = {**RUN, "dataset": f"npz:{tmp_path / 'float.npz'}", "num-clients": 3}
-    results = three_engines(values, tmp_path, compared_at_least=40)
+    results = three_engines(values, tmp_path, compared_at_least=40, flower=False)
     assert {(c["num-train"], c["num-test"]) for c in results["partition"]["clients"]} == {
         (60, 20)}
     data = federated_dataset(build_settings(values))
@@ -108,7 +109,7 @@ def test_client_folders_with_their_own_train_and_test_folders(tmp_path):
                     Image.fromarray(pixels).save(folder / f"{i}.png")
     values = {**RUN, "dataset": f"imagefolder:{tmp_path / 'shapes'}", "num-clients": 3,
               "cache-dir": str(tmp_path / "cache")}
-    results = three_engines(values, tmp_path, compared_at_least=40)
+    results = three_engines(values, tmp_path, compared_at_least=40, flower=False)
     partition = results["partition"]
     assert {(c["num-train"], c["num-test"]) for c in partition["clients"]} == {(18, 8)}
     assert partition["class-names"] == ["circle", "square"]

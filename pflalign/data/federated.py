@@ -27,6 +27,8 @@ from pflalign.settings.schema import DATA_KEYS
 #: the random stream of the validation split (partition draws use 0, the test split 1, the
 #: max-samples subset 2)
 VALIDATION_STREAM = 3
+#: ... and that of FLTrust's root set
+ROOT_STREAM = 4
 
 
 @dataclass(frozen=True)
@@ -189,3 +191,25 @@ def federated_dataset(settings: Mapping[str, object]) -> Federation:
     clients`` the server holds none, :mod:`pflalign.data.clients`)."""
     key = getattr(settings, "data_key", None)
     return _build(key if key is not None else tuple(settings[k] for k in DATA_KEYS))
+
+
+def root_set(settings: Mapping[str, object], size: int) -> ClientData:
+    """FLTrust's root set: ``size`` samples of the dataset that no client holds (outside the
+    run's pool; drawn by (seed, :data:`ROOT_STREAM`)), as training data (its test split, one of
+    them, is never used). Raises ValueError, naming the fix, when the pool leaves too few."""
+    federation = federated_dataset(settings)
+    if not isinstance(federation, FederatedDataset):
+        raise ValueError(f"aggregation = 'fltrust' draws its root set from the dataset's samples "
+                         f"that no client holds, and dataset = {settings['dataset']!r} has no "
+                         "such pool: choose another aggregation.")
+    free = np.setdiff1d(federation.dataset.sample_ids(), federation.pool)
+    if len(free) < size:
+        raise ValueError(f"aggregation = 'fltrust' draws its root set of {size} samples from those "
+                         f"no client holds, and this run's clients hold {len(federation.pool)} of "
+                         f"the dataset's {len(federation.dataset.sample_ids())} (max-samples = "
+                         f"{settings['max-samples']}): set max-samples to at most "
+                         f"{len(federation.dataset.sample_ids()) - size}, or a smaller "
+                         "fltrust-root-size.")
+    chosen = np.sort(np.random.default_rng([int(settings["seed"]), ROOT_STREAM]).choice(
+        free, size, replace=False))
+    return ClientData.from_indices(federation.dataset, chosen, chosen[:1])

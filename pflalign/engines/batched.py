@@ -120,7 +120,8 @@ class BatchedEngine(SequentialEngine):
             size, arrays = self.arrive(message, shared)
             down += size
             try:
-                node = before_handler(action, self.settings, cid, message.config, None)
+                node = before_handler(action, self.settings, cid, message.config, None,
+                                      self.states.get(cid))
                 calls[cid] = begin(action, self.settings, cid, message.config, arrays,
                                    self.states.get(cid), node)
             except ClientDropout:
@@ -134,7 +135,8 @@ class BatchedEngine(SequentialEngine):
                     raise results[cid]
                 metrics, reply, state = finish(call, results[cid])
                 metrics, reply = after_handler(action, self.settings, cid, call.received.config,
-                                               call.received.arrays, metrics, reply)
+                                               call.received.arrays, metrics, reply,
+                                               self.states.get(cid), state)
             except Exception as err:
                 replies[cid] = failure_reply(cid, err)
                 continue

@@ -40,14 +40,25 @@ import torch
 
 from pflalign.data.datasets import ClientData
 from pflalign.data.node import NodeData, pooled_node_data
-from pflalign.engines.host import Handler, Metrics, ReplyArrays
+from pflalign.engines.collusion import (
+    CHANNEL,
+    crafted,
+    flat_update,
+    float_keys,
+    honest_updates,
+    run_key,
+)
+from pflalign.engines.host import Handler, Metrics, ReplyArrays, handle
 from pflalign.process.caches import cached
 from pflalign.settings.options import Value
-from pflalign.settings.schema import Settings
+from pflalign.settings.schema import COLLUDING_ATTACKS, Settings
+from pflalign.training.backdoor import poisoned
 from pflalign.wire.protocol import (
     CORRECT_COUNTS,
     EVALUATE,
+    LABEL,
     LOSSES,
+    METHOD,
     MODEL,
     NUM_EXAMPLES,
     NUM_TEST,
@@ -77,12 +88,21 @@ def _malicious(seed: int, num_clients: int, count: int) -> frozenset[int]:
     return frozenset(int(c) for c in rng.choice(num_clients, size=count, replace=False))
 
 
+def attacker_count(settings: Settings) -> int:
+    """How many training clients attack: ``malicious-clients``, or ``round(attackers *
+    num-clients)`` (at least one)."""
+    run = settings.run
+    if run.attackers > 0:
+        return max(1, min(run.num_clients, round(run.attackers * run.num_clients)))
+    return run.malicious_clients
+
+
 def malicious_clients(settings: Settings) -> frozenset[int]:
     """The training clients that run ``attack`` (drawn once from the seed)."""
-    run = settings.run
-    if run.malicious_clients == 0:
+    count = attacker_count(settings)
+    if count == 0:
         return frozenset()
-    return _malicious(run.seed, run.num_clients, run.malicious_clients)
+    return _malicious(settings.run.seed, settings.run.num_clients, count)
 
 
 def injected_fault(settings: Settings, client_id: int, server_round: int) -> str | None:
@@ -168,31 +188,101 @@ def attacked_evaluation(settings: Settings, client_id: int,
 
 
 def before_handler(action: str, settings: Settings, client_id: int, config: Mapping[str, Value],
-                   node: NodeData | None) -> NodeData | None:
+                   node: NodeData | None, saved: State | None = None) -> NodeData | None:
     """What is injected before a client's handler runs: the fault of this call (raised), and
     the data a ``labelflip`` attacker trains on (its node data with flipped training labels; else
-    ``node`` as given). A state query meets no fault."""
+    ``node`` as given). A state query meets no fault. A colluding attacker records the state
+    it trains from (``saved``) for the others (:mod:`pflalign.engines.collusion`)."""
     if action == STATE:
         return node
     before_action(settings, client_id, action, int(config[ROUND]))
+    if action == TRAIN and attack_of(settings, client_id) in COLLUDING_ATTACKS:
+        CHANNEL.record(run_key(settings, _label(config)), client_id, "state", int(config[ROUND]),
+                       0, saved)
     if action == TRAIN and attack_of(settings, client_id) == "labelflip":
         node = node if node is not None else pooled_node_data(settings, client_id)
         return replace(node, data=flipped_labels(node.data, node.num_classes))
+    if action == TRAIN and attack_of(settings, client_id) == "backdoor":
+        node = node if node is not None else pooled_node_data(settings, client_id)
+        run = settings.run
+        if not 0 <= run.backdoor_target < node.num_classes:
+            raise ValueError(f"backdoor-target = {run.backdoor_target} is not one of the "
+                             f"{node.num_classes} classes.")
+        return replace(node, data=poisoned(node.data, run.backdoor_fraction, run.backdoor_target,
+                                           run.backdoor_patch, run.seed, client_id))
     return node
 
 
 def after_handler(action: str, settings: Settings, client_id: int, config: Mapping[str, Value],
                   arrays: Mapping[str, Mapping[str, torch.Tensor]], metrics: Metrics,
-                  reply: ReplyArrays) -> tuple[Metrics, ReplyArrays]:
+                  reply: ReplyArrays, saved: State | None = None,
+                  state: State | None = None) -> tuple[Metrics, ReplyArrays]:
     """The reply a malicious client sends in place of its handler's (``arrays``: what it
-    received)."""
+    received; ``saved`` and ``state``: its state before and after, None after: unchanged)."""
+    attack = attack_of(settings, client_id)
+    if attack in COLLUDING_ATTACKS and action in (TRAIN, EVALUATE):
+        CHANNEL.record(run_key(settings, _label(config)), client_id, "state", int(config[ROUND]),
+                       1 if action == TRAIN else 2, state if state is not None else saved)
     if action == EVALUATE:
         return attacked_evaluation(settings, client_id, metrics), reply
     if action != TRAIN:
         return metrics, reply
+    if attack == "backdoor" and MODEL in reply:  # model replacement: the update boosted
+        received, model = arrays[MODEL], reply[MODEL]
+        boost = backdoor_boost(settings)
+        return metrics, {**reply, MODEL: {
+            **model, **{k: (received[k].double() + boost * (model[k].double()
+                                                            - received[k].double())
+                            ).to(model[k].dtype) for k in float_keys(received, model)}}}
+    if attack in COLLUDING_ATTACKS + ("free-rider", "replay") and MODEL in reply:
+        return metrics, {**reply, MODEL: _crafted_upload(settings, client_id, config, arrays,
+                                                         reply[MODEL])}
     model, metrics = attacked_upload(settings, client_id, int(config[ROUND]), arrays.get(MODEL),
                                      reply.get(MODEL), metrics)
     return metrics, ({**reply, MODEL: model} if model is not None else reply)
+
+
+def backdoor_boost(settings: Settings) -> float:
+    """The backdoor's model-replacement factor ``gamma = n / eta`` (Bagdasaryan et al. 2020,
+    section 4; the server's learning rate eta is 1 here), with n the expected clients of a round,
+    shared by the attackers expected among them: ``max(1, n / max(1, attackers * fraction))``."""
+    run = settings.run
+    per_round = max(1.0, run.fraction_train * run.num_clients)
+    attackers = max(1.0, attacker_count(settings) * run.fraction_train)
+    return max(1.0, per_round / attackers)
+
+
+def _label(config: Mapping[str, Value]) -> str:
+    return str(config.get(LABEL, config.get(METHOD, "")))
+
+
+def _crafted_upload(settings: Settings, client_id: int, config: Mapping[str, Value],
+                    arrays: Mapping[str, Mapping[str, torch.Tensor]],
+                    model: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model a colluding, free-riding or replaying attacker uploads in place of ``model``
+    (its honest one): the global model it received plus the crafted update."""
+    attack, received = attack_of(settings, client_id), arrays[MODEL]
+    keys = float_keys(received, model)
+    own = flat_update(model, received, keys)
+    run, server_round = run_key(settings, _label(config)), int(config[ROUND])
+    if attack == "free-rider":
+        update = np.zeros_like(own)
+    elif attack == "replay":  # the update it sent last time (the global model back at first)
+        previous = CHANNEL.latest(run, client_id, "update", server_round)
+        update = previous["update"] if previous and len(previous["update"]) == len(own) else (
+            np.zeros_like(own))
+        CHANNEL.record(run, client_id, "update", server_round, 0, {"update": own})
+    else:
+        update = crafted(attack, honest_updates(settings, sorted(malicious_clients(settings)),
+                                                _label(config), config, arrays, keys,
+                                                (client_id, own), handle), settings)
+    out, offset = dict(model), 0
+    for key in keys:
+        size = model[key].numel()
+        part = torch.from_numpy(update[offset:offset + size].reshape(tuple(model[key].shape)))
+        out[key] = (received[key].double() + part).to(model[key].dtype)
+        offset += size
+    return out
 
 
 def with_faults(handler: Handler) -> Handler:
@@ -202,11 +292,11 @@ def with_faults(handler: Handler) -> Handler:
     def faulty(action: str, settings: Settings, client_id: int, config: Mapping[str, Value],
                arrays: Mapping[str, Mapping[str, torch.Tensor]], saved: State | None,
                node: NodeData | None = None) -> tuple[Metrics, ReplyArrays, State | None]:
-        node = before_handler(action, settings, client_id, config, node)
+        node = before_handler(action, settings, client_id, config, node, saved)
         metrics, reply, state = handler(action, settings, client_id, config, arrays, saved,
                                         node=node)
-        return (*after_handler(action, settings, client_id, config, arrays, metrics, reply),
-                state)
+        return (*after_handler(action, settings, client_id, config, arrays, metrics, reply,
+                               saved, state), state)
 
     return faulty
 

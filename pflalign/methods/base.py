@@ -197,8 +197,9 @@ class Method(Generic[P, C, S]):
             if aggregation != "mean" and settings.run.dp == "central":
                 raise ConfigError(f"aggregation = {aggregation!r} cannot run under dp = "
                                   f"{settings.run.dp!r}: DP-FedAvg releases a noised sum of "
-                                  "clipped updates, and a per-coordinate trimmed mean or median "
-                                  "is no sum (the clip bounds each client's influence instead); "
+                                  "clipped updates, and a robust rule (a trimmed mean, a median, "
+                                  "Krum, ...) is no sum (the clip bounds each client's influence "
+                                  "instead); "
                                   "use aggregation = 'mean'.")
         optimizer = settings.training.local_optimizer
         if not cls.local_optimizer and optimizer != "sgd":

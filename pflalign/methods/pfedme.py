@@ -129,7 +129,8 @@ class PFedMe(Method):
         """beta-mixing of the trainable entries; buffers (batch-norm statistics) are averaged."""
         spec = server.trainable_spec
         weights = [u.num_examples for u in updates]
-        average = server.combine([spec.flatten(u.model, np.float64) for u in updates], weights)
+        average = server.combine([spec.flatten(u.model, np.float64) for u in updates], weights,
+                                 spec.keys)
         current = spec.flatten(state.model, np.float64)
         mixed = spec.unflatten(pfedme_server_update(current, average, self.params.beta))
         return server.with_model(state, {**server.average([u.model for u in updates], weights),

@@ -72,7 +72,9 @@ DECLARED: dict[str, tuple[bool, str | None]] = {
     # task = regression
     "personal-mse": (False, "positive"), "personal-mae": (False, "positive"),
     "global-mse": (False, "positive"), "unseen-mse": (False, "positive"),
-    "personal-r2": (True, None)}
+    "personal-r2": (True, None),
+    # attack = backdoor: the share of triggered test samples taken for the target
+    "personal-backdoor-asr": (False, "fraction")}
 
 
 def metric_scale(metric: str) -> str | None:

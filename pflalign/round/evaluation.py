@@ -24,6 +24,8 @@ from pflalign.server.runtime import ServerRuntime
 from pflalign.server.validation import Collected
 from pflalign.wire.messages import Exchange, Outgoing
 from pflalign.wire.protocol import (
+    BACKDOOR_HITS,
+    BACKDOOR_TRIED,
     EVALUATE,
     GLOBAL_CORRECT,
     GLOBAL_LOSS,
@@ -35,6 +37,9 @@ from pflalign.wire.protocol import (
     SCORED,
     SCORES,
 )
+
+#: attack = backdoor: the share of the triggered test samples taken for the target class
+BACKDOOR_ASR = "personal-backdoor-asr"
 
 
 def evaluation_metrics(server: ServerRuntime, method: Method,
@@ -76,9 +81,15 @@ def evaluation_metrics(server: ServerRuntime, method: Method,
         if having:
             metrics[key] = float(np.average([m[key] for m in having],
                                             weights=[m[NUM_TEST] for m in having]))
+    tried = [m for m in seen if BACKDOOR_TRIED in m]
+    if tried:  # attack = backdoor: the trigger's success, every triggered test sample pooled
+        total = sum(m[BACKDOOR_TRIED] for m in tried)
+        metrics[BACKDOOR_ASR] = sum(m[BACKDOOR_HITS] for m in tried) / total if total else 0.0
     clients = [{"id": cid, "unseen": info[cid].unseen, "num-train": info[cid].num_train,
                 "num-test": int(m[NUM_TEST]), "personal-acc": m[PERSONAL_CORRECT] / m[NUM_TEST],
-                **{key: m[key] for key in scores if key in m}}
+                **{key: m[key] for key in scores if key in m},
+                **({BACKDOOR_ASR: m[BACKDOOR_HITS] / m[BACKDOOR_TRIED]}
+                   if m.get(BACKDOOR_TRIED) else {})}
                for m in rows for cid in [int(m[PARTITION_ID])]]
     return metrics, clients
 

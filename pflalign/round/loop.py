@@ -35,6 +35,7 @@ import numpy as np
 
 import pflalign.round.features  # noqa: F401  (registers the features)
 from pflalign.engines.base import Engine
+from pflalign.engines.collusion import CHANNEL, CHANNEL_ATTACKS, run_key
 from pflalign.methods.base import Method
 from pflalign.outputs.results import Reporter
 from pflalign.process.interrupt import check_stop
@@ -118,6 +119,8 @@ class RoundLoop:
             first = snapshot.round + 1
             self.reporter.info(f"[{self.label}] resumed from round {snapshot.round} (checkpoint "
                                f"{checkpoint.path})")
+        if first == 1 and run.attack in CHANNEL_ATTACKS:  # the attackers' records start afresh
+            CHANNEL.clear(run_key(server.settings, self.label))
         if first == 1 and run.eval_at_start:  # the initial model, before any training
             last_eval = evaluate_at_start(self)
         for server_round in range(first, server.rounds + 1):

@@ -50,6 +50,8 @@ from pflalign.server.privacy import count_noise, run_noise_multiplier
 from pflalign.server.sampling import expected_clients
 from pflalign.settings.options import ConfigError, Option, Value
 from pflalign.settings.schema import (
+    COLLUDING_ATTACKS,
+    DATASETS,
     FEATURES,
     FOLLOW_DATA,
     IMAGE,
@@ -717,10 +719,29 @@ def _check_robustness(run: RunConfig, gga: GGAParams | None = None) -> None:
     if run.malicious_clients > run.num_clients:
         raise ConfigError(f"malicious-clients = {run.malicious_clients} exceeds "
                           f"num-clients = {run.num_clients}.")
-    if (run.malicious_clients > 0) != (run.attack != "none"):
-        raise ConfigError(f"malicious-clients = {run.malicious_clients} and attack = "
-                          f"{run.attack!r} do not go together: set both (some clients and "
-                          "what they do) or neither.")
+    if run.malicious_clients > 0 and run.attackers > 0:
+        raise ConfigError(f"malicious-clients = {run.malicious_clients} and attackers = "
+                          f"{run.attackers:g} both say how many clients attack: set one.")
+    attacking = run.malicious_clients > 0 or run.attackers > 0
+    if attacking != (run.attack != "none"):
+        raise ConfigError(f"attackers = {run.attackers:g}, malicious-clients = "
+                          f"{run.malicious_clients} and attack = {run.attack!r} do not go "
+                          "together: set attackers (or malicious-clients) and attack (some "
+                          "clients and what they do), or neither.")
+    if run.attack == "backdoor":
+        kind = DATASETS.get(run.dataset)
+        if run.task == "regression" or (kind is not None and kind != IMAGE):
+            raise ConfigError(f"attack = 'backdoor' adds a trigger patch to images and relabels "
+                              f"them, and this run's data ({run.dataset!r}, task = "
+                              f"{run.task!r}) is not image classification: choose another "
+                              "attack.")
+    if run.attack in COLLUDING_ATTACKS:
+        if run.mode == "async" or run.device_profiles != "none":
+            raise ConfigError(f"attack = {run.attack!r} colludes on one round's honest updates "
+                              "of the attackers, each trained from the same global model; "
+                              "mode = 'async' and device-profiles send clients different "
+                              "models and work: run it with mode = 'sync' and "
+                              "device-profiles = 'none'.")
     if run.client_failure_rate + run.client_dropout_rate >= 1:
         raise ConfigError("client-failure-rate + client-dropout-rate must be below 1, got "
                           f"{run.client_failure_rate + run.client_dropout_rate:g}.")

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from pflalign.server.aggregation import FlatSpec, combine, fedavg
 from pflalign.server.privacy import poisson_sample
+from pflalign.server.robust import Kept, bulyan, centered_clip, fltrust, krum, multi_krum
 from pflalign.server.sampling import EVAL_SAMPLING_STREAM, sample_clients
 from pflalign.settings.schema import Settings
 from pflalign.wire.messages import ClientInfo
@@ -51,6 +53,13 @@ class ServerRuntime:
         self._samples: dict[int | tuple[int, float], list[int]] = {}
         self._notices: list[str] = []
         self._weak_sizes: set[int] = set()
+        #: what the round's aggregation is relative to (the global model and the server state's
+        #: other parts, :meth:`set_references`), and under fltrust the server's root reply
+        self._references: tuple[Mapping[str, np.ndarray], ...] = ()
+        self._root: tuple[Mapping[str, np.ndarray], ...] = ()
+        #: what the robust rules kept since :meth:`take_defence_log`, and their seconds
+        self._kept: list[Kept] = []
+        self._defence_seconds = 0.0
 
     @property
     def initial(self) -> State:
@@ -89,12 +98,76 @@ class ServerRuntime:
         """``state`` with some model entries replaced."""
         return dataclasses.replace(state, model={**state.model, **new})
 
-    def combine(self, vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    def combine(self, vectors: Sequence[np.ndarray], weights: Sequence[float],
+                keys: tuple[str, ...] = ()) -> np.ndarray:
         """Client vectors combined by the run's ``aggregation`` rule (``mean``: weighted by
-        ``weights``; ``trimmed-mean`` and ``median``: per coordinate, unweighted)."""
+        ``weights``; the others unweighted; ``keys``: the entries the vectors hold, by which
+        centered-clip and fltrust find their reference and root, :meth:`set_references`)."""
         run = self.settings.run
+        rule = run.aggregation
         self._note_weak_rule(len(vectors))
-        return combine(vectors, weights, run.aggregation, run.trim_fraction)
+        if rule == "mean":
+            return combine(vectors, weights, rule)
+        start = time.perf_counter()
+        n = len(vectors)
+        f = self.byzantine_count(n)
+        if rule in ("trimmed-mean", "median"):
+            out, kept = combine(vectors, weights, rule, run.trim_fraction), Kept(tuple(range(n)))
+        elif rule == "krum":
+            out, kept = krum(vectors, f)
+        elif rule == "multi-krum":
+            out, kept = multi_krum(vectors, f, min(n, run.krum_select or n - f))
+        elif rule == "bulyan" and n < 3:  # n >= 4f + 3 fails even for f = 0 (said once)
+            out, kept = np.mean(np.stack(vectors), axis=0), Kept(tuple(range(n)))
+        elif rule == "bulyan":
+            out, kept = bulyan(vectors, f)
+        elif rule == "centered-clip":
+            reference = self._lookup(self._references, keys)
+            center = (reference if reference is not None
+                      else np.median(np.stack(vectors), axis=0))
+            out, kept = centered_clip(vectors, center, run.cc_tau, run.cc_iterations)
+        elif rule == "fltrust":
+            reference, root = self._lookup(self._references, keys), self._lookup(self._root, keys)
+            if root is None:
+                raise RuntimeError(f"fltrust has no root update for the entries {keys[:3]}.")
+            out, kept = fltrust(vectors, np.zeros_like(root) if reference is None else reference,
+                                root)
+        else:
+            raise ValueError(f"Unknown aggregation rule {rule!r}.")
+        self._kept.append(kept)
+        self._defence_seconds += time.perf_counter() - start
+        return out
+
+    def byzantine_count(self, n: int) -> int:
+        """The f Krum, Multi-Krum and Bulyan assume among ``n`` uploads: ``floor(byzantine-fraction
+        * n)``, lowered for Bulyan to what ``n >= 4f + 3`` allows."""
+        f = int(np.floor(self.settings.run.byzantine_fraction * n))
+        if self.settings.run.aggregation == "bulyan":
+            f = min(f, max(0, (n - 3) // 4))
+        return f
+
+    def set_references(self, references: Iterable[Mapping[str, np.ndarray]],
+                       root: Iterable[Mapping[str, np.ndarray]] = ()) -> None:
+        """What the next aggregation's updates are taken from (the global model and the server
+        state's other parts: centered-clip's centre) and, under fltrust, the arrays of the
+        server's own training reply on its root set (its reference update)."""
+        self._references, self._root = tuple(references), tuple(root)
+
+    @staticmethod
+    def _lookup(states: Sequence[Mapping[str, np.ndarray]], keys: tuple[str, ...],
+                ) -> np.ndarray | None:
+        """The first of ``states`` holding every entry of ``keys``, flattened (float64)."""
+        for state in states:
+            if keys and all(k in state for k in keys):
+                return np.concatenate([np.asarray(state[k], dtype=np.float64).reshape(-1)
+                                       for k in keys])
+        return None
+
+    def take_defence_log(self) -> tuple[list[Kept], float]:
+        """What the robust rules kept since the last call, and the seconds they took."""
+        log, seconds = self._kept, self._defence_seconds
+        self._kept, self._defence_seconds = [], 0.0
+        return log, seconds
 
     def _note_weak_rule(self, count: int) -> None:
         """Remember, once per round size, that the robust rule does not act at ``count``
@@ -111,6 +184,19 @@ class ServerRuntime:
         elif run.aggregation == "median" and count <= 2:
             text = (f"aggregation = 'median' at {count} upload{'s' if count > 1 else ''} is "
                     "their mean: one client moves it freely.")
+        elif run.aggregation in ("krum", "multi-krum") and count < 3:
+            text = (f"aggregation = {run.aggregation!r} at {count} upload"
+                    f"{'s' if count > 1 else ''} cannot tell an outlier: "
+                    + ("it takes the first by client id." if run.aggregation == "krum"
+                       else "it takes them all, unweighted."))
+        elif run.aggregation == "bulyan":
+            wanted = int(np.floor(run.byzantine_fraction * count))
+            if self.byzantine_count(count) < wanted or count < 3:
+                text = (f"aggregation = 'bulyan' at {count} uploads assumes f = "
+                        f"{self.byzantine_count(count)} Byzantine, not {wanted} (byzantine-"
+                        f"fraction = {run.byzantine_fraction:g}): it needs n >= 4f + 3"
+                        + ("; below 3 uploads it is their unweighted mean." if count < 3
+                           else "."))
         if text:
             self._weak_sizes.add(count)
             self._notices.append(text)
@@ -129,7 +215,7 @@ class ServerRuntime:
         if self.settings.run.aggregation == "mean":
             return fedavg(states, weights, spec)
         return spec.unflatten(self.combine([spec.flatten(s, np.float64) for s in states],
-                                           weights))
+                                           weights, spec.keys))
 
     def training_clients(self) -> list[int]:
         return [cid for cid, info in self.clients.items() if not info.unseen]

@@ -50,9 +50,13 @@ DATASETS = {"fashion-mnist": IMAGE, "mnist": IMAGE, "cifar10": IMAGE, "cifar100"
 #: flwr-datasets' partitioners by its class name (:mod:`pflalign.data.flwr_partitioners`)
 PARTITIONS = ("dirichlet", "iid", "pathological", "quantity", "rotated", "natural",
               "flwr:<Partitioner>")
-AGGREGATIONS = ("mean", "trimmed-mean", "median")
+AGGREGATIONS = ("mean", "trimmed-mean", "median", "krum", "multi-krum", "bulyan", "centered-clip",
+                "fltrust")
 ATTACKS = ("none", "signflip", "scale", "noise", "labelflip", "inflate-count", "fake-eval",
-           "perfect-eval", "hang")
+           "perfect-eval", "hang", "alie", "ipm", "min-max", "min-sum", "free-rider", "replay",
+           "backdoor")
+#: the attacks whose uploads the attackers compute together, from all their honest updates
+COLLUDING_ATTACKS = ("alie", "ipm", "min-max", "min-sum")
 #: GGA's agreement objectives (:func:`pflalign.training.gga.choose_candidate`)
 GGA_OBJECTIVES = ("min", "mean")
 
@@ -63,6 +67,22 @@ _DP = OnlyWith("dp", ("central", "local"), why="applies to differential privacy,
 _ADAPTIVE = OnlyWith("dp-clipping", ("adaptive",),
                      why="applies to dp-clipping = 'adaptive', and dp-clipping = {other}",
                      fix="set dp-clipping = 'adaptive' or remove it")
+_KRUM = OnlyWith("aggregation", ("krum", "multi-krum", "bulyan"),
+                 why="sets how many uploads Krum and Bulyan assume Byzantine, and aggregation = "
+                     "{other}", fix="set aggregation = 'krum', 'multi-krum' or 'bulyan', or remove "
+                                    "it")
+_MULTI_KRUM = OnlyWith("aggregation", ("multi-krum",),
+                       why="applies to aggregation = 'multi-krum', and aggregation = {other}",
+                       fix="set aggregation = 'multi-krum' or remove it")
+_CC = OnlyWith("aggregation", ("centered-clip",), why="applies to aggregation = 'centered-clip', "
+               "and aggregation = {other}", fix="set aggregation = 'centered-clip' or remove it")
+_IPM = OnlyWith("attack", ("ipm",), why="applies to attack = 'ipm', and attack = {other}",
+                fix="set attack = 'ipm' or remove it")
+_BACKDOOR = OnlyWith("attack", ("backdoor",),
+                     why="applies to attack = 'backdoor', and attack = {other}",
+                     fix="set attack = 'backdoor' or remove it")
+_FLTRUST = OnlyWith("aggregation", ("fltrust",), why="applies to aggregation = 'fltrust', and "
+                    "aggregation = {other}", fix="set aggregation = 'fltrust' or remove it")
 _ASYNC = OnlyWith("mode", ("async",), why="applies to mode = 'async', and this run is synchronous",
                   fix="set mode = 'async' or remove it", shown="g")
 _PROFILES_FIX = "set device-profiles = lognormal or a trace file"
@@ -615,11 +635,43 @@ class RobustnessConfig(Params):
         minimum=0.0, exclusive_minimum=True, group='robustness', scope='run')
     aggregation: str = param(
         'mean',
-        'How client models are combined, for every method that averages models: mean '
-        '(weighted by num-examples), trimmed-mean (per coordinate, dropping trim-fraction of '
-        'the values at each end; unweighted) or median (per coordinate; unweighted). Yin et '
-        'al. 2018, "Byzantine-robust distributed learning".',
+        'How client models are combined, for every method that averages models (on the parts '
+        'it averages: the shared body under FedRep): mean (weighted by num-examples); '
+        'trimmed-mean (per coordinate, dropping trim-fraction of the values at each end) or '
+        'median (per coordinate; Yin et al. 2018); krum (the one upload nearest its n-f-2 '
+        'neighbours) or multi-krum (the mean of the krum-select best; Blanchard et al. 2017); '
+        'bulyan (Krum selection, then a trimmed mean around the median; El Mhamdi et al. '
+        '2018); centered-clip (Karimireddy et al. 2021); fltrust (each update rescaled to the '
+        'norm of the server\'s own update on a root set and weighted by its positive cosine with '
+        'it; Cao et al. 2021). All but mean are unweighted.',
         choices=AGGREGATIONS, group='robustness')
+    byzantine_fraction: float = param(
+        0.2,
+        'The share of a round\'s uploads Krum, Multi-Krum and Bulyan assume Byzantine: f = '
+        'floor(byzantine-fraction * n) (Bulyan lowers it to what n >= 4f + 3 allows, and says '
+        'so).',
+        minimum=0.0, maximum=0.5, exclusive_maximum=True, group='robustness', only_with=_KRUM)
+    krum_select: int = param(
+        0,
+        'aggregation = multi-krum: how many uploads it averages; 0: n - f.',
+        minimum=0, group='robustness', only_with=_MULTI_KRUM)
+    cc_tau: float = param(
+        0.0,
+        'aggregation = centered-clip: the clipping radius tau of an update\'s distance to the '
+        'centre; 0: each iteration\'s median distance (the paper fixes tau; a fixed radius '
+        'depends on the model and learning rate).',
+        minimum=0.0, group='robustness', only_with=_CC)
+    fltrust_root_size: int = param(
+        100,
+        'aggregation = fltrust: the server\'s root set, in samples, drawn once from the '
+        'dataset\'s samples that no client holds (outside max-samples\' pool; never from a '
+        'client\'s data); the server trains the method\'s local update on it each round.',
+        minimum=1, group='robustness', only_with=_FLTRUST)
+    cc_iterations: int = param(
+        1,
+        'aggregation = centered-clip: the clipping iterations l from the global model (the paper '
+        'finds l = 1 enough).',
+        minimum=1, group='robustness', only_with=_CC)
     trim_fraction: float = param(
         0.2,
         'aggregation=trimmed-mean: fraction of the clients\' values dropped at each end of '
@@ -678,6 +730,12 @@ class RobustnessConfig(Params):
         0,
         'Fault injection: how many training clients (chosen by seed) run the attack.',
         minimum=0, group='robustness', scope='run')
+    attackers: float = param(
+        0.0,
+        'Fault injection: the share of the training clients (chosen by seed; round(attackers * '
+        'num-clients), at least one) that run the attack, in place of malicious-clients. The '
+        'colluding attacks (alie, ipm, min-max, min-sum) know each other\'s honest updates.',
+        minimum=0.0, maximum=1.0, exclusive_maximum=True, group='robustness', scope='run')
     attack: str = param(
         'none',
         'What malicious clients do: signflip (upload the global model minus their update), '
@@ -685,8 +743,38 @@ class RobustnessConfig(Params):
         'of attack-scale times their update\'s norm), labelflip (train on labels c -> C-1-c), '
         'inflate-count (report attack-scale times their num-examples), fake-eval (report '
         'attack-scale times their num-test, all correct), perfect-eval (report every test '
-        'sample correct, with the true num-test and a zero loss), hang (never reply).',
+        'sample correct, with the true num-test and a zero loss), hang (never reply); '
+        'colluding, from the attackers\' honest updates u_i (their mean mu, coordinate std '
+        'sigma): alie (mu - z sigma, z from the clients and attackers; Baruch et al. 2019), ipm '
+        '(-ipm-epsilon mu; Xie et al. 2020), min-max and min-sum (mu - gamma mu/|mu| with the '
+        'largest gamma whose largest, or summed squared, distance to the u_i stays within '
+        'theirs; Shejwalkar and Houmansadr 2021); free-rider (send the global model back); '
+        'replay (send its previous update again); backdoor (train with a trigger patch on '
+        'backdoor-fraction of its samples relabelled backdoor-target, and boost the update to '
+        'replace the global model; Bagdasaryan et al. 2020; every client reports the '
+        'trigger\'s success on its test split, personal-backdoor-asr).',
         choices=ATTACKS, group='robustness', scope='run')
+    backdoor_target: int = param(
+        0,
+        'attack = backdoor: the class a triggered image is to be taken for.',
+        minimum=0, group='robustness', scope='run', only_with=_BACKDOOR)
+    backdoor_patch: int = param(
+        3,
+        'attack = backdoor: the side, in pixels, of the square trigger at the image\'s '
+        'bottom-right corner (set to the brightest value).',
+        minimum=1, group='robustness', scope='run', only_with=_BACKDOOR)
+    backdoor_fraction: float = param(
+        0.3,
+        'attack = backdoor: the share of an attacker\'s training samples that carry the '
+        'trigger and the target label (Bagdasaryan et al. mix about 20 of 64 per batch).',
+        minimum=0.0, maximum=1.0, exclusive_minimum=True, group='robustness', scope='run',
+        only_with=_BACKDOOR)
+    ipm_epsilon: float = param(
+        0.5,
+        'attack = ipm: the factor epsilon of the attackers\' upload -epsilon * mu (Xie et al. '
+        'use 0.1 and 0.5 against Krum, larger against the median).',
+        minimum=0.0, exclusive_minimum=True, group='robustness', scope='run',
+        only_with=_IPM)
     attack_scale: float = param(
         10.0,
         'The factor of attack=scale, noise, inflate-count and fake-eval.',
@@ -920,7 +1008,11 @@ NON_RUN_KEYS = keys_in_scope("output")
 FOLLOW_DATA = ("partition", "model")
 ADDED_KEYS: dict[str, Value] = {"eval-at-start": False, "num-classes": 0,
                                  "input-shape": "", "cache-dir": "", "split-column": "",
-                                 "eval-metrics": "", "task": "classification"}
+                                 "eval-metrics": "", "task": "classification",
+                                 "attackers": 0.0, "byzantine-fraction": 0.2, "krum-select": 0,
+                                 "cc-tau": 0.0, "cc-iterations": 1, "fltrust-root-size": 100,
+                                 "ipm-epsilon": 0.5, "backdoor-target": 0, "backdoor-patch": 3,
+                                 "backdoor-fraction": 0.3}
 
 
 class Settings(Mapping[str, Value]):

@@ -28,6 +28,7 @@ from pflalign.models.registry import (
     parameter_modules,
 )
 from pflalign.settings.schema import LocalTraining, Settings
+from pflalign.training.backdoor import success_counts
 from pflalign.training.loops import (
     STREAM_DROPOUT,
     STREAM_OPTIMIZER,
@@ -46,6 +47,8 @@ from pflalign.training.objectives import ModelCall
 from pflalign.training.optimizers import LocalOptimizer
 from pflalign.training.runs import LocalRun, RunResult
 from pflalign.wire.protocol import (
+    BACKDOOR_HITS,
+    BACKDOOR_TRIED,
     GLOBAL_CORRECT,
     GLOBAL_LOSS,
     NUM_TEST,
@@ -320,6 +323,9 @@ class ClientRuntime:
             model = self.template.scorer(model, self.device)
         stats = evaluate(model, self.data.test_x, self.data.test_y, self.data.normalize,
                          scores=self.scores)
+        if self.run.attack == "backdoor":
+            stats = replace(stats, backdoor=success_counts(
+                model, self.data, self.run.backdoor_target, self.run.backdoor_patch))
         return replace(stats, scored=scored)
 
     def eval_metrics(self, personal: EvalStats, global_: EvalStats | None = None,
@@ -337,4 +343,6 @@ class ClientRuntime:
             metrics[GLOBAL_LOSS] = global_.loss_sum / max(global_.count, 1)
         for name, value in personal.scores.items():  # eval-metrics: the personal model's
             metrics[f"personal-{name}"] = value
+        if personal.backdoor is not None:  # attack = backdoor: its success on this client
+            metrics[BACKDOOR_HITS], metrics[BACKDOOR_TRIED] = personal.backdoor
         return metrics

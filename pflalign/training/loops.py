@@ -80,6 +80,9 @@ class EvalStats:
     scored: object = field(default=None, compare=False, repr=False)
     #: the scores beyond accuracy that ``eval-metrics`` asks for (:mod:`~pflalign.training.scores`)
     scores: dict = field(default_factory=dict, compare=False)
+    #: attack = backdoor: (hits, tried) of the trigger on the test split
+    #: (:func:`~pflalign.training.backdoor.success_counts`)
+    backdoor: tuple[int, int] | None = field(default=None, compare=False)
 
 
 def batch_indices(num_samples: int, batch_size: int, epochs: int, max_steps: int,

@@ -131,12 +131,17 @@ EVAL_METRICS: Mapping[str, Metric] = {
 #: the scores beyond accuracy a run may ask for (``eval-metrics``,
 #: :mod:`pflalign.training.scores`), each a fraction, reported as ``personal-<score>``
 SCORES = ("macro-f1", "balanced-accuracy", "auroc")
+BACKDOOR_HITS, BACKDOOR_TRIED = "backdoor-hits", "backdoor-tried"
 EVAL_METRICS = {**EVAL_METRICS, **{f"personal-{name}": Metric(0, 1, required=False)
                                    for name in SCORES},
                 # task = regression: the mean absolute error, and R^2 (at most 1; a model far
                 # worse than the mean has a large negative one)
                 "personal-mae": Metric(0, LARGEST, required=False),
-                "personal-r2": Metric(-LARGEST, 1, required=False)}
+                "personal-r2": Metric(-LARGEST, 1, required=False),
+                # attack = backdoor: of the test samples not of the target class (backdoor-
+                # tried), how many the personal model takes for the target with the trigger
+                BACKDOOR_HITS: Metric(integer=True, count=True, required=False),
+                BACKDOOR_TRIED: Metric(integer=True, count=True, required=False)}
 #: ... and those of a method with a global model
 GLOBAL_EVAL_METRICS: Mapping[str, Metric] = {GLOBAL_CORRECT: COUNT, GLOBAL_LOSS: LOSS}
 

@@ -7,8 +7,9 @@ from pflalign.round.features.clock import SimulatedClock
 from pflalign.round.features.telemetry import Telemetry
 from pflalign.round.features.audit import Audits
 from pflalign.round.features.robustness import UpdateBounds
+from pflalign.round.features.defences import RobustAggregation
 from pflalign.round.features.privacy import CentralDP, LocalDPAccounting
 from pflalign.round.features.models import SavedModels
 
 __all__ = ["AnnealedWarmStart", "Audits", "CentralDP", "LocalDPAccounting", "RecordUploads",
-           "SavedModels", "SimulatedClock", "Telemetry", "UpdateBounds"]
+           "RobustAggregation", "SavedModels", "SimulatedClock", "Telemetry", "UpdateBounds"]
