@@ -136,7 +136,7 @@ def main() -> None:
         config = ROOT / "configs" / "scenarios" / f"{scenario}.toml"
         base = dict(resolve(config, args.set).to_dict())
         common = ["--config", str(config), "--methods", entries, "--seeds", args.seeds,
-                  "--set", f"engine={args.engine}",
+                  "--set", f"engine={args.engine}", "--set", "save-models=none",
                   *[flag for item in args.set for flag in ("--set", item)]]
         clean = study_figures(cached_study(out / scenario / "clean", common,
                                            f"{scenario} / clean"), base, {})
