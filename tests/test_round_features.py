@@ -38,8 +38,8 @@ def _features(method: str = "fedavg", **values) -> list[str]:
 @needs_fashion_mnist
 def test_the_config_turns_on_exactly_its_features_in_registry_order():
     assert list(FEATURES) == ["gga", "record-uploads", "clock", "telemetry", "audit",
-                              "update-bounds", "robust-aggregation", "central-dp", "local-dp",
-                              "saved-models"]
+                              "update-bounds", "robust-aggregation", "secure-aggregation",
+                              "central-dp", "local-dp", "saved-models"]
     # save-models (on by default) asks for the models last, after every check of the replies
     assert _features(**{"save-models": "final"})[-1] == "saved-models"
     # every run reports its processes and its audits (zero audited at fraction 0)
@@ -60,6 +60,9 @@ def test_the_config_turns_on_exactly_its_features_in_registry_order():
     assert _features(aggregation="krum") == ["telemetry", "audit", "update-bounds",
                                              "robust-aggregation"]
     assert _features("local", aggregation="median") == ["telemetry", "audit", "update-bounds"]
+    # secure aggregation: the sum alone; the quantization's clip replaces the norm bound
+    assert _features(**{"secure-aggregation": "secagg+"}) == ["telemetry", "audit",
+                                                               "secure-aggregation"]
 
 
 class SlowestClient(RoundFeature):

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from pflalign.data.federated import federated_dataset
 from pflalign.data.node import NodeData
+from pflalign.engines import secagg_client
 from pflalign.methods.base import Method
 from pflalign.methods.registry import METHODS
 from pflalign.models.registry import ModelTemplate
@@ -117,6 +118,8 @@ class Call:
     saved: State | None
     restored: State | None
     started: float
+    #: the round's SecAgg+ secrets the client holds (empty without secure aggregation)
+    held: State = field(default_factory=dict)
 
     def rule(self) -> Rule:
         """The method's client rule for this action (a generator of local runs, or its
@@ -158,10 +161,15 @@ def begin(action: str, settings: Settings, client_id: int, config: Mapping[str, 
           ) -> Call | tuple[Metrics, ReplyArrays, State | None]:
     """Everything :func:`handle` does before the method's rule runs: the :class:`Call`, or,
     for an action that runs no rule (a state query, an annealing round), its reply."""
-    if action == STATE:
+    if action == STATE:  # a round's SecAgg+ secrets never leave the client
         return ({PARTITION_ID: client_id},
                 {CLIENT_STATE: {k: torch.from_numpy(np.array(v, order="C", copy=True))
-                                for k, v in (saved or {}).items()}}, None)
+                                for k, v in (secagg_client.split_saved(saved)[0] or {}).items()}},
+                None)
+    if action == QUERY and config.get(ACTION) in secagg_client.ACTIONS:
+        metrics, reply, kept = secagg_client.stage(client_id, config, arrays, saved)
+        return {PARTITION_ID: client_id, **metrics}, reply, kept
+    saved, held = secagg_client.split_saved(saved)  # the round's SecAgg+ secrets, if any
     restored = None
     if RESTORE in arrays:
         restored = {k: np.array(v.detach().cpu().numpy(), copy=True)
@@ -182,7 +190,7 @@ def begin(action: str, settings: Settings, client_id: int, config: Mapping[str, 
     if action not in (TRAIN, EVALUATE):
         raise ValueError(f"Unknown action {action!r}.")
     state = method.ClientState.from_arrays(saved or {})
-    return Call(action, method, client, received, state, saved, restored, started)
+    return Call(action, method, client, received, state, saved, restored, started, held)
 
 
 def finish(call: Call, result: object) -> tuple[Metrics, ReplyArrays, State | None]:
@@ -203,6 +211,14 @@ def finish(call: Call, result: object) -> tuple[Metrics, ReplyArrays, State | No
         upload = privatized(upload, call.received, call.client.run, client_id)
     metrics, reply = train_reply(client_id, upload, call.saved, kept,
                                  time.perf_counter() - call.started)
+    if secagg_client.CLIP in call.received.config and MODEL in reply:
+        masked, held = secagg_client.masked_upload(
+            client_id, call.received.config, call.client.seed, call.received.arrays,
+            reply[MODEL], metrics[NUM_EXAMPLES], call.held)
+        reply = {secagg_client.MASKED: masked}
+        kept = {**(kept or {}), **held}
+    elif call.held:  # secrets of a round this message is not part of: kept until it unmasks
+        kept = {**(kept if kept is not None else (call.saved or {})), **call.held}
     return metrics, reply, kept
 
 

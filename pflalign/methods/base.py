@@ -201,11 +201,39 @@ class Method(Generic[P, C, S]):
                                   "Krum, ...) is no sum (the clip bounds each client's influence "
                                   "instead); "
                                   "use aggregation = 'mean'.")
+        if settings.run.secure_aggregation != "off":
+            cls.check_secure(settings)
         optimizer = settings.training.local_optimizer
         if not cls.local_optimizer and optimizer != "sgd":
             raise ConfigError(f"local-optimizer = {optimizer!r} does not apply to {cls.name} "
                               "(own local update rule); set it per method instead, e.g. "
                               "'fedavg(local-optimizer=genie)', or use pflalign-genie.")
+
+    @classmethod
+    def check_secure(cls, settings: Settings) -> None:
+        """Refuse, in one sentence, what cannot run beside secure aggregation: a method whose
+        server reads more than the mean upload, and every feature that reads one upload."""
+        run, why = settings.run, "the server sees only the sum of a round's updates"
+        if not cls.private:
+            raise ConfigError(f"{cls.name} cannot run secure-aggregation = "
+                              f"{run.secure_aggregation!r}: {cls.not_private}, and {why}; leave "
+                              "it out of this run.")
+        refusals = [
+            (run.aggregation != "mean", f"aggregation = {run.aggregation!r} reads each upload"),
+            (run.update_clip > 0, f"update-clip = {run.update_clip:g} scales each upload (the "
+                                  "clip of secagg-clip bounds every coordinate instead)"),
+            (run.train_audit_fraction > 0, f"train-audit-fraction = "
+                                           f"{run.train_audit_fraction:g} recomputes each upload"),
+            (run.dp == "central", "dp = 'central' clips each upload on the server (its noise "
+                                  "after unmasking is not built yet)"),
+            (run.mode == "async", "mode = 'async' aggregates single arrivals"),
+            (run.over_selection > 1 or run.round_deadline > 0,
+             "over-selection and round-deadline choose among the round's uploads"),
+            (settings.gga.enabled, "gga = true is not run beside it")]
+        for refused, reason in refusals:
+            if refused:
+                raise ConfigError(f"secure-aggregation = {run.secure_aggregation!r} cannot run "
+                                  f"with {reason}: {why}.")
 
     # --- what a client's evaluation scores (save-models) ----------------------------------------
     def scored_module(self, model: nn.Module, num_classes: int) -> nn.Module:

@@ -78,6 +78,9 @@ class TrainingRound:
     exchange: Exchange | None = None
     row: dict = field(default_factory=dict)
     rejected: int = 0
+    #: the bytes of a feature's own exchanges after training (SecAgg+'s unmasking)
+    bytes_down: int = 0
+    bytes_up: int = 0
 
 
 class RoundFeature:

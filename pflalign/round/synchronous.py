@@ -109,7 +109,8 @@ class SynchronousRounds(Scheduler):
         row["clients-trained"] = len(updates)
         loop.accepted(u.metrics for u in updates)
         loop.messaging.check_kept_state(updates)
-        traffic = exchange.bytes_down, exchange.bytes_up
+        traffic = (exchange.bytes_down + training.bytes_down,
+                   exchange.bytes_up + training.bytes_up)
         answered = len(exchange.replies) - collected.failed
         if loop.rollback_due(collected.nonfinite_loss, answered):
             loop.warn(f"round {server_round}: {collected.nonfinite_loss} of {answered} clients "

@@ -83,6 +83,9 @@ _BACKDOOR = OnlyWith("attack", ("backdoor",),
                      fix="set attack = 'backdoor' or remove it")
 _FLTRUST = OnlyWith("aggregation", ("fltrust",), why="applies to aggregation = 'fltrust', and "
                     "aggregation = {other}", fix="set aggregation = 'fltrust' or remove it")
+_SECAGG = OnlyWith("secure-aggregation", ("secagg+",),
+                   why="applies to secure-aggregation = 'secagg+', and secure-aggregation = "
+                       "{other}", fix="set secure-aggregation = 'secagg+' or remove it")
 _ASYNC = OnlyWith("mode", ("async",), why="applies to mode = 'async', and this run is synchronous",
                   fix="set mode = 'async' or remove it", shown="g")
 _PROFILES_FIX = "set device-profiles = lognormal or a trace file"
@@ -677,6 +680,33 @@ class RobustnessConfig(Params):
         'aggregation=trimmed-mean: fraction of the clients\' values dropped at each end of '
         'every coordinate.',
         minimum=0.0, maximum=0.5, exclusive_maximum=True, group='robustness')
+    secure_aggregation: str = param(
+        'off',
+        'secagg+: the server learns only the sum of a round\'s updates (SecAgg+, Bell et al. '
+        '2020): each client masks its quantized, weighted update with pairwise and self masks '
+        'that cancel in the sum, and the sum survives clients that drop after sharing their '
+        'keys. Its stages\' bytes count in bytes-up/-down. Features that read one upload '
+        '(the update-norm bound, replaced by the clip of secagg-clip; update-clip, the '
+        'training audit, robust aggregation) cannot run beside it.',
+        choices=('off', 'secagg+'), group='robustness')
+    secagg_clip: float = param(
+        1.0,
+        'secure-aggregation = secagg+: every coordinate of a client\'s weighted update '
+        '(num-examples / the round\'s largest, times its update) is clipped to '
+        '[-secagg-clip, secagg-clip] and quantized to 2^22 levels of that range; the sum of n '
+        'is within n * 2 secagg-clip / 2^22 of theirs.',
+        minimum=0.0, exclusive_minimum=True, group='robustness', only_with=_SECAGG)
+    secagg_neighbours: int = param(
+        0,
+        'secure-aggregation = secagg+: each client\'s neighbours in the round\'s graph (the '
+        'clients it shares keys and pairwise masks with; Bell et al. use O(log n)); 0: all the '
+        'round\'s other clients (SecAgg).',
+        minimum=0, group='robustness', only_with=_SECAGG)
+    secagg_threshold: int = param(
+        0,
+        'secure-aggregation = secagg+: how many of a client\'s share holders (its neighbours '
+        'and itself) must answer the unmasking; 0: a majority of them.',
+        minimum=0, group='robustness', only_with=_SECAGG)
     eval_audit_fraction: float = param(
         0.2,
         'Share of the clients whose evaluation reply the server recomputes each evaluation '
@@ -1012,7 +1042,9 @@ ADDED_KEYS: dict[str, Value] = {"eval-at-start": False, "num-classes": 0,
                                  "attackers": 0.0, "byzantine-fraction": 0.2, "krum-select": 0,
                                  "cc-tau": 0.0, "cc-iterations": 1, "fltrust-root-size": 100,
                                  "ipm-epsilon": 0.5, "backdoor-target": 0, "backdoor-patch": 3,
-                                 "backdoor-fraction": 0.3}
+                                 "backdoor-fraction": 0.3, "secure-aggregation": "off",
+                                 "secagg-clip": 1.0, "secagg-neighbours": 0,
+                                 "secagg-threshold": 0}
 
 
 class Settings(Mapping[str, Value]):

@@ -29,7 +29,8 @@ key from ``threshold`` shares, and removes the self masks and the pairwise masks
 clients' neighbours added: what remains is ``sum_{u surviving} x_u mod M``. A client that drops
 before sending its masked vector is left out of the sum; one that drops after sending it is
 still in it (its self mask is rebuilt from its neighbours' shares). The masks are drawn from
-NumPy's PCG64 seeded by the whole 32-byte secret.
+NumPy's PCG64 seeded by the whole 32-byte secret. (Flower is imported only when a stage runs, so
+an engine that never runs one does not load it.)
 
 Quantization (:func:`quantize`): each value is clipped to ``[-clip, clip]``, mapped to ``[0, T]``
 and stochastically rounded; the sum of ``n`` such vectors dequantizes to within ``n * 2 clip / T``
@@ -44,19 +45,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
-from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
-    decrypt,
-    encrypt,
-    generate_shared_key,
-)
-from flwr.supercore.primitives.asymmetric import (
-    bytes_to_private_key,
-    bytes_to_public_key,
-    generate_key_pairs,
-    private_key_to_bytes,
-    public_key_to_bytes,
-)
 
 SEED_BYTES = 32
 
@@ -136,6 +124,12 @@ def dequantize_sum(total: np.ndarray, clients: int, params: Params) -> np.ndarra
 # --- the client's stages ---------------------------------------------------------------------
 def setup(client: int) -> tuple[ClientSecrets, tuple[bytes, bytes]]:
     """Stage 1: the client's secrets, and the two public keys it sends."""
+    from flwr.supercore.primitives.asymmetric import (
+        generate_key_pairs,
+        private_key_to_bytes,
+        public_key_to_bytes,
+    )
+
     enc_sk, enc_pk = generate_key_pairs()
     mask_sk, mask_pk = generate_key_pairs()
     secrets = ClientSecrets(client, private_key_to_bytes(enc_sk), private_key_to_bytes(mask_sk),
@@ -144,6 +138,9 @@ def setup(client: int) -> tuple[ClientSecrets, tuple[bytes, bytes]]:
 
 
 def _channel_key(own_private: bytes, other_public: bytes) -> bytes:
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
     return generate_shared_key(bytes_to_private_key(own_private),
                                bytes_to_public_key(other_public))
 
@@ -152,6 +149,9 @@ def share_keys(secrets: ClientSecrets, public: Mapping[int, tuple[bytes, bytes]]
                threshold: int) -> dict[int, bytes]:
     """Stage 2: given its neighbours' public keys (``public``, its own included), the shares of
     its seed and mask key for each neighbour, encrypted for it (its own share it keeps)."""
+    from flwr.common.secure_aggregation.crypto.shamir import create_shares
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import encrypt
+
     secrets.public = dict(public)
     others = sorted(c for c in public if c != secrets.id)
     members = sorted(public)
@@ -185,6 +185,8 @@ def masked_input(secrets: ClientSecrets, received: Mapping[int, bytes], vector: 
                  modulus: int) -> np.ndarray:
     """Stage 3: decrypt the shares the neighbours sent (``received``: sender -> ciphertext),
     and mask the quantized ``vector``."""
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
+
     for sender, ciphertext in received.items():
         payload = decrypt(_channel_key(secrets.enc_key, secrets.public[sender][0]), ciphertext)
         length = int.from_bytes(payload[:4], "little")
@@ -216,6 +218,8 @@ def unmasked_sum(masked: Mapping[int, np.ndarray], public: Mapping[int, Mapping[
     ``y_u``), ``public`` (each client that shared keys -> the public keys of its neighbours and
     its own), ``shares`` (each client that answered stage 4 -> its revealed shares). Raises
     ValueError when fewer than ``threshold`` shares of a secret came back."""
+    from flwr.common.secure_aggregation.crypto.shamir import combine_shares
+
     survivors = sorted(masked)
     modulus, size = params.modulus, next(iter(masked.values())).size
     total = np.zeros(size, dtype=np.uint64)

@@ -8,8 +8,10 @@ from pflalign.round.features.telemetry import Telemetry
 from pflalign.round.features.audit import Audits
 from pflalign.round.features.robustness import UpdateBounds
 from pflalign.round.features.defences import RobustAggregation
+from pflalign.round.features.secure import SecureAggregation
 from pflalign.round.features.privacy import CentralDP, LocalDPAccounting
 from pflalign.round.features.models import SavedModels
 
 __all__ = ["AnnealedWarmStart", "Audits", "CentralDP", "LocalDPAccounting", "RecordUploads",
-           "RobustAggregation", "SavedModels", "SimulatedClock", "Telemetry", "UpdateBounds"]
+           "RobustAggregation", "SavedModels",
+           "SecureAggregation", "SimulatedClock", "Telemetry", "UpdateBounds"]

@@ -36,14 +36,14 @@ class UpdateBounds(RoundFeature):
 
     @classmethod
     def wanted(cls, settings: Settings, method: Method) -> bool:
-        return ((settings.run.update_norm_bound > 0 and not central_dp(settings, method))
-                or settings.run.update_clip > 0)
+        return ((settings.run.update_norm_bound > 0 and not central_dp(settings, method)
+                 and settings.run.secure_aggregation == "off") or settings.run.update_clip > 0)
 
     def __init__(self, loop):
         run = loop.server.settings.run
         self.norms = NormBounds(loop.server, loop.warn)
-        self.bounded = run.update_norm_bound > 0 and not central_dp(loop.server.settings,
-                                                                     loop.method)
+        self.bounded = (run.update_norm_bound > 0 and run.secure_aggregation == "off"
+                        and not central_dp(loop.server.settings, loop.method))
         self.clip = run.update_clip
 
     def bound(self, loop, server_round: int, updates: list[Update], row: dict,

@@ -1,0 +1,152 @@
+"""A client's side of SecAgg+ (``secure-aggregation = secagg+``, :mod:`pflalign.wire.secagg`).
+
+Every engine runs it inside :func:`pflalign.engines.host.begin` (the three key stages, each a
+query with its own ``action``) and :func:`pflalign.engines.host.finish` (a training reply, whose
+model update leaves the client only masked). What a client must keep from one stage to the next
+(its secret keys, its self-mask seed, its neighbours' public keys, the shares it holds) is kept
+in its saved state, under entries named ``secagg/...``, exactly as the engine keeps the method's
+state (in memory, in a Flower node's context); the method never sees them, and they are dropped
+when the round's unmasking is done, before any checkpoint or audit could ask for the state.
+
+A training reply under SecAgg+ carries, in place of its model, the record :data:`MASKED`: the
+vector ``y`` (uint32, mod ``2^32``) masking the quantized ``w (theta - theta_g)`` over the
+floating-point entries of the model it received, in their order, with ``w = num-examples / W``
+(``W``, the largest training set of the round's clients, is in the message's config): the
+server's unmasked sum divided by the sum of the weights is the FedAvg update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from pflalign.settings.options import Value
+from pflalign.wire.protocol import MODEL, ROUND
+from pflalign.wire.secagg import (
+    ClientSecrets,
+    Params,
+    masked_input,
+    quantize,
+    setup,
+    share_keys,
+    unmask,
+)
+from pflalign.wire.state import State
+
+SETUP, SHARE, UNMASK = "secagg-setup", "secagg-share", "secagg-unmask"
+ACTIONS = (SETUP, SHARE, UNMASK)
+#: the record a key stage's reply (and a share stage's message) carries its keys or shares in
+KEYS = "secagg-keys"
+#: a training message's record of the encrypted shares addressed to the client (sender -> bytes)
+INBOX = "secagg-inbox"
+#: a training reply's masked vector, and an unmask message's lists of survivors and dropped
+MASKED, LISTS = "secagg-masked", "secagg-lists"
+#: config entries of a training message under SecAgg+
+CLIP, THRESHOLD, WEIGHT_SCALE = "secagg-clip", "secagg-threshold", "secagg-weight-scale"
+PREFIX = "secagg/"
+#: the seed stream of a client's stochastic rounding
+ROUNDING_STREAM = 7301
+
+
+def _bytes(value: np.ndarray | torch.Tensor) -> bytes:
+    array = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    return array.astype(np.uint8).tobytes()
+
+
+def _array(value: bytes) -> np.ndarray:
+    return np.frombuffer(value, dtype=np.uint8).copy()
+
+
+def split_saved(saved: State | None) -> tuple[State | None, State]:
+    """A saved state without its SecAgg+ entries, and those entries."""
+    if not saved or not any(k.startswith(PREFIX) for k in saved):
+        return saved, {}
+    own = {k: v for k, v in saved.items() if not k.startswith(PREFIX)}
+    return own or None, {k: v for k, v in saved.items() if k.startswith(PREFIX)}
+
+
+def encode(secrets: ClientSecrets) -> State:
+    state = {f"{PREFIX}id": np.array([secrets.id], dtype=np.int64),
+             f"{PREFIX}enc": _array(secrets.enc_key), f"{PREFIX}mask": _array(secrets.mask_key),
+             f"{PREFIX}seed": _array(secrets.seed)}
+    for other, (enc, mask) in secrets.public.items():
+        state[f"{PREFIX}pub/{other}/enc"], state[f"{PREFIX}pub/{other}/mask"] = (
+            _array(enc), _array(mask))
+    for other, (seed, key) in secrets.shares.items():
+        state[f"{PREFIX}share/{other}/seed"], state[f"{PREFIX}share/{other}/key"] = (
+            _array(seed), _array(key))
+    return state
+
+
+def decode(state: Mapping[str, np.ndarray]) -> ClientSecrets:
+    if f"{PREFIX}seed" not in state:
+        raise ValueError("this client holds no SecAgg+ keys for the round (it missed the setup).")
+    secrets = ClientSecrets(int(state[f"{PREFIX}id"][0]), _bytes(state[f"{PREFIX}enc"]),
+                            _bytes(state[f"{PREFIX}mask"]), _bytes(state[f"{PREFIX}seed"]))
+    for key in state:
+        parts = key[len(PREFIX):].split("/")
+        if parts[0] == "pub" and parts[2] == "enc":
+            other = int(parts[1])
+            secrets.public[other] = (_bytes(state[key]),
+                                     _bytes(state[f"{PREFIX}pub/{other}/mask"]))
+        if parts[0] == "share" and parts[2] == "seed":
+            other = int(parts[1])
+            secrets.shares[other] = (_bytes(state[key]),
+                                     _bytes(state[f"{PREFIX}share/{other}/key"]))
+    return secrets
+
+
+def _with(method_saved: State | None, secrets: State) -> State | None:
+    merged = {**(method_saved or {}), **secrets}
+    return merged or None
+
+
+def stage(client_id: int, config: Mapping[str, Value],
+          arrays: Mapping[str, Mapping[str, torch.Tensor]], saved: State | None,
+          ) -> tuple[dict, dict, State | None]:
+    """One key stage (``config``'s action): the reply's metrics and records, and the state to
+    keep (the method's, with the round's secrets)."""
+    action = str(config["action"])
+    own, held = split_saved(saved)
+    if action == SETUP:
+        secrets, (enc, mask) = setup(client_id)
+        reply = {KEYS: {"enc": torch.from_numpy(_array(enc)),
+                        "mask": torch.from_numpy(_array(mask))}}
+        return {}, reply, _with(own, encode(secrets))
+    secrets = decode(held)
+    if action == SHARE:
+        record = arrays[KEYS]
+        members = sorted({int(k.split(".")[0]) for k in record})
+        public = {m: (_bytes(record[f"{m}.enc"]), _bytes(record[f"{m}.mask"])) for m in members}
+        out = share_keys(secrets, public, int(config[THRESHOLD]))
+        reply = {KEYS: {str(dst): torch.from_numpy(_array(ct)) for dst, ct in out.items()}}
+        return {}, reply, _with(own, encode(secrets))
+    if action == UNMASK:
+        lists = arrays[LISTS]
+        out = unmask(secrets, [int(v) for v in lists["survivors"].tolist()],
+                     [int(v) for v in lists["dropped"].tolist()])
+        reply = {KEYS: {str(v): torch.from_numpy(_array(s)) for v, s in out.items()}}
+        return {}, reply, own if own is not None else {}  # the round is over: its secrets go
+    raise ValueError(f"Unknown SecAgg+ action {action!r}.")
+
+
+def masked_upload(client_id: int, config: Mapping[str, Value], seed: int,
+                  arrays: Mapping[str, Mapping[str, torch.Tensor]], model: Mapping[str,
+                                                                                torch.Tensor],
+                  num_examples: int, held: State) -> tuple[dict[str, torch.Tensor], State]:
+    """A training reply's masked vector in place of ``model`` (its trained shared entries), and
+    the secrets to keep (with the shares its inbox held)."""
+    secrets = decode(held)
+    received = arrays[MODEL]
+    keys = [k for k in received if torch.is_floating_point(received[k])]
+    weight = num_examples / float(config[WEIGHT_SCALE])
+    update = np.concatenate([(model[k].detach().double() - received[k].double()).reshape(-1)
+                             .numpy() for k in keys]) * weight
+    params = Params(threshold=int(config[THRESHOLD]), neighbours=0,
+                    clip=float(config[CLIP]))
+    rng = np.random.default_rng([seed, ROUNDING_STREAM, int(config[ROUND]), client_id])
+    inbox = {int(k): _bytes(v) for k, v in arrays.get(INBOX, {}).items()}
+    masked = masked_input(secrets, inbox, quantize(update, params, rng), params.modulus)
+    return {"y": torch.from_numpy(masked.astype(np.uint32))}, encode(secrets)
