@@ -12,7 +12,9 @@ A training reply under SecAgg+ carries, in place of its model, the record :data:
 vector ``y`` (uint32, mod ``2^32``) masking the quantized ``w (theta - theta_g)`` over the
 floating-point entries of the model it received, in their order, with ``w = num-examples / W``
 (``W``, the largest training set of the round's clients, is in the message's config): the
-server's unmasked sum divided by the sum of the weights is the FedAvg update.
+server's unmasked sum divided by the sum of the weights is the FedAvg update. Under ``dp =
+central`` the update is instead clipped to ``dp-clip`` (L2) and unweighted, as DP-FedAvg sums
+it, and the server adds the noise to the unmasked sum.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ INBOX = "secagg-inbox"
 MASKED, LISTS = "secagg-masked", "secagg-lists"
 #: config entries of a training message under SecAgg+
 CLIP, THRESHOLD, WEIGHT_SCALE = "secagg-clip", "secagg-threshold", "secagg-weight-scale"
+#: ... and under dp = central, the L2 clip of the (unweighted) update before it is masked
+DP_CLIP = "secagg-dp-clip"
 PREFIX = "secagg/"
 #: the seed stream of a client's stochastic rounding
 ROUNDING_STREAM = 7301
@@ -141,9 +145,13 @@ def masked_upload(client_id: int, config: Mapping[str, Value], seed: int,
     secrets = decode(held)
     received = arrays[MODEL]
     keys = [k for k in received if torch.is_floating_point(received[k])]
-    weight = num_examples / float(config[WEIGHT_SCALE])
     update = np.concatenate([(model[k].detach().double() - received[k].double()).reshape(-1)
-                             .numpy() for k in keys]) * weight
+                             .numpy() for k in keys])
+    if DP_CLIP in config:  # dp = central: DP-FedAvg's clip, on the client; the sum is unweighted
+        bound, norm = float(config[DP_CLIP]), float(np.linalg.norm(update))
+        update = update * min(1.0, bound / norm) if norm > 0 else update
+    else:
+        update = update * (num_examples / float(config[WEIGHT_SCALE]))
     params = Params(threshold=int(config[THRESHOLD]), neighbours=0,
                     clip=float(config[CLIP]))
     rng = np.random.default_rng([seed, ROUNDING_STREAM, int(config[ROUND]), client_id])

@@ -224,8 +224,9 @@ class Method(Generic[P, C, S]):
                                   "clip of secagg-clip bounds every coordinate instead)"),
             (run.train_audit_fraction > 0, f"train-audit-fraction = "
                                            f"{run.train_audit_fraction:g} recomputes each upload"),
-            (run.dp == "central", "dp = 'central' clips each upload on the server (its noise "
-                                  "after unmasking is not built yet)"),
+            (run.dp == "central" and run.dp_clipping == "adaptive",
+             "dp-clipping = 'adaptive', which counts the clipped uploads one by one (a fixed "
+             "dp-clip is applied by each client before it masks its update)"),
             (run.mode == "async", "mode = 'async' aggregates single arrivals"),
             (run.over_selection > 1 or run.round_deadline > 0,
              "over-selection and round-deadline choose among the round's uploads"),

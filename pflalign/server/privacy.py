@@ -304,6 +304,20 @@ class CentralPrivacy:
                                     self.expected_clients, rng)
         return Released(self.spec.unflatten(start + mean), {"dp-clip": bound})
 
+    def release_sum(self, base: dict[str, np.ndarray], total: np.ndarray,
+                    server_round: int) -> Released:
+        """The round's release from the sum of the clients' updates, each clipped to the bound
+        on its client (secure aggregation: the server sees only the sum): that sum plus the
+        noise of :meth:`release` (the same stream and standard deviation), divided by the
+        expected clients. A fixed clip only (an adaptive one needs each client's clipped
+        bit)."""
+        rng = noise_rng(self.seed, server_round)
+        noised = total + gaussian_noise(total.size, self.update_multiplier * self.bound,
+                                        rng).reshape(total.shape)
+        start = self.spec.flatten(base, np.float64)
+        return Released(self.spec.unflatten(start + noised / self.expected_clients),
+                        {"dp-clip": self.bound})
+
     def account(self) -> dict[str, float]:
         """Account one training round (whether or not any client's update was used: who took
         part is not released) and return the row's epsilon spent so far; without noise, no

@@ -78,7 +78,15 @@ class CentralDP(RoundFeature):
         the round started from plus the clipped updates' noised sum over the expected
         clients."""
         shared = loop.server.shared_model(loop.state)
-        release = self.privacy.release(shared, [u.model for u in updates], server_round)
+        if loop.server.settings.run.secure_aggregation != "off":
+            # the one update secure aggregation released: the global model plus the unmasked
+            # sum of the clients' updates, each clipped to dp-clip before it was masked
+            total = (self.privacy.spec.flatten(updates[0].model, np.float64)
+                     - self.privacy.spec.flatten(shared, np.float64)) if updates else (
+                np.zeros(self.privacy.spec.size))
+            release = self.privacy.release_sum(shared, total, server_round)
+        else:
+            release = self.privacy.release(shared, [u.model for u in updates], server_round)
         row.update(release.entries)
         return [Update(client=-1, num_examples=1, metrics={}, model={**shared, **release.model})]
 

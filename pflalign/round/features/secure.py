@@ -73,9 +73,16 @@ class SecureAggregation(RoundFeature):
 
     # --- the stages before training ------------------------------------------------------------
     def params(self, loop) -> Params:
+        """The round's protocol parameters; under ``dp = central`` the quantization's range is
+        ``dp-clip`` (every coordinate of an update clipped to it in L2 lies within it)."""
         run = loop.server.settings.run
         return Params(threshold=self.threshold, neighbours=run.secagg_neighbours,
-                      clip=run.secagg_clip)
+                      clip=run.dp_clip if self.private(loop) else run.secagg_clip)
+
+    @staticmethod
+    def private(loop) -> bool:
+        """Whether central DP's noise follows the unmasking (the clip is then the clients')."""
+        return loop.server.settings.run.dp == "central"
 
     def _query(self, loop, server_round: int, clients: Sequence[int], config: dict,
                records: Mapping[int, dict] | None = None) -> tuple[dict[int, Reply], int, int]:
@@ -144,8 +151,10 @@ class SecureAggregation(RoundFeature):
                      for src, ct in self.inbox.get(message.client, {}).items()}
             payload = Payload({**message.payload.arrays, sc.INBOX: inbox},
                               message.payload.config)
-            config = {**message.config, sc.CLIP: server.settings.run.secagg_clip,
-                      sc.THRESHOLD: self.threshold, sc.WEIGHT_SCALE: scale}
+            config = {**message.config, sc.CLIP: self.params(loop).clip,
+                      sc.THRESHOLD: self.threshold, sc.WEIGHT_SCALE: scale,
+                      **({sc.DP_CLIP: server.settings.run.dp_clip} if self.private(loop)
+                         else {})}
             limits = {**(message.limits or {}), sc.MASKED: 4 * size + 512}
             training.messages[i] = type(message)(message.client, payload, config, limits)
 
@@ -199,7 +208,9 @@ class SecureAggregation(RoundFeature):
                              collected.rejected + len(collected.good), collected.nonfinite_loss)
         scale = max(server.clients[c].num_train for c in self.participants)
         weights = sum(server.clients[c].num_train / scale for c in survivors)
-        mean_update = dequantize_sum(total, len(survivors), params) / weights
+        # under dp = central the sum itself, which the noise then follows (CentralDP.release)
+        mean_update = dequantize_sum(total, len(survivors), params) / (
+            1.0 if self.private(loop) else weights)
         shared = server.shared_model(loop.state)
         floats = FlatSpec.of({k: v for k, v in shared.items()
                               if np.asarray(v).dtype.kind == "f"})
