@@ -49,6 +49,7 @@ from pflalign.data.node import (
 )
 from pflalign.engines.faults import ClientDropout, with_faults
 from pflalign.engines.host import discovery, handle
+from pflalign.engines.secagg_client import with_secure_upload
 from pflalign.models.language import use_node_copies
 from pflalign.outputs.models import save_node_model
 from pflalign.process.caches import cached
@@ -73,8 +74,9 @@ from pflalign.wire.protocol import (
 app = ClientApp()
 
 
-#: the client handler with the run's fault injection around it, as the other engines run it
-client_handler = with_faults(handle)
+#: the client handler with the run's fault injection around it, as the other engines run it, and
+#: a training reply under secure aggregation masked as it leaves
+client_handler = with_secure_upload(with_faults(handle))
 
 
 @cached(maxsize=8)

@@ -143,7 +143,8 @@ def _run(tmp_path, method="fedavg", **changes):
 @pytest.mark.parametrize("changes,secure", [({}, {}),
                                             ({"client-dropout-rate": 0.3},
                                              {"secagg-threshold": 2}),
-                                            ({"num-clients": 8}, {"secagg-neighbours": 2})])
+                                            ({"num-clients": 8}, {"secagg-neighbours": 2}),
+                                            ({"attackers": 0.34, "attack": "ipm"}, {})])
 @needs_fashion_mnist
 def test_the_secure_aggregate_is_fedavgs_within_the_quantization_error(tmp_path, changes,
                                                                        secure):
@@ -151,7 +152,8 @@ def test_the_secure_aggregate_is_fedavgs_within_the_quantization_error(tmp_path,
     both) to within the stated error: per coordinate, n * 2 clip / 2^22 on the weighted sum,
     divided by the sum of the weights (at least 1), plus the float32 rounding of the model;
     with clients dropping out of training after sharing their keys (client-dropout-rate: the
-    same clients in both runs), and on a sparse graph. (Only the first round is compared: from
+    same clients in both runs), on a sparse graph, and with two colluding attackers, whose
+    attack applies before their upload is masked. (Only the first round is compared: from
     the second on, the clients train from models that differ by that error, and training moves
     them further apart.)"""
     plain, plain_models = _run(tmp_path / "plain", **changes)

@@ -33,6 +33,7 @@ import torch
 
 from pflalign.engines.faults import ClientDropout, after_handler, before_handler
 from pflalign.engines.host import Call, begin, finish, method_of, to_torch
+from pflalign.engines.secagg_client import secure_reply
 from pflalign.engines.sequential import SequentialEngine, failure_reply
 from pflalign.outputs.results import Reporter
 from pflalign.settings.schema import Settings
@@ -137,6 +138,9 @@ class BatchedEngine(SequentialEngine):
                 metrics, reply = after_handler(action, self.settings, cid, call.received.config,
                                                call.received.arrays, metrics, reply,
                                                self.states.get(cid), state)
+                metrics, reply, state = secure_reply(action, self.settings, cid,
+                                                     call.received.config, call.received.arrays,
+                                                     metrics, reply, state, self.states.get(cid))
             except Exception as err:
                 replies[cid] = failure_reply(cid, err)
                 continue

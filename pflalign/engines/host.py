@@ -211,13 +211,8 @@ def finish(call: Call, result: object) -> tuple[Metrics, ReplyArrays, State | No
         upload = privatized(upload, call.received, call.client.run, client_id)
     metrics, reply = train_reply(client_id, upload, call.saved, kept,
                                  time.perf_counter() - call.started)
-    if secagg_client.CLIP in call.received.config and MODEL in reply:
-        masked, held = secagg_client.masked_upload(
-            client_id, call.received.config, call.client.seed, call.received.arrays,
-            reply[MODEL], metrics[NUM_EXAMPLES], call.held)
-        reply = {secagg_client.MASKED: masked}
-        kept = {**(kept or {}), **held}
-    elif call.held:  # secrets of a round this message is not part of: kept until it unmasks
+    if call.held:  # the round's SecAgg+ secrets stay with the state until it unmasks (the
+        # masking itself comes after any fault injection: secagg_client.with_secure_upload)
         kept = {**(kept if kept is not None else (call.saved or {})), **call.held}
     return metrics, reply, kept
 

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from pflalign.settings.options import Value
-from pflalign.wire.protocol import MODEL, ROUND
+from pflalign.settings.schema import Settings
+from pflalign.wire.protocol import MODEL, NUM_EXAMPLES, ROUND, TRAIN
 from pflalign.wire.secagg import (
     ClientSecrets,
     Params,
@@ -158,3 +159,30 @@ def masked_upload(client_id: int, config: Mapping[str, Value], seed: int,
     inbox = {int(k): _bytes(v) for k, v in arrays.get(INBOX, {}).items()}
     masked = masked_input(secrets, inbox, quantize(update, params, rng), params.modulus)
     return {"y": torch.from_numpy(masked.astype(np.uint32))}, encode(secrets)
+
+
+def secure_reply(action: str, settings: Settings, client_id: int, config: Mapping[str, Value],
+                 arrays: Mapping[str, Mapping[str, torch.Tensor]], metrics: dict, reply: dict,
+                 state: State | None, saved: State | None) -> tuple[dict, dict, State | None]:
+    """The reply as it leaves the client: a training reply under SecAgg+ with its model replaced
+    by the masked vector (after any injected fault or attack changed it, as a client's own
+    code would), and the state to keep with the round's secrets (the shares its inbox held)."""
+    if action != TRAIN or CLIP not in config or MODEL not in reply:
+        return metrics, reply, state
+    own, held = split_saved(state if state is not None else saved)
+    masked, held = masked_upload(client_id, config, settings.run.seed, arrays, reply[MODEL],
+                                 int(metrics[NUM_EXAMPLES]), held)
+    return metrics, {MASKED: masked}, {**(own or {}), **held}
+
+
+def with_secure_upload(handler):
+    """``handler`` (the client handler, with its fault injection) whose training replies under
+    SecAgg+ leave masked (:func:`secure_reply`)."""
+
+    def secure(action, settings, client_id, config, arrays, saved, node=None):
+        metrics, reply, state = handler(action, settings, client_id, config, arrays, saved,
+                                        node=node)
+        return secure_reply(action, settings, client_id, config, arrays, metrics, reply, state,
+                            saved)
+
+    return secure

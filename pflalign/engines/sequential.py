@@ -23,6 +23,7 @@ from pflalign.data.federated import federated_dataset
 from pflalign.engines.base import Engine, EngineFactory, register_engine
 from pflalign.engines.faults import ClientDropout, with_faults
 from pflalign.engines.host import discovery, handle, to_torch
+from pflalign.engines.secagg_client import with_secure_upload
 from pflalign.engines.store import ClientStateStore
 from pflalign.outputs.results import Reporter
 from pflalign.settings.schema import Settings
@@ -64,7 +65,7 @@ class SequentialEngine(Engine):
         self.states = ClientStateStore(int(settings.run.memory_budget_gb * 1e9),
                                        settings.run.out_dir)
         #: the client handler, with the run's fault injection around it
-        self.handler = with_faults(handle)
+        self.handler = with_secure_upload(with_faults(handle))
 
     def memory_note(self) -> str | None:
         """What the client-state store spilled to disk (None: nothing)."""
