@@ -90,6 +90,9 @@ BASE = {"num-clients": 6, "max-samples": 3000, "fraction-train": 1.0, "rounds": 
         "update-norm-bound": 0.0, "eval-audit-fraction": 0.0, "save-models": "none"}
 
 
+ONE_ROUND = {"rounds": 1, "eval-every": 1}
+
+
 class _Uploads(RoundFeature):
     """The global model and every upload of each round, before any bound."""
 
@@ -122,7 +125,8 @@ def _flat(model: dict, glob: dict) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def honest(tmp_path_factory):
-    return {m: _uploads(m, tmp_path_factory.mktemp("honest")) for m in ("fedavg", "fedrep")}
+    return {m: _uploads(m, tmp_path_factory.mktemp("honest"), **ONE_ROUND)
+            for m in ("fedavg", "fedrep")}
 
 
 @needs_fashion_mnist
@@ -133,7 +137,7 @@ def test_attackers_upload_the_attack_on_their_honest_updates(honest, tmp_path, a
     are the global model plus the attack computed from the honest updates the same clients
     upload without attackers; the honest clients' uploads are unchanged."""
     changes = {"attackers": 0.34, "attack": attack}
-    attacked = _uploads(method, tmp_path, **changes)
+    attacked = _uploads(method, tmp_path, **changes, **ONE_ROUND)
     glob, clean = honest[method][0]
     glob_attacked, uploads = attacked[0]
     assert all(np.array_equal(glob[k], glob_attacked[k]) for k in glob)
@@ -155,7 +159,7 @@ def test_replay_sends_its_previous_update_again(tmp_path):
     changes = {"attackers": 0.17, "attack": "replay"}
     (glob1, first), (glob2, second) = _uploads("fedavg", tmp_path, **changes)
     (attacker,) = malicious_clients(build_settings({**BASE, **changes}))
-    clean = _uploads("fedavg", tmp_path / "clean")[0][1]
+    clean = _uploads("fedavg", tmp_path / "clean", **ONE_ROUND)[0][1]
     assert np.allclose(_flat(first[attacker], glob1), 0.0, atol=0)  # nothing to replay yet
     assert np.allclose(_flat(second[attacker], glob2), _flat(clean[attacker], glob1), atol=1e-6)
 
@@ -168,14 +172,22 @@ ENGINES = {"num-clients": 6, "max-samples": 2000, "rounds": 3, "eval-every": 3,
 
 @needs_fashion_mnist
 def test_every_engine_gives_the_same_metrics_under_a_colluding_attack(tmp_path):
-    """ALIE against FedRep under Krum and pFLAlign under centered clipping: both keep client
-    state, so from round 2 on the attackers' honest updates come from each other's recorded
-    states, which the Flower engine's clients (two processes) share through the run's folder."""
+    """ALIE against FedRep under Krum, pFLAlign under centered clipping and FedAvg under secure
+    aggregation: FedRep and pFLAlign keep client state, so from round 2 on the attackers' honest
+    updates come from each other's recorded states, which the Flower engine's clients (two
+    processes) share through the run's folder; under SecAgg+ the keys and masks are drawn
+    afresh by every client and cancel exactly, and Flower's clients keep their round's secrets
+    in their node state between the stages, across its worker processes."""
     from harness import three_engines
 
-    three_engines({**ENGINES, "attack": "alie",
-                   "methods": "fedrep(aggregation=krum),pflalign(aggregation=centered-clip)"},
-                  tmp_path, compared_at_least=100)
+    secure = 'fedavg(secure-aggregation=secagg+,secagg-neighbours=2)'
+    result = three_engines({**ENGINES, "attack": "alie",
+                            "methods": "fedrep(aggregation=krum),pflalign(aggregation="
+                                       f"centered-clip),{secure}"},
+                           tmp_path, compared_at_least=150)
+    rows = result["methods"]['fedavg(secure-aggregation="secagg+",secagg-neighbours=2)']["rounds"]
+    assert all(r["clients-trained"] == 3 and r["secagg-dropped"] == 0
+               and r["secagg-bytes-up"] > 0 for r in rows)
 
 
 @needs_fashion_mnist

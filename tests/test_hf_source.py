@@ -1,8 +1,9 @@
 """Hugging Face datasets (``dataset = hf:NAME_OR_PATH``) and flwr-datasets' partitioners
 (``partition = flwr:<Partitioner>``), on data written here with ``save_to_disk`` (offline).
 
-One short run goes through the sequential and batched engines and a real Flower simulation,
-which must agree bit for bit (:func:`harness.three_engines`); the rest are unit tests without a
+One short run goes through the sequential and batched engines, which must agree bit for bit
+(:func:`harness.three_engines`; a Flower node reads the data through the same loader, which
+test_tables' CSV runs on Flower); the rest are unit tests without a
 run: the columns found or named, what is read against what was written, bad data in one
 sentence before anything runs, and a partitioner's clients being exactly the ones it gives
 itself. flwr-datasets cannot be installed beside this project's ``huggingface_hub`` 2
@@ -86,7 +87,8 @@ def test_images_with_a_client_column_run_on_every_engine(tmp_path):
     before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
     results = three_engines({**RUN, "dataset": f"hf:{folder}", "model": "mlp",
                              "methods": "fedavg,pflalign", "partition": "natural",
-                             "cache-dir": str(cache)}, tmp_path, compared_at_least=40)
+                             "cache-dir": str(cache)}, tmp_path, compared_at_least=40,
+                            flower=False)
     sizes = Counter(clients.tolist())
     run_clients = results["partition"]["clients"]
     assert len(run_clients) == 4

@@ -83,9 +83,11 @@ def _run(tiny, records, **changes):
 
 
 def test_engines_agree_on_instructions_scored_on_their_responses(tiny, records, tmp_path):
-    """Sequential, batched and a real Flower simulation give the same metrics; every client is
-    a category, and its test counts its records' response tokens."""
-    results = three_engines(_run(tiny, records, methods="pflalign"), tmp_path, 40)
+    """The sequential and batched engines give the same metrics (a language model on Flower:
+    test_language's three engines); every client is a category, and its test counts its
+    records' response tokens."""
+    results = three_engines(_run(tiny, records, methods="pflalign"), tmp_path, 40,
+                            flower=False)
     settings = build_settings(_run(tiny, records))
     federation = federated_dataset(settings)
     names = federation.partition.names

@@ -221,6 +221,11 @@ class SecureAggregation(RoundFeature):
         training.row["secagg-seconds"] = time.perf_counter() - started
         return collected
 
+    def trained(self, loop, server_round: int, row: dict) -> None:
+        """No single update reached the server: the round's cosine between uploads and the
+        aggregate is not defined (the loop computed it from the placeholders)."""
+        row.pop("update-cosine", None)
+
     def release(self, loop, server_round: int, updates: Sequence[Update],
                 row: dict) -> Sequence[Update]:
         """The one update the method aggregates: the global model plus the mean update."""
