@@ -35,6 +35,18 @@ def _study(accuracy, asr=None) -> dict:
     return {"kind": "study", "runs": runs}
 
 
+def _report(tmp_path, monkeypatch, studies: dict) -> str:
+    """The report of FedAvg under mean and median, for the attacks ``studies`` holds (each
+    study by its folder's name), at 20% attackers on dir-0.1."""
+    attacks = ",".join(name.rsplit("-", 1)[0] for name in studies if name != "clean")
+    monkeypatch.setattr(bench, "cached_study", lambda path, args, tag: studies[path.name])
+    monkeypatch.setattr(sys, "argv", [
+        "attacks.py", "--out", str(tmp_path), "--scenarios", "dir-0.1", "--methods", "fedavg",
+        "--defences", "mean,median", "--attacks", attacks, "--attackers", "0.2"])
+    bench.main()
+    return (tmp_path / "attacks.md").read_text()
+
+
 def test_the_report_reads_honest_clients_pairs_by_seed_and_gives_the_verdict(
         tmp_path, monkeypatch, capsys):
     base = dict(resolve(ROOT / "configs" / "scenarios" / "dir-0.1.toml").to_dict())
@@ -50,14 +62,8 @@ def test_the_report_reads_honest_clients_pairs_by_seed_and_gives_the_verdict(
             return 0.0  # an attacker's own clients never count
         return 0.5 if label == "fedavg" else 0.79 + 0.001 * (seed - 1)
 
-    studies = {"clean": _study(clean), "ipm-0.2": _study(attacked),
-               "backdoor-0.2": _study(clean, asr=0.25)}
-    monkeypatch.setattr(bench, "cached_study", lambda path, args, tag: studies[path.name])
-    monkeypatch.setattr(sys, "argv", [
-        "attacks.py", "--out", str(tmp_path), "--scenarios", "dir-0.1", "--methods", "fedavg",
-        "--defences", "mean,median", "--attacks", "ipm,backdoor", "--attackers", "0.2"])
-    bench.main()
-    report = (tmp_path / "attacks.md").read_text()
+    report = _report(tmp_path, monkeypatch, {"clean": _study(clean), "ipm-0.2": _study(attacked),
+                                             "backdoor-0.2": _study(clean, asr=0.25)})
     # FedAvg's mean loses 30 points to IPM on the honest clients (the attackers' own clients,
     # at 0, are left out), the median 1; the backdoor's success rate is read as it is
     assert ("| fedavg | mean | -30.00 [-30.00, -30.00] | ASR 25.00 [25.00, 25.00] |"
@@ -90,13 +96,8 @@ def test_a_defence_an_attack_breaks_is_named_and_none_is_recommended(tmp_path, m
     def attacked(label, seed, client):
         return 0.5 if label == "fedavg" else 0.71
 
-    studies = {"clean": _study(clean), "ipm-0.2": _study(attacked)}
-    monkeypatch.setattr(bench, "cached_study", lambda path, args, tag: studies[path.name])
-    monkeypatch.setattr(sys, "argv", [
-        "attacks.py", "--out", str(tmp_path), "--scenarios", "dir-0.1", "--methods", "fedavg",
-        "--defences", "mean,median", "--attacks", "ipm", "--attackers", "0.2"])
-    bench.main()
-    report = (tmp_path / "attacks.md").read_text()
+    report = _report(tmp_path, monkeypatch, {"clean": _study(clean),
+                                             "ipm-0.2": _study(attacked)})
     assert "- `median`: honest cost within the seeds' noise everywhere; broken by ipm (fedavg, " \
            "dir-0.1: -9.0)" in report
     assert "Recommended default: none meets both conditions." in report
