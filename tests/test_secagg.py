@@ -208,3 +208,38 @@ def test_central_dp_after_unmasking_is_central_dps_release(tmp_path):
     assert 0 < error < 6 * 2 * 0.1 / (1 << 22) / 6 + 1e-6
     assert [r["dp-epsilon"] for r in secure["rounds"]] == [r["dp-epsilon"]
                                                            for r in plain["rounds"]]
+
+
+@needs_fashion_mnist
+def test_a_malformed_masked_vector_drops_only_its_client(tmp_path):
+    """A client that sends a masked vector one value short (as an outside client could) is
+    rejected and unmasked as dropped; the round goes on with the other five."""
+    import torch
+
+    from pflalign.engines import sequential
+    from pflalign.engines.secagg_client import MASKED
+
+    real = sequential.SequentialEngine.__init__
+
+    def init(self, settings):
+        real(self, settings)
+        honest = self.handler
+
+        def short(action, settings_, cid, config, arrays, saved, node=None):
+            metrics, reply, state = honest(action, settings_, cid, config, arrays, saved,
+                                           node=node)
+            if cid == 0 and MASKED in reply:
+                reply = {MASKED: {"y": torch.as_tensor(reply[MASKED]["y"][:-1])}}
+            return metrics, reply, state
+
+        self.handler = short
+
+    sequential.SequentialEngine.__init__ = init
+    try:
+        result, models = _run(tmp_path, **{"secure-aggregation": "secagg+", "rounds": 1,
+                                           "eval-every": 1})
+    finally:
+        sequential.SequentialEngine.__init__ = real
+    (row,) = result["rounds"]
+    assert row["clients-trained"] == 5 and row["rejected"] == 1 and row["secagg-dropped"] == 1
+    assert all(np.isfinite(v).all() for v in models[0].values())

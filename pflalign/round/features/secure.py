@@ -160,13 +160,18 @@ class SecureAggregation(RoundFeature):
 
     # --- after training --------------------------------------------------------------------
     def received(self, loop, training: TrainingRound) -> None:
+        """Take each well-formed masked vector (uint32, one value per floating-point entry of
+        the exchanged model); a reply without one keeps its records, which the checks then
+        reject, and its client counts as dropped in the unmasking."""
         shared = loop.server.shared_model(loop.state)
+        size = FlatSpec.of({k: v for k, v in shared.items()
+                            if np.asarray(v).dtype.kind == "f"}).size
         replies = []
         for reply in training.exchange.replies:
             record = reply.arrays.get(sc.MASKED)
             if reply.error is None and record is not None and "y" in record:
                 y = np.asarray(record["y"])
-                if y.dtype == np.uint32 and y.ndim == 1:
+                if y.dtype == np.uint32 and y.shape == (size,):
                     self.masked[int(reply.sender)] = y.astype(np.uint64)
                     reply = Reply(reply.sender, reply.who, reply.metrics,
                                   {MODEL: dict(shared)}, None, False, False)
