@@ -41,9 +41,12 @@ import numpy as np
 import torch
 
 from pflalign.data.node import pooled_node_data
+from pflalign.engines.host import handle_aside
+from pflalign.engines.updates import flat_update
+from pflalign.server.robust import squared_distances
 from pflalign.settings.fingerprint import digest
 from pflalign.settings.schema import Settings
-from pflalign.wire.protocol import MODEL, TRAIN
+from pflalign.wire.protocol import MODEL, ROUND, TRAIN
 from pflalign.wire.state import State, atomic_write
 
 
@@ -80,8 +83,7 @@ def min_max_gamma(updates: np.ndarray) -> float:
     p, a = _unit_direction(mu)
     if a == 0 or len(updates) < 2:
         return 0.0
-    sq = np.einsum("ij,ij->i", updates, updates)
-    limit = float(np.max(sq[:, None] + sq[None, :] - 2.0 * updates @ updates.T))
+    limit = float(squared_distances(updates).max())
     diffs = mu - updates
     b = diffs @ p
     c = np.einsum("ij,ij->i", diffs, diffs) - limit
@@ -96,9 +98,7 @@ def min_sum_gamma(updates: np.ndarray) -> float:
     p, a = _unit_direction(mu)
     if a == 0 or len(updates) < 2:
         return 0.0
-    sq = np.einsum("ij,ij->i", updates, updates)
-    pair = np.maximum(sq[:, None] + sq[None, :] - 2.0 * updates @ updates.T, 0.0)
-    limit = float(pair.sum(axis=1).max())
+    limit = float(squared_distances(updates).sum(axis=1).max())
     diffs = mu - updates
     spread = float(np.einsum("ij,ij->", diffs, diffs))
     return math.sqrt(max(0.0, limit - spread) / (len(updates) * a))
@@ -187,28 +187,13 @@ def run_key(settings: Settings, label: str) -> Path:
             / digest({**settings.to_dict(), "label": label})[:16])
 
 
-def float_keys(received: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor],
-               ) -> list[str]:
-    """The model entries an attack changes: floating-point ones the client received."""
-    return [k for k, v in model.items() if k in received and torch.is_floating_point(v)]
-
-
-def flat_update(model: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor],
-                keys: Sequence[str]) -> np.ndarray:
-    return np.concatenate([(model[k].detach().double() - received[k].double()).reshape(-1).numpy()
-                           for k in keys])
-
-
-def honest_updates(settings: Settings, colluders: Sequence[int], label: str, config: Mapping,
+def honest_updates(settings: Settings, colluders: Sequence[int], run: Path, config: Mapping,
                    arrays: Mapping[str, Mapping[str, torch.Tensor]], keys: Sequence[str],
-                   own: tuple[int, np.ndarray], handle) -> np.ndarray:
+                   own: tuple[int, np.ndarray]) -> np.ndarray:
     """The attackers' honest updates for this round (rows in client order): each computed once
-    per process with ``handle`` (the honest client handler) from the attacker's data and its
-    state before the round."""
-    from pflalign.wire.protocol import ROUND
-
+    per process by the honest client handler from the attacker's data and its state before the
+    round (``run``: the entry's :func:`run_key`)."""
     server_round = int(config[ROUND])
-    run = run_key(settings, label)
     known = CHANNEL.updates(run, server_round)
     known[own[0]] = own[1]
     received = arrays[MODEL]
@@ -216,13 +201,7 @@ def honest_updates(settings: Settings, colluders: Sequence[int], label: str, con
         if client in known:
             continue
         saved = CHANNEL.latest(run, client, "state", server_round)
-        threads = torch.get_num_threads()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                _, reply, _ = handle(TRAIN, settings, client, config, arrays, saved,
-                                     node=pooled_node_data(settings, client))
-        finally:
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
+        _, reply, _ = handle_aside(TRAIN, settings, client, config, arrays, saved,
+                                   node=pooled_node_data(settings, client))
         known[client] = flat_update(reply[MODEL], received, keys)
     return np.stack([known[c] for c in sorted(colluders)])

@@ -23,10 +23,17 @@ reproducible and every method of a comparison meets the same faults.
   ``fake-eval``             report ``s`` times the true num-test, every sample correct
   ``perfect-eval``          report every test sample correct (true num-test) and zero losses
   ``hang``                  never reply (to training or evaluation)
+  ``backdoor``              train with a trigger on some relabelled samples, upload
+                            ``g + gamma (m - g)`` (:func:`backdoor_boost`)
+  ``free-rider``            upload ``g``
+  ``replay``                upload ``g`` plus its previous update
+  ``alie``, ``ipm``,        one update crafted from all the attackers' honest ones
+  ``min-max``, ``min-sum``  (:mod:`pflalign.engines.collusion`)
   ========================  ==================================================================
 
   where ``g`` is the model the client received, ``m`` the model it trained and ``s`` is
-  ``attack-scale``. Model attacks touch floating-point entries only.
+  ``attack-scale``; ``attackers`` sets the malicious clients as a share instead. Model attacks
+  touch floating-point entries only.
 """
 
 from __future__ import annotations
@@ -40,15 +47,9 @@ import torch
 
 from pflalign.data.datasets import ClientData
 from pflalign.data.node import NodeData, pooled_node_data
-from pflalign.engines.collusion import (
-    CHANNEL,
-    crafted,
-    flat_update,
-    float_keys,
-    honest_updates,
-    run_key,
-)
-from pflalign.engines.host import Handler, Metrics, ReplyArrays, handle
+from pflalign.engines.collusion import CHANNEL, crafted, honest_updates, run_key
+from pflalign.engines.host import Handler, Metrics, ReplyArrays
+from pflalign.engines.updates import flat_update, float_keys
 from pflalign.process.caches import cached
 from pflalign.settings.options import Value
 from pflalign.settings.schema import COLLUDING_ATTACKS, Settings
@@ -71,7 +72,8 @@ from pflalign.wire.state import State
 #: seed streams, apart from those of training (pflalign.training.loops)
 _STREAM_MALICIOUS, _STREAM_FAULT, _STREAM_NOISE = 7001, 7002, 7003
 
-MODEL_ATTACKS = ("signflip", "scale", "noise")
+#: the attacks on the uploaded model's update alone (backdoor's boost: once it trained poisoned)
+MODEL_ATTACKS = ("signflip", "scale", "noise", "backdoor")
 
 
 class InjectedFailure(RuntimeError):
@@ -153,8 +155,7 @@ def attacked_upload(settings: Settings, client_id: int, server_round: int,
     if attack == "inflate-count" and NUM_EXAMPLES in metrics:
         metrics[NUM_EXAMPLES] = metrics[NUM_EXAMPLES] * scale
     if attack in MODEL_ATTACKS and model is not None and received is not None:
-        keys = [k for k, v in model.items()
-                if k in received and torch.is_floating_point(v)]
+        keys = float_keys(received, model)
         update = {k: model[k].detach().double() - received[k].double() for k in keys}
         if attack == "noise":
             gen = torch.Generator().manual_seed(
@@ -164,8 +165,8 @@ def attacked_upload(settings: Settings, client_id: int, server_round: int,
                      for k in keys}
             length = scale * _norm(update) / max(_norm(noise), 1e-300)
             update = {k: length * noise[k] for k in keys}
-        else:
-            factor = -1.0 if attack == "signflip" else scale
+        else:  # the backdoor's model replacement boosts its update (Bagdasaryan et al. 2020)
+            factor = {"signflip": -1.0, "backdoor": backdoor_boost(settings)}.get(attack, scale)
             update = {k: factor * u for k, u in update.items()}
         model = {**model, **{k: (received[k].double() + update[k]).to(model[k].dtype)
                              for k in keys}}
@@ -196,13 +197,14 @@ def before_handler(action: str, settings: Settings, client_id: int, config: Mapp
     if action == STATE:
         return node
     before_action(settings, client_id, action, int(config[ROUND]))
-    if action == TRAIN and attack_of(settings, client_id) in COLLUDING_ATTACKS:
+    attack = attack_of(settings, client_id) if action == TRAIN else None
+    if attack in COLLUDING_ATTACKS:
         CHANNEL.record(run_key(settings, _label(config)), client_id, "state", int(config[ROUND]),
                        0, saved)
-    if action == TRAIN and attack_of(settings, client_id) == "labelflip":
+    if attack == "labelflip":
         node = node if node is not None else pooled_node_data(settings, client_id)
         return replace(node, data=flipped_labels(node.data, node.num_classes))
-    if action == TRAIN and attack_of(settings, client_id) == "backdoor":
+    if attack == "backdoor":
         node = node if node is not None else pooled_node_data(settings, client_id)
         run = settings.run
         if not 0 <= run.backdoor_target < node.num_classes:
@@ -227,13 +229,6 @@ def after_handler(action: str, settings: Settings, client_id: int, config: Mappi
         return attacked_evaluation(settings, client_id, metrics), reply
     if action != TRAIN:
         return metrics, reply
-    if attack == "backdoor" and MODEL in reply:  # model replacement: the update boosted
-        received, model = arrays[MODEL], reply[MODEL]
-        boost = backdoor_boost(settings)
-        return metrics, {**reply, MODEL: {
-            **model, **{k: (received[k].double() + boost * (model[k].double()
-                                                            - received[k].double())
-                            ).to(model[k].dtype) for k in float_keys(received, model)}}}
     if attack in COLLUDING_ATTACKS + ("free-rider", "replay") and MODEL in reply:
         return metrics, {**reply, MODEL: _crafted_upload(settings, client_id, config, arrays,
                                                          reply[MODEL])}
@@ -274,8 +269,8 @@ def _crafted_upload(settings: Settings, client_id: int, config: Mapping[str, Val
         CHANNEL.record(run, client_id, "update", server_round, 0, {"update": own})
     else:
         update = crafted(attack, honest_updates(settings, sorted(malicious_clients(settings)),
-                                                _label(config), config, arrays, keys,
-                                                (client_id, own), handle), settings)
+                                                run, config, arrays, keys, (client_id, own)),
+                         settings)
     out, offset = dict(model), 0
     for key in keys:
         size = model[key].numel()

@@ -155,6 +155,22 @@ def handle(action: str, settings: Settings, client_id: int,
                                                                              server_round)))
 
 
+def handle_aside(action: str, settings: Settings, client_id: int,
+                 config: Mapping[str, Value], arrays: Mapping[str, Mapping[str, torch.Tensor]],
+                 saved: State | None, node: NodeData | None = None,
+                 ) -> tuple[Metrics, ReplyArrays, State | None]:
+    """:func:`handle`, run beside this process's own work (the server's audits, FLTrust's root
+    set, a colluding attacker recomputing another's update): torch's random state and thread
+    count are left as they were."""
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return handle(action, settings, client_id, config, arrays, saved, node=node)
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
 def begin(action: str, settings: Settings, client_id: int, config: Mapping[str, Value],
           arrays: Mapping[str, Mapping[str, torch.Tensor]], saved: State | None,
           node: NodeData | None = None,

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from pflalign.engines.updates import flat_update
 from pflalign.settings.options import Value
 from pflalign.settings.schema import Settings
 from pflalign.wire.protocol import MODEL, NUM_EXAMPLES, ROUND, TRAIN
@@ -55,12 +56,14 @@ PREFIX = "secagg/"
 ROUNDING_STREAM = 7301
 
 
-def _bytes(value: np.ndarray | torch.Tensor) -> bytes:
+def as_bytes(value: np.ndarray | torch.Tensor) -> bytes:
+    """A key, share or ciphertext as it travels (a uint8 array) back to bytes."""
     array = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
     return array.astype(np.uint8).tobytes()
 
 
-def _array(value: bytes) -> np.ndarray:
+def as_array(value: bytes) -> np.ndarray:
+    """Bytes as a uint8 array, as they travel in an array record."""
     return np.frombuffer(value, dtype=np.uint8).copy()
 
 
@@ -74,32 +77,32 @@ def split_saved(saved: State | None) -> tuple[State | None, State]:
 
 def encode(secrets: ClientSecrets) -> State:
     state = {f"{PREFIX}id": np.array([secrets.id], dtype=np.int64),
-             f"{PREFIX}enc": _array(secrets.enc_key), f"{PREFIX}mask": _array(secrets.mask_key),
-             f"{PREFIX}seed": _array(secrets.seed)}
+             f"{PREFIX}enc": as_array(secrets.enc_key), f"{PREFIX}mask": as_array(secrets.mask_key),
+             f"{PREFIX}seed": as_array(secrets.seed)}
     for other, (enc, mask) in secrets.public.items():
         state[f"{PREFIX}pub/{other}/enc"], state[f"{PREFIX}pub/{other}/mask"] = (
-            _array(enc), _array(mask))
+            as_array(enc), as_array(mask))
     for other, (seed, key) in secrets.shares.items():
         state[f"{PREFIX}share/{other}/seed"], state[f"{PREFIX}share/{other}/key"] = (
-            _array(seed), _array(key))
+            as_array(seed), as_array(key))
     return state
 
 
 def decode(state: Mapping[str, np.ndarray]) -> ClientSecrets:
     if f"{PREFIX}seed" not in state:
         raise ValueError("this client holds no SecAgg+ keys for the round (it missed the setup).")
-    secrets = ClientSecrets(int(state[f"{PREFIX}id"][0]), _bytes(state[f"{PREFIX}enc"]),
-                            _bytes(state[f"{PREFIX}mask"]), _bytes(state[f"{PREFIX}seed"]))
+    secrets = ClientSecrets(int(state[f"{PREFIX}id"][0]), as_bytes(state[f"{PREFIX}enc"]),
+                            as_bytes(state[f"{PREFIX}mask"]), as_bytes(state[f"{PREFIX}seed"]))
     for key in state:
         parts = key[len(PREFIX):].split("/")
         if parts[0] == "pub" and parts[2] == "enc":
             other = int(parts[1])
-            secrets.public[other] = (_bytes(state[key]),
-                                     _bytes(state[f"{PREFIX}pub/{other}/mask"]))
+            secrets.public[other] = (as_bytes(state[key]),
+                                     as_bytes(state[f"{PREFIX}pub/{other}/mask"]))
         if parts[0] == "share" and parts[2] == "seed":
             other = int(parts[1])
-            secrets.shares[other] = (_bytes(state[key]),
-                                     _bytes(state[f"{PREFIX}share/{other}/key"]))
+            secrets.shares[other] = (as_bytes(state[key]),
+                                     as_bytes(state[f"{PREFIX}share/{other}/key"]))
     return secrets
 
 
@@ -117,22 +120,23 @@ def stage(client_id: int, config: Mapping[str, Value],
     own, held = split_saved(saved)
     if action == SETUP:
         secrets, (enc, mask) = setup(client_id)
-        reply = {KEYS: {"enc": torch.from_numpy(_array(enc)),
-                        "mask": torch.from_numpy(_array(mask))}}
+        reply = {KEYS: {"enc": torch.from_numpy(as_array(enc)),
+                        "mask": torch.from_numpy(as_array(mask))}}
         return {}, reply, _with(own, encode(secrets))
     secrets = decode(held)
     if action == SHARE:
         record = arrays[KEYS]
         members = sorted({int(k.split(".")[0]) for k in record})
-        public = {m: (_bytes(record[f"{m}.enc"]), _bytes(record[f"{m}.mask"])) for m in members}
+        public = {m: (as_bytes(record[f"{m}.enc"]), as_bytes(record[f"{m}.mask"]))
+                  for m in members}
         out = share_keys(secrets, public, int(config[THRESHOLD]))
-        reply = {KEYS: {str(dst): torch.from_numpy(_array(ct)) for dst, ct in out.items()}}
+        reply = {KEYS: {str(dst): torch.from_numpy(as_array(ct)) for dst, ct in out.items()}}
         return {}, reply, _with(own, encode(secrets))
     if action == UNMASK:
         lists = arrays[LISTS]
         out = unmask(secrets, [int(v) for v in lists["survivors"].tolist()],
                      [int(v) for v in lists["dropped"].tolist()])
-        reply = {KEYS: {str(v): torch.from_numpy(_array(s)) for v, s in out.items()}}
+        reply = {KEYS: {str(v): torch.from_numpy(as_array(s)) for v, s in out.items()}}
         return {}, reply, own if own is not None else {}  # the round is over: its secrets go
     raise ValueError(f"Unknown SecAgg+ action {action!r}.")
 
@@ -145,9 +149,8 @@ def masked_upload(client_id: int, config: Mapping[str, Value], seed: int,
     the secrets to keep (with the shares its inbox held)."""
     secrets = decode(held)
     received = arrays[MODEL]
-    keys = [k for k in received if torch.is_floating_point(received[k])]
-    update = np.concatenate([(model[k].detach().double() - received[k].double()).reshape(-1)
-                             .numpy() for k in keys])
+    keys = [k for k in received if torch.is_floating_point(received[k])]  # the server's order
+    update = flat_update(model, received, keys)
     if DP_CLIP in config:  # dp = central: DP-FedAvg's clip, on the client; the sum is unweighted
         bound, norm = float(config[DP_CLIP]), float(np.linalg.norm(update))
         update = update * min(1.0, bound / norm) if norm > 0 else update
@@ -156,7 +159,7 @@ def masked_upload(client_id: int, config: Mapping[str, Value], seed: int,
     params = Params(threshold=int(config[THRESHOLD]), neighbours=0,
                     clip=float(config[CLIP]))
     rng = np.random.default_rng([seed, ROUNDING_STREAM, int(config[ROUND]), client_id])
-    inbox = {int(k): _bytes(v) for k, v in arrays.get(INBOX, {}).items()}
+    inbox = {int(k): as_bytes(v) for k, v in arrays.get(INBOX, {}).items()}
     masked = masked_input(secrets, inbox, quantize(update, params, rng), params.modulus)
     return {"y": torch.from_numpy(masked.astype(np.uint32))}, encode(secrets)
 

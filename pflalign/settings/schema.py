@@ -64,28 +64,23 @@ GGA_OBJECTIVES = ("min", "mean")
 # --- the "only with" rules: a key that keeps one leaves its default only under it -------------
 _DP = OnlyWith("dp", ("central", "local"), why="applies to differential privacy, and dp = {other}",
                fix="set dp = 'central' or remove it")
-_ADAPTIVE = OnlyWith("dp-clipping", ("adaptive",),
-                     why="applies to dp-clipping = 'adaptive', and dp-clipping = {other}",
-                     fix="set dp-clipping = 'adaptive' or remove it")
+def _applies_to(key: str, value: str) -> OnlyWith:
+    """The rule "this key only with ``key`` = ``value``", in the usual words."""
+    return OnlyWith(key, (value,), why=f"applies to {key} = '{value}', and {key} = {{other}}",
+                    fix=f"set {key} = '{value}' or remove it")
+
+
+_ADAPTIVE = _applies_to("dp-clipping", "adaptive")
 _KRUM = OnlyWith("aggregation", ("krum", "multi-krum", "bulyan"),
                  why="sets how many uploads Krum and Bulyan assume Byzantine, and aggregation = "
                      "{other}", fix="set aggregation = 'krum', 'multi-krum' or 'bulyan', or remove "
                                     "it")
-_MULTI_KRUM = OnlyWith("aggregation", ("multi-krum",),
-                       why="applies to aggregation = 'multi-krum', and aggregation = {other}",
-                       fix="set aggregation = 'multi-krum' or remove it")
-_CC = OnlyWith("aggregation", ("centered-clip",), why="applies to aggregation = 'centered-clip', "
-               "and aggregation = {other}", fix="set aggregation = 'centered-clip' or remove it")
-_IPM = OnlyWith("attack", ("ipm",), why="applies to attack = 'ipm', and attack = {other}",
-                fix="set attack = 'ipm' or remove it")
-_BACKDOOR = OnlyWith("attack", ("backdoor",),
-                     why="applies to attack = 'backdoor', and attack = {other}",
-                     fix="set attack = 'backdoor' or remove it")
-_FLTRUST = OnlyWith("aggregation", ("fltrust",), why="applies to aggregation = 'fltrust', and "
-                    "aggregation = {other}", fix="set aggregation = 'fltrust' or remove it")
-_SECAGG = OnlyWith("secure-aggregation", ("secagg+",),
-                   why="applies to secure-aggregation = 'secagg+', and secure-aggregation = "
-                       "{other}", fix="set secure-aggregation = 'secagg+' or remove it")
+_MULTI_KRUM = _applies_to("aggregation", "multi-krum")
+_CC = _applies_to("aggregation", "centered-clip")
+_FLTRUST = _applies_to("aggregation", "fltrust")
+_IPM = _applies_to("attack", "ipm")
+_BACKDOOR = _applies_to("attack", "backdoor")
+_SECAGG = _applies_to("secure-aggregation", "secagg+")
 _ASYNC = OnlyWith("mode", ("async",), why="applies to mode = 'async', and this run is synchronous",
                   fix="set mode = 'async' or remove it", shown="g")
 _PROFILES_FIX = "set device-profiles = lognormal or a trace file"

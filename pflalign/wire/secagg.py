@@ -250,7 +250,7 @@ def centered(total: np.ndarray, modulus: int) -> np.ndarray:
     return (np.asarray(total, dtype=np.uint64) % modulus).astype(np.int64)
 
 
-def exact_threshold(clients: int) -> int:
+def default_threshold(holders: int) -> int:
     """The default threshold: a majority of a client's share holders (Bell et al. take t > k/2
-    against an honest-but-curious server)."""
-    return max(2, math.floor(clients / 2) + 1)
+    against an honest-but-curious server), at least two."""
+    return max(2, math.floor(holders / 2) + 1)

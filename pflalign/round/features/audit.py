@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from pflalign.engines.host import handle, to_torch
+from pflalign.engines.host import handle_aside, to_torch
 from pflalign.methods.base import Method
 from pflalign.round.feature import RoundFeature, TrainingRound, register
 from pflalign.server.runtime import ServerRuntime
@@ -296,14 +296,8 @@ class Audit:
         and random state are left as they were."""
         arrays = to_torch({name: {k: np.ascontiguousarray(v) for k, v in record.items()}
                            for name, record in message.payload.arrays.items()})
-        threads = torch.get_num_threads()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                metrics, reply, _ = handle(action, self.server.settings, message.client,
-                                           message.config, arrays, state)
-        finally:
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
+        metrics, reply, _ = handle_aside(action, self.server.settings, message.client,
+                                         message.config, arrays, state)
         return metrics, reply
 
 

@@ -19,11 +19,10 @@ import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-import torch
 
 from pflalign.data.federated import federated_dataset, root_set
 from pflalign.data.node import NodeData
-from pflalign.engines.host import handle, to_torch
+from pflalign.engines.host import handle_aside, to_torch
 from pflalign.methods.base import Method
 from pflalign.round.feature import RoundFeature, register
 from pflalign.settings.options import ConfigError
@@ -97,14 +96,8 @@ class RobustAggregation(RoundFeature):
         message = loop.messaging.message(self.root.client_id, payload, server_round)
         arrays = to_torch({name: {k: np.ascontiguousarray(v) for k, v in record.items()}
                            for name, record in payload.arrays.items()})
-        threads = torch.get_num_threads()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                _, reply, _ = handle(TRAIN, server.settings, self.root.client_id, message.config,
-                                     arrays, None, node=self.root)
-        finally:
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
+        _, reply, _ = handle_aside(TRAIN, server.settings, self.root.client_id, message.config,
+                                   arrays, None, node=self.root)
         return [{k: v.detach().cpu().numpy() for k, v in record.items()}
                 for name, record in sorted(reply.items(), key=lambda kv: kv[0] != MODEL)]
 

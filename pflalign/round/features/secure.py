@@ -29,6 +29,7 @@ quantization's clip, which bounds every coordinate of every weighted update to
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 
@@ -42,14 +43,10 @@ from pflalign.server.validation import Collected
 from pflalign.settings.schema import Settings
 from pflalign.wire.messages import Exchange, Payload, Reply, Update
 from pflalign.wire.protocol import ACTION, MODEL, QUERY
-from pflalign.wire.secagg import Params, dequantize_sum, graph, unmasked_sum
+from pflalign.wire.secagg import Params, default_threshold, dequantize_sum, graph, unmasked_sum
 
 #: the seed stream of the rounds' neighbour graphs
 GRAPH_STREAM = 7302
-
-
-def _raw(value) -> bytes:
-    return np.asarray(value).astype(np.uint8).tobytes()
 
 
 @register
@@ -70,6 +67,14 @@ class SecureAggregation(RoundFeature):
         self.release_model: dict | None = None
         self.total_examples = 0.0
         self.threshold = 0
+        #: the largest training set of the round's clients: a weight is num-examples over it
+        self.weight_scale = 1
+        #: the exchanged floating-point entries: what a masked vector holds, in this order
+        self.floats: FlatSpec | None = None
+
+    def start(self, loop) -> None:
+        self.floats = FlatSpec.of({k: v for k, v in loop.server.shared_model(loop.state).items()
+                                   if np.asarray(v).dtype.kind == "f"})
 
     # --- the stages before training ------------------------------------------------------------
     def params(self, loop) -> Params:
@@ -104,21 +109,28 @@ class SecureAggregation(RoundFeature):
         self.masked, self.release_model = {}, None
         clients = sorted(server.sample(server_round))
         setup, down, up = self._query(loop, server_round, clients, {ACTION: sc.SETUP})
-        keys = {c: (_raw(r.arrays[sc.KEYS]["enc"]), _raw(r.arrays[sc.KEYS]["mask"]))
+        keys = {c: (sc.as_bytes(r.arrays[sc.KEYS]["enc"]), sc.as_bytes(r.arrays[sc.KEYS]["mask"]))
                 for c, r in setup.items()}
         members = sorted(keys)
         rng = np.random.default_rng([server.seed, GRAPH_STREAM, server_round])
         neighbours = graph(members, run.secagg_neighbours or len(members), rng)
         views = {c: {v: keys[v] for v in (*neighbours[c], c)} for c in members}
         holders = min((len(v) for v in views.values()), default=0)
-        self.threshold = run.secagg_threshold or holders // 2 + 1
+        self.threshold = run.secagg_threshold or default_threshold(holders)
+        problem = None
         if len(members) < 2 or holders < self.threshold:
-            loop.warn(f"round {server_round}: SecAgg+ needs at least two clients and a "
-                      f"threshold ({self.threshold}) within each client's {holders} share "
-                      "holders; this round trains no client.")
+            problem = (f"needs at least two clients and a threshold ({self.threshold}) within "
+                       f"each client's {holders} share holders")
+        else:
+            try:
+                self.params(loop).check(len(members))
+            except ValueError as err:
+                problem = f"cannot sum this round: {err}"
+        if problem:
+            loop.warn(f"round {server_round}: SecAgg+ {problem}; this round trains no client.")
             self.participants = []
             return self._traffic(down, up)
-        records = {c: {sc.KEYS: {f"{v}.{part}": np.frombuffer(key, dtype=np.uint8).copy()
+        records = {c: {sc.KEYS: {f"{v}.{part}": sc.as_array(key)
                                  for v, pair in views[c].items()
                                  for part, key in zip(("enc", "mask"), pair, strict=True)}}
                    for c in members}
@@ -129,9 +141,11 @@ class SecureAggregation(RoundFeature):
         for sender, reply in shared.items():
             for dst, ciphertext in reply.arrays[sc.KEYS].items():
                 if int(dst) in self.inbox and int(dst) in views[sender]:
-                    self.inbox[int(dst)][sender] = _raw(ciphertext)
+                    self.inbox[int(dst)][sender] = sc.as_bytes(ciphertext)
         self.participants = sorted(shared)
         self.public = {c: views[c] for c in members}
+        self.weight_scale = max((server.clients[c].num_train for c in self.participants),
+                                default=1)
         return self._traffic(down, up)
 
     @staticmethod
@@ -143,19 +157,16 @@ class SecureAggregation(RoundFeature):
 
     def sending(self, loop, training: TrainingRound) -> None:
         server = loop.server
-        scale = max((server.clients[c].num_train for c in self.participants), default=1)
-        size = FlatSpec.of({k: v for k, v in server.shared_model(loop.state).items()
-                            if np.asarray(v).dtype.kind == "f"}).size
         for i, message in enumerate(training.messages):
-            inbox = {str(src): np.frombuffer(ct, dtype=np.uint8).copy()
+            inbox = {str(src): sc.as_array(ct)
                      for src, ct in self.inbox.get(message.client, {}).items()}
             payload = Payload({**message.payload.arrays, sc.INBOX: inbox},
                               message.payload.config)
             config = {**message.config, sc.CLIP: self.params(loop).clip,
-                      sc.THRESHOLD: self.threshold, sc.WEIGHT_SCALE: scale,
+                      sc.THRESHOLD: self.threshold, sc.WEIGHT_SCALE: self.weight_scale,
                       **({sc.DP_CLIP: server.settings.run.dp_clip} if self.private(loop)
                          else {})}
-            limits = {**(message.limits or {}), sc.MASKED: 4 * size + 512}
+            limits = {**(message.limits or {}), sc.MASKED: 4 * self.floats.size + 512}
             training.messages[i] = type(message)(message.client, payload, config, limits)
 
     # --- after training --------------------------------------------------------------------
@@ -164,17 +175,14 @@ class SecureAggregation(RoundFeature):
         the exchanged model); a reply without one keeps its records, which the checks then
         reject, and its client counts as dropped in the unmasking."""
         shared = loop.server.shared_model(loop.state)
-        size = FlatSpec.of({k: v for k, v in shared.items()
-                            if np.asarray(v).dtype.kind == "f"}).size
         replies = []
         for reply in training.exchange.replies:
             record = reply.arrays.get(sc.MASKED)
             if reply.error is None and record is not None and "y" in record:
                 y = np.asarray(record["y"])
-                if y.dtype == np.uint32 and y.shape == (size,):
+                if y.dtype == np.uint32 and y.shape == (self.floats.size,):
                     self.masked[int(reply.sender)] = y.astype(np.uint64)
-                    reply = Reply(reply.sender, reply.who, reply.metrics,
-                                  {MODEL: dict(shared)}, None, False, False)
+                    reply = dataclasses.replace(reply, arrays={MODEL: dict(shared)})
             replies.append(reply)
         training.exchange = Exchange(replies, training.exchange.bytes_down,
                                      training.exchange.bytes_up)
@@ -184,8 +192,7 @@ class SecureAggregation(RoundFeature):
         started = time.perf_counter()
         survivors = sorted(int(m[0]["partition-id"]) for m in collected.good
                            if int(m[0]["partition-id"]) in self.masked)
-        sizes = {len(self.masked[c]) for c in survivors}
-        if not survivors or len(sizes) != 1:
+        if not survivors:
             self.release_model = None
             return collected
         dropped = [c for c in self.participants if c not in survivors]
@@ -199,7 +206,7 @@ class SecureAggregation(RoundFeature):
         training.row["secagg-bytes-up"] = training.row.get("secagg-bytes-up", 0) + up
         training.bytes_down, training.bytes_up = (training.bytes_down + down,
                                                   training.bytes_up + up)
-        shares = {c: {int(v): _raw(s) for v, s in r.arrays[sc.KEYS].items()}
+        shares = {c: {int(v): sc.as_bytes(s) for v, s in r.arrays[sc.KEYS].items()}
                   for c, r in answers.items()}
         params = self.params(loop)
         try:
@@ -211,16 +218,13 @@ class SecureAggregation(RoundFeature):
             self.release_model = None
             return Collected([], collected.failed, collected.timed_out,
                              collected.rejected + len(collected.good), collected.nonfinite_loss)
-        scale = max(server.clients[c].num_train for c in self.participants)
-        weights = sum(server.clients[c].num_train / scale for c in survivors)
+        weights = sum(server.clients[c].num_train / self.weight_scale for c in survivors)
         # under dp = central the sum itself, which the noise then follows (CentralDP.release)
         mean_update = dequantize_sum(total, len(survivors), params) / (
             1.0 if self.private(loop) else weights)
         shared = server.shared_model(loop.state)
-        floats = FlatSpec.of({k: v for k, v in shared.items()
-                              if np.asarray(v).dtype.kind == "f"})
-        base = floats.flatten(shared, np.float64)
-        self.release_model = {**shared, **floats.unflatten(base + mean_update)}
+        base = self.floats.flatten(shared, np.float64)
+        self.release_model = {**shared, **self.floats.unflatten(base + mean_update)}
         self.total_examples = float(sum(server.clients[c].num_train for c in survivors))
         training.row["secagg-dropped"] = len(dropped)
         training.row["secagg-seconds"] = time.perf_counter() - started
