@@ -14,7 +14,11 @@ floating-point entries of the model it received, in their order, with ``w = num-
 (``W``, the largest training set of the round's clients, is in the message's config): the
 server's unmasked sum divided by the sum of the weights is the FedAvg update. Under ``dp =
 central`` the update is instead clipped to ``dp-clip`` (L2) and unweighted, as DP-FedAvg sums
-it, and the server adds the noise to the unmasked sum.
+it, and the server adds the noise to the unmasked sum. Under ``dp = distributed`` the vector is
+instead the update clipped to ``dp-clip``, rotated, rounded and noised by the client
+(:func:`pflalign.training.ddgauss.encode`, with the grid, noise, bound and rotation in the
+message's config), padded to a power of two; its noise is drawn from the client's own key under
+``dp-secure``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from pflalign.engines.updates import flat_update
 from pflalign.settings.options import Value
 from pflalign.settings.schema import Settings
+from pflalign.training import ddgauss
 from pflalign.wire.protocol import MODEL, NUM_EXAMPLES, ROUND, TRAIN
 from pflalign.wire.secagg import (
     ClientSecrets,
@@ -51,9 +56,20 @@ MASKED, LISTS = "secagg-masked", "secagg-lists"
 CLIP, THRESHOLD, WEIGHT_SCALE = "secagg-clip", "secagg-threshold", "secagg-weight-scale"
 #: ... and under dp = central, the L2 clip of the (unweighted) update before it is masked
 DP_CLIP = "secagg-dp-clip"
+#: ... and under dp = distributed, the grid, each client's noise (integer units), the rounding's
+#: L2 bound and the round's rotation seed
+DDP_GAMMA, DDP_SIGMA, DDP_BOUND, DDP_ROTATION = ("ddp-gamma", "ddp-sigma", "ddp-bound",
+                                                 "ddp-rotation")
 PREFIX = "secagg/"
 #: the seed stream of a client's stochastic rounding
 ROUNDING_STREAM = 7301
+#: ... and of its discrete Gaussian noise (without dp-secure)
+NOISE_STREAM = 7304
+
+
+def rotation_signs(key: int, size: int) -> np.ndarray:
+    """The round's random signs from its public rotation seed."""
+    return ddgauss.rotation_signs(size, np.random.default_rng(key))
 
 
 def as_bytes(value: np.ndarray | torch.Tensor) -> bytes:
@@ -141,7 +157,7 @@ def stage(client_id: int, config: Mapping[str, Value],
     raise ValueError(f"Unknown SecAgg+ action {action!r}.")
 
 
-def masked_upload(client_id: int, config: Mapping[str, Value], seed: int,
+def masked_upload(client_id: int, config: Mapping[str, Value], run,
                   arrays: Mapping[str, Mapping[str, torch.Tensor]], model: Mapping[str,
                                                                                 torch.Tensor],
                   num_examples: int, held: State) -> tuple[dict[str, torch.Tensor], State]:
@@ -151,16 +167,25 @@ def masked_upload(client_id: int, config: Mapping[str, Value], seed: int,
     received = arrays[MODEL]
     keys = [k for k in received if torch.is_floating_point(received[k])]  # the server's order
     update = flat_update(model, received, keys)
-    if DP_CLIP in config:  # dp = central: DP-FedAvg's clip, on the client; the sum is unweighted
+    seed = run.seed
+    rng = np.random.default_rng([seed, ROUNDING_STREAM, int(config[ROUND]), client_id])
+    if DDP_GAMMA in config:  # dp = distributed: the client's share of the noise goes in first
+        noise = (np.random.default_rng() if run.dp_secure else
+                 np.random.default_rng([seed, NOISE_STREAM, int(config[ROUND]), client_id]))
+        signs = rotation_signs(int(config[DDP_ROTATION]), ddgauss.padded_size(update.size))
+        vector = ddgauss.encode(update, float(config[DP_CLIP]), float(config[DDP_GAMMA]), signs,
+                                float(config[DDP_BOUND]), float(config[DDP_SIGMA]), rng, noise)
+    elif DP_CLIP in config:  # dp = central: DP-FedAvg's clip, on the client; the sum is unweighted
         bound, norm = float(config[DP_CLIP]), float(np.linalg.norm(update))
         update = update * min(1.0, bound / norm) if norm > 0 else update
     else:
         update = update * (num_examples / float(config[WEIGHT_SCALE]))
     params = Params(threshold=int(config[THRESHOLD]), neighbours=0,
                     clip=float(config[CLIP]))
-    rng = np.random.default_rng([seed, ROUNDING_STREAM, int(config[ROUND]), client_id])
+    if DDP_GAMMA not in config:
+        vector = quantize(update, params, rng)
     inbox = {int(k): as_bytes(v) for k, v in arrays.get(INBOX, {}).items()}
-    masked = masked_input(secrets, inbox, quantize(update, params, rng), params.modulus)
+    masked = masked_input(secrets, inbox, vector, params.modulus)
     return {"y": torch.from_numpy(masked.astype(np.uint32))}, encode(secrets)
 
 
@@ -173,7 +198,7 @@ def secure_reply(action: str, settings: Settings, client_id: int, config: Mappin
     if action != TRAIN or CLIP not in config or MODEL not in reply:
         return metrics, reply, state
     own, held = split_saved(state if state is not None else saved)
-    masked, held = masked_upload(client_id, config, settings.run.seed, arrays, reply[MODEL],
+    masked, held = masked_upload(client_id, config, settings.run, arrays, reply[MODEL],
                                  int(metrics[NUM_EXAMPLES]), held)
     return metrics, {MASKED: masked}, {**(own or {}), **held}
 

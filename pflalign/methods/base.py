@@ -194,7 +194,7 @@ class Method(Generic[P, C, S]):
                                   f"{cls.not_private}, so no clipped, noised mean can stand for "
                                   "its uploads (docs/privacy.md lists the methods that can); "
                                   "leave it out of this run.")
-            if aggregation != "mean" and settings.run.dp == "central":
+            if aggregation != "mean" and settings.run.dp in ("central", "distributed"):
                 raise ConfigError(f"aggregation = {aggregation!r} cannot run under dp = "
                                   f"{settings.run.dp!r}: DP-FedAvg releases a noised sum of "
                                   "clipped updates, and a robust rule (a trimmed mean, a median, "

@@ -297,7 +297,8 @@ class PFLAlignMethod(Method):
     @classmethod
     def check(cls, settings: Settings) -> None:
         super().check(settings)
-        if settings.run.dp == "central" and cls.Params.from_settings(settings).state == "server":
+        if (settings.run.dp in ("central", "distributed")
+                and cls.Params.from_settings(settings).state == "server"):
             raise ConfigError(f"pflalign-state = 'server' cannot run under dp = "
                               f"{settings.run.dp!r}: the server would keep each client's "
                               "offset, computed from its unclipped upload, and send it back in "

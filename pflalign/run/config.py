@@ -525,6 +525,8 @@ def _check_privacy(run: RunConfig, gga: GGAParams) -> None:
                           f"clipped, noised release of dp = {run.dp!r}: set gga = false.")
     if run.dp == "local":
         _check_local_privacy(run)
+    if run.dp == "distributed":
+        _check_distributed_privacy(run)
     if run.dp_epsilon and run.dp_noise_multiplier != _default("dp-noise-multiplier"):
         raise ConfigError(f"dp-epsilon = {run.dp_epsilon:g} sets the noise multiplier, and "
                           f"dp-noise-multiplier = {run.dp_noise_multiplier:g} sets it too: "
@@ -539,17 +541,38 @@ def _check_privacy(run: RunConfig, gga: GGAParams) -> None:
                           "it 0 for the default.")
 
 
+def _check_distributed_privacy(run: RunConfig) -> None:
+    """``dp = distributed``: the clients' noise is only private inside secure aggregation's sum,
+    the clip is each client's own, and the server is not trusted with a client's state (the
+    audits, as under local DP)."""
+    if run.secure_aggregation != "secagg+":
+        raise ConfigError("dp = 'distributed' has each client add its share of the noise, which "
+                          "alone is too little to hide its update: only secure aggregation's "
+                          "sum carries the noise of all of them; set secure-aggregation = "
+                          "'secagg+' (or dp = 'central').")
+    if run.dp_clipping == "adaptive":
+        raise ConfigError("dp-clipping = 'adaptive' has the server count the clipped updates, "
+                          "and under dp = 'distributed' it sees only their noised sum: each "
+                          "client clips to dp-clip; set dp-clipping = 'fixed'.")
+    _check_audits(run)
+
+
+def _check_audits(run: RunConfig) -> None:
+    """No audit under a dp whose server is not trusted: it would send a client's saved state."""
+    for key, value in (("eval-audit-fraction", run.eval_audit_fraction),
+                       ("train-audit-fraction", run.train_audit_fraction)):
+        if value > 0:
+            raise ConfigError(f"{key} = {value:g} has clients send their saved state to "
+                              f"the server to recompute their replies, which dp = {run.dp!r} "
+                              f"forbids (the server is not trusted): set {key} = 0.")
+
+
 def _check_local_privacy(run: RunConfig) -> None:
     """``dp = local``: nothing of a client's own may reach the server outside its noised
     upload (the audits send its saved state; on the Flower engine no checkpoint asks for it,
     :meth:`~pflalign.round.loop.RoundLoop.write_checkpoint`), and the clip is each client's own
     (no adaptive clip, which needs the server to count)."""
-    for key, value in (("eval-audit-fraction", run.eval_audit_fraction),
-                       ("train-audit-fraction", run.train_audit_fraction)):
-        if value > 0:
-            raise ConfigError(f"{key} = {value:g} has clients send their saved state to "
-                              "the server to recompute their replies, which dp = 'local' "
-                              f"forbids (the server is not trusted): set {key} = 0.")
+    _check_audits(run)
     if run.dp_clipping == "adaptive":
         raise ConfigError("dp-clipping = 'adaptive' has the server count the clipped updates, "
                           "and under dp = 'local' it never sees one unnoised: each client clips "

@@ -142,12 +142,12 @@ def epsilon_of(history: Sequence[tuple[float, float, int]], delta: float) -> flo
 
     accountant = RDPAccountant()
     accountant.history = [tuple(h) for h in history]
-    with _quiet():
+    with quiet():
         return float(accountant.get_epsilon(delta=delta, alphas=alphas()))
 
 
 @contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     """Without Opacus's warning that the best Renyi order is the largest or smallest tried:
     :func:`alphas` goes far enough for a useful bound, :func:`calibrate`'s search tries noises
     far past any that a run takes, and a noise so small that the smallest order is best spends
@@ -174,7 +174,7 @@ def calibrate(target_epsilon: float, delta: float, sample_rate: float, rounds: i
     from opacus.accountants.utils import get_noise_multiplier
 
     try:
-        with _quiet():
+        with quiet():
             return float(get_noise_multiplier(
                 target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate,
                 steps=rounds, accountant="rdp", epsilon_tolerance=tolerance, alphas=alphas()))

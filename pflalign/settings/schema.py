@@ -62,7 +62,8 @@ GGA_OBJECTIVES = ("min", "mean")
 
 
 # --- the "only with" rules: a key that keeps one leaves its default only under it -------------
-_DP = OnlyWith("dp", ("central", "local"), why="applies to differential privacy, and dp = {other}",
+_DP = OnlyWith("dp", ("central", "local", "distributed"),
+               why="applies to differential privacy, and dp = {other}",
                fix="set dp = 'central' or remove it")
 def _applies_to(key: str, value: str) -> OnlyWith:
     """The rule "this key only with ``key`` = ``value``", in the usual words."""
@@ -538,8 +539,12 @@ class PrivacyConfig(Params):
         'et al. 2018: the server clips each client\'s update to dp-clip, adds Gaussian noise of '
         'dp-noise-multiplier x dp-clip to their sum and divides by the expected clients a '
         'round); or local (each client clips its update to dp-clip and adds that noise to it '
-        'before its reply leaves it). Every round row reports the epsilon spent, dp-epsilon.',
-        choices=('off', 'central', 'local'), group='privacy', scope='run')
+        'before its reply leaves it); or distributed (with secure-aggregation = secagg+: each '
+        'client clips its update to dp-clip and adds its share of discrete Gaussian noise '
+        'before masking, Kairouz et al. 2021, so that the unmasked sum carries the noise of '
+        'central DP and no party sees an update without noise). Every round row reports the '
+        'epsilon spent, dp-epsilon.',
+        choices=('off', 'central', 'local', 'distributed'), group='privacy', scope='run')
     dp_clip: float = param(
         1.0,
         'dp: the L2 bound on each client\'s update (its uploaded arrays minus what it '

@@ -9,6 +9,12 @@ alone; every training round is accounted and its row reports the epsilon spent. 
 is rolled back for the clients' losses (which the release does not privatize). The clip and the
 accountant's history are what a checkpoint keeps.
 
+``dp = distributed`` (:class:`DistributedDP`; Kairouz, Liu and Steinke, ICML 2021): under
+secure aggregation each client adds its share of discrete Gaussian noise before masking
+(:mod:`pflalign.round.features.secure`); the unmasked, decoded sum is divided by the expected
+clients a round, and each round is accounted with the clients whose noise the sum holds
+(:class:`~pflalign.server.distributed_dp.DistributedAccountant`).
+
 ``dp = local`` (:class:`LocalDPAccounting`): each client clips and noises its own update before
 it leaves (the client's side, :func:`~pflalign.server.privacy.local_release`); the server only
 reports what the client that trained most often has spent. A method that uploads nothing
@@ -23,13 +29,16 @@ import numpy as np
 
 from pflalign.methods.base import Method
 from pflalign.round.feature import RoundFeature, register
+from pflalign.round.features.secure import SecureAggregation
 from pflalign.server.aggregation import FlatSpec
+from pflalign.server.distributed_dp import DistributedAccountant
 from pflalign.server.privacy import (
     CentralPrivacy,
     epsilon_of,
     local_multiplier,
     privacy_warnings,
     run_noise_multiplier,
+    sample_rate,
 )
 from pflalign.server.sampling import expected_clients
 from pflalign.settings.schema import Settings
@@ -104,6 +113,70 @@ class CentralDP(RoundFeature):
 
 
 @register
+class DistributedDP(RoundFeature):
+    """``dp = distributed``: the release's denominator and the accountant (the noise is the
+    clients', inside the sum that secure aggregation unmasked)."""
+
+    name = "distributed-dp"
+    forbids_rollback = True
+
+    @classmethod
+    def wanted(cls, settings: Settings, method: Method) -> bool:
+        return settings.run.dp == "distributed" and method.uploads_model
+
+    def __init__(self, loop):
+        self.secure: SecureAggregation | None = None
+        self.accountant: DistributedAccountant | None = None
+
+    def start(self, loop) -> None:
+        run = loop.server.settings.run
+        self.secure = next(f for f in loop.features if isinstance(f, SecureAggregation))
+        m = self.secure.mechanism
+        self.accountant = DistributedAccountant(m, run.dp_delta, sample_rate(run))
+        loop.reporter.info(
+            f"[{loop.label}] dp = distributed: each client clips its update to {m.clip:g}, "
+            f"rotates it ({m.dim} values padded to {m.padded}), rounds it to a grid of "
+            f"{m.gamma:.4g} within {m.l2:.6g} steps and adds discrete Gaussian noise of "
+            f"{m.sigma:.4g} steps before masking: the noise multiplier of a sum of "
+            f"{m.noised_for:g} clients is {m.multiplier:.4g}"
+            f"{' (from dp-epsilon)' if run.dp_epsilon else ''}, mean over {m.expected:g} "
+            f"expected clients, sample rate {self.accountant.rate:g}")
+        for text in privacy_warnings(run, len(loop.server.training_clients())):
+            loop.warn(text)
+
+    def release(self, loop, server_round: int, updates: Sequence[Update], row: dict,
+                ) -> list[Update]:
+        """The one update secure aggregation released (the global model plus the noised sum)
+        as the global model plus that sum over the expected clients."""
+        if not updates:
+            return []
+        shared = loop.server.shared_model(loop.state)
+        spec = self.secure.floats
+        start = spec.flatten(shared, np.float64)
+        total = spec.flatten(updates[0].model, np.float64) - start
+        row["dp-clip"] = self.secure.mechanism.clip
+        model = spec.unflatten(start + total / self.secure.mechanism.expected)
+        return [Update(client=-1, num_examples=1, metrics={}, model={**shared, **model})]
+
+    def trained(self, loop, server_round: int, row: dict) -> None:
+        """Account the round if its sum was released (a round that unmasked nothing released
+        nothing), and report the epsilon spent so far; without noise, none."""
+        if self.secure.summed:
+            self.accountant.step(self.secure.summed)
+        if self.secure.mechanism.sigma > 0:
+            row["dp-epsilon"] = self.accountant.epsilon()
+
+    def state_dict(self) -> dict:
+        return self.accountant.state_dict()
+
+    def checkpoint_refusal(self, loop, server_round: int) -> str | None:
+        return untrusted_checkpoint(loop)
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.accountant.load_state_dict(dict(state))
+
+
+@register
 class LocalDPAccounting(RoundFeature):
     """The epsilon of ``dp = local`` (and of a method that uploads nothing under any dp)."""
 
@@ -111,7 +184,8 @@ class LocalDPAccounting(RoundFeature):
 
     @classmethod
     def wanted(cls, settings: Settings, method: Method) -> bool:
-        return settings.run.dp != "off" and not CentralDP.wanted(settings, method)
+        return settings.run.dp != "off" and not CentralDP.wanted(settings, method) and not (
+            DistributedDP.wanted(settings, method))
 
     def __init__(self, loop):
         self.run = loop.server.settings.run
@@ -143,8 +217,15 @@ class LocalDPAccounting(RoundFeature):
                                        self.run.dp_delta)
 
     def checkpoint_refusal(self, loop, server_round: int) -> str | None:
-        if self.run.dp == "local" and self.run.engine == "flower" and loop.messaging.saved_state:
-            return ("no checkpoints are written under dp = 'local' on the Flower engine: they "
-                    "would ask the clients for their saved state, which must not leave them; a "
-                    "killed run starts over.")
-        return None
+        return untrusted_checkpoint(loop) if self.run.dp == "local" else None
+
+
+def untrusted_checkpoint(loop) -> str | None:
+    """Why no checkpoint is written under a dp whose server is not trusted (local, distributed)
+    on the Flower engine: it would ask the clients for their saved state."""
+    run = loop.server.settings.run
+    if run.engine == "flower" and loop.messaging.saved_state:
+        return (f"no checkpoints are written under dp = {run.dp!r} on the Flower engine: they "
+                "would ask the clients for their saved state, which must not leave them; a "
+                "killed run starts over.")
+    return None

@@ -21,6 +21,13 @@ the engine like every other message, so that their bytes count in the round's ``
    weighted updates divided by the sum of the weights (FedAvg's mean update, to within the
    quantization error).
 
+Under ``dp = distributed`` each client encodes its update with its share of discrete Gaussian
+noise (:mod:`pflalign.training.ddgauss`: clipped, rotated, rounded to the grid of the run's
+:class:`~pflalign.server.distributed_dp.Mechanism`, noised) in place of the quantization, and
+the unmasked sum is decoded into the noised sum of the clipped updates, which
+:class:`~pflalign.round.features.privacy.DistributedDP` divides by the expected clients and
+accounts.
+
 Every feature that reads a single upload cannot run beside it (the config says so in one
 sentence, :meth:`pflalign.methods.base.Method.check`): the update-norm bound is replaced by the
 quantization's clip, which bounds every coordinate of every weighted update to
@@ -39,14 +46,20 @@ from pflalign.engines import secagg_client as sc
 from pflalign.methods.base import Method
 from pflalign.round.feature import RoundFeature, Selection, Traffic, TrainingRound, register
 from pflalign.server.aggregation import FlatSpec
+from pflalign.server.distributed_dp import Mechanism, calibrate, noised_for
+from pflalign.server.privacy import sample_rate
+from pflalign.server.sampling import expected_clients
 from pflalign.server.validation import Collected
 from pflalign.settings.schema import Settings
+from pflalign.training import ddgauss
 from pflalign.wire.messages import Exchange, Payload, Reply, Update
 from pflalign.wire.protocol import ACTION, MODEL, QUERY
 from pflalign.wire.secagg import Params, default_threshold, dequantize_sum, graph, unmasked_sum
 
 #: the seed stream of the rounds' neighbour graphs
 GRAPH_STREAM = 7302
+#: ... and of the rounds' rotations under dp = distributed (public: every client shares them)
+ROTATION_STREAM = 7303
 
 
 @register
@@ -71,10 +84,23 @@ class SecureAggregation(RoundFeature):
         self.weight_scale = 1
         #: the exchanged floating-point entries: what a masked vector holds, in this order
         self.floats: FlatSpec | None = None
+        #: dp = distributed: the run's mechanism, and the clients in the round's unmasked sum
+        self.mechanism: Mechanism | None = None
+        self.summed = 0
 
     def start(self, loop) -> None:
         self.floats = FlatSpec.of({k: v for k, v in loop.server.shared_model(loop.state).items()
                                    if np.asarray(v).dtype.kind == "f"})
+        run = loop.server.settings.run
+        if run.dp == "distributed":
+            self.mechanism = distributed_mechanism(run, self.floats.size,
+                                                   len(loop.server.training_clients()))
+
+    @property
+    def vector_size(self) -> int:
+        """The values of a masked vector: the exchanged floating-point values, padded to a power
+        of two under dp = distributed (the rotation's size)."""
+        return self.mechanism.padded if self.mechanism else self.floats.size
 
     # --- the stages before training ------------------------------------------------------------
     def params(self, loop) -> Params:
@@ -86,8 +112,14 @@ class SecureAggregation(RoundFeature):
 
     @staticmethod
     def private(loop) -> bool:
-        """Whether central DP's noise follows the unmasking (the clip is then the clients')."""
-        return loop.server.settings.run.dp == "central"
+        """Whether the unmasked sum is DP's (central: its noise follows the unmasking; distributed:
+        the noise is in it): the clip is then the clients', and the sum is unweighted."""
+        return loop.server.settings.run.dp in ("central", "distributed")
+
+    def rotation(self, server_round: int, seed: int) -> tuple[int, np.ndarray]:
+        """The round's public rotation seed and the signs it draws."""
+        key = int(np.random.default_rng([seed, ROTATION_STREAM, server_round]).integers(2 ** 62))
+        return key, sc.rotation_signs(key, self.mechanism.padded)
 
     def _query(self, loop, server_round: int, clients: Sequence[int], config: dict,
                records: Mapping[int, dict] | None = None) -> tuple[dict[int, Reply], int, int]:
@@ -106,7 +138,7 @@ class SecureAggregation(RoundFeature):
 
     def before_training(self, loop, server_round: int) -> Traffic:
         server, run = loop.server, loop.server.settings.run
-        self.masked, self.release_model = {}, None
+        self.masked, self.release_model, self.summed = {}, None, 0
         clients = sorted(server.sample(server_round))
         setup, down, up = self._query(loop, server_round, clients, {ACTION: sc.SETUP})
         keys = {c: (sc.as_bytes(r.arrays[sc.KEYS]["enc"]), sc.as_bytes(r.arrays[sc.KEYS]["mask"]))
@@ -123,7 +155,8 @@ class SecureAggregation(RoundFeature):
                        f"each client's {holders} share holders")
         else:
             try:
-                self.params(loop).check(len(members))
+                if self.mechanism is None:  # under dp = distributed the grid holds the sum
+                    self.params(loop).check(len(members))
             except ValueError as err:
                 problem = f"cannot sum this round: {err}"
         if problem:
@@ -165,9 +198,18 @@ class SecureAggregation(RoundFeature):
             config = {**message.config, sc.CLIP: self.params(loop).clip,
                       sc.THRESHOLD: self.threshold, sc.WEIGHT_SCALE: self.weight_scale,
                       **({sc.DP_CLIP: server.settings.run.dp_clip} if self.private(loop)
-                         else {})}
-            limits = {**(message.limits or {}), sc.MASKED: 4 * self.floats.size + 512}
+                         else {}), **self.noise_config(training.number, server.seed)}
+            limits = {**(message.limits or {}), sc.MASKED: 4 * self.vector_size + 512}
             training.messages[i] = type(message)(message.client, payload, config, limits)
+
+    def noise_config(self, server_round: int, seed: int) -> dict:
+        """dp = distributed: what a client needs to encode its update (the grid, its noise,
+        the rounding's bound and the round's rotation)."""
+        if self.mechanism is None:
+            return {}
+        m = self.mechanism
+        return {sc.DDP_GAMMA: m.gamma, sc.DDP_SIGMA: m.sigma, sc.DDP_BOUND: m.l2,
+                sc.DDP_ROTATION: self.rotation(server_round, seed)[0]}
 
     # --- after training --------------------------------------------------------------------
     def received(self, loop, training: TrainingRound) -> None:
@@ -180,7 +222,7 @@ class SecureAggregation(RoundFeature):
             record = reply.arrays.get(sc.MASKED)
             if reply.error is None and record is not None and "y" in record:
                 y = np.asarray(record["y"])
-                if y.dtype == np.uint32 and y.shape == (self.floats.size,):
+                if y.dtype == np.uint32 and y.shape == (self.vector_size,):
                     self.masked[int(reply.sender)] = y.astype(np.uint64)
                     reply = dataclasses.replace(reply, arrays={MODEL: dict(shared)})
             replies.append(reply)
@@ -192,6 +234,7 @@ class SecureAggregation(RoundFeature):
         started = time.perf_counter()
         survivors = sorted(int(m[0]["partition-id"]) for m in collected.good
                            if int(m[0]["partition-id"]) in self.masked)
+        self.summed = 0
         if not survivors:
             self.release_model = None
             return collected
@@ -219,9 +262,14 @@ class SecureAggregation(RoundFeature):
             return Collected([], collected.failed, collected.timed_out,
                              collected.rejected + len(collected.good), collected.nonfinite_loss)
         weights = sum(server.clients[c].num_train / self.weight_scale for c in survivors)
-        # under dp = central the sum itself, which the noise then follows (CentralDP.release)
-        mean_update = dequantize_sum(total, len(survivors), params) / (
-            1.0 if self.private(loop) else weights)
+        if self.mechanism is not None:  # the noised sum (DistributedDP.release divides it)
+            mean_update = ddgauss.decode(total, self.mechanism.gamma,
+                                         self.rotation(server_round, server.seed)[1],
+                                         self.floats.size, params.modulus)
+        else:  # under dp = central the sum itself, which the noise then follows
+            mean_update = dequantize_sum(total, len(survivors), params) / (
+                1.0 if self.private(loop) else weights)
+        self.summed = len(survivors)
         shared = server.shared_model(loop.state)
         base = self.floats.flatten(shared, np.float64)
         self.release_model = {**shared, **self.floats.unflatten(base + mean_update)}
@@ -242,3 +290,15 @@ class SecureAggregation(RoundFeature):
             return []
         return [Update(client=-1, num_examples=self.total_examples, metrics={},
                        model=self.release_model)]
+
+
+def distributed_mechanism(run, dim: int, training_clients: int) -> Mechanism:
+    """``dp = distributed``'s mechanism for ``dim`` exchanged values: ``dp-noise-multiplier``,
+    or the one :func:`~pflalign.server.distributed_dp.calibrate` finds for ``dp-epsilon``."""
+    expected = expected_clients(run.sampling, run.fraction_train, training_clients)
+    rate = sample_rate(run)
+    floor = noised_for(expected, training_clients, rate)
+    multiplier = (calibrate(run.dp_epsilon, run.dp_delta, run.dp_clip, expected, dim, rate,
+                            run.rounds, floor) if run.dp_epsilon > 0
+                  else run.dp_noise_multiplier)
+    return Mechanism.build(run.dp_clip, multiplier, expected, dim, floor)

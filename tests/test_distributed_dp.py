@@ -1,0 +1,229 @@
+"""dp = distributed: the distributed discrete Gaussian (Kairouz, Liu and Steinke, ICML 2021),
+its pieces against hand-computed values and library references, and in a run under SecAgg+."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import needs_fashion_mnist
+
+from pflalign.server import distributed_dp as dd
+from pflalign.training import ddgauss
+
+
+# --- the mechanism's arithmetic --------------------------------------------------------------
+def test_hadamard_is_scipys_orthonormal_matrix_and_its_own_inverse():
+    from scipy.linalg import hadamard
+
+    assert np.allclose(ddgauss.hadamard(np.array([1.0, 0, 0, 0])), [0.5, 0.5, 0.5, 0.5])
+    v = np.random.default_rng(0).normal(size=64)
+    assert np.allclose(ddgauss.hadamard(v), hadamard(64) @ v / 8, atol=1e-12)
+    assert np.allclose(ddgauss.hadamard(ddgauss.hadamard(v)), v, atol=1e-12)
+    with pytest.raises(ValueError, match="power-of-two"):
+        ddgauss.hadamard(np.ones(6))
+
+
+def test_rotation_pads_to_a_power_of_two_and_comes_back():
+    assert [ddgauss.padded_size(d) for d in (1, 2, 3, 1000, 1024, 1025)] == [
+        1, 2, 4, 1024, 1024, 2048]
+    rng = np.random.default_rng(1)
+    v = rng.normal(size=1000)
+    signs = ddgauss.rotation_signs(1024, rng)
+    assert set(np.unique(signs)) == {-1.0, 1.0}
+    rotated = ddgauss.rotate(v, signs)
+    assert rotated.size == 1024 and math.isclose(np.linalg.norm(rotated), np.linalg.norm(v))
+    assert np.allclose(ddgauss.unrotate(rotated, signs, 1000), v, atol=1e-12)
+
+
+@pytest.mark.parametrize("sigma", [0.5, 2.0, 7.3])
+def test_discrete_gaussian_has_the_pmfs_variance(sigma):
+    """Mean and variance of 400,000 draws against the distribution's own, summed from
+    ``P(y) ~ exp(-y^2 / (2 sigma^2))`` over the integers (within 1.5% / 4 standard errors)."""
+    support = np.arange(-200, 201)
+    weights = np.exp(-support ** 2 / (2 * sigma ** 2))
+    variance = float((weights * support ** 2).sum() / weights.sum())
+    draws = ddgauss.discrete_gaussian(400_000, sigma, np.random.default_rng(2))
+    assert draws.dtype == np.int64
+    assert abs(draws.mean()) < 4 * math.sqrt(variance / draws.size)
+    assert abs(draws.var() / variance - 1) < 0.015
+    assert not ddgauss.discrete_gaussian(5, 0.0, np.random.default_rng(0)).any()
+
+
+def test_conditional_rounding_is_unbiased_and_within_its_bound():
+    rng = np.random.default_rng(3)
+    v = np.array([0.25, -1.5, 2.75, 0.0])
+    draws = np.array([ddgauss.conditional_round(v, 10.0, rng) for _ in range(20_000)])
+    assert set(np.unique(draws[:, 0])) == {0, 1} and np.all(draws[:, 3] == 0)
+    assert np.allclose(draws.mean(axis=0), v, atol=0.02)
+    # conditioned on a bound below some roundings' norms: only those within it come back
+    bound = math.sqrt(0 + 1.5 ** 2 + 9 + 0) - 0.1  # leaves out (1, -2, 3, 0) and (0, -2, 3, 0)
+    kept = np.array([ddgauss.conditional_round(v, bound, rng) for _ in range(2000)])
+    assert np.all(np.linalg.norm(kept, axis=1) <= bound)
+    with pytest.raises(ValueError, match="raise ddp-beta"):
+        ddgauss.conditional_round(v, 1.0, rng)
+
+
+def test_signed_maps_the_modular_sum_to_the_integers_around_zero():
+    m = ddgauss.MODULUS
+    total = np.array([0, 1, m - 1, m // 2, m // 2 - 1, m + 5], dtype=np.uint64)
+    assert ddgauss.signed(total).tolist() == [0, 1, -1, -(m // 2), m // 2 - 1, 5]
+
+
+def test_encodings_sum_to_the_clipped_updates_plus_the_clients_noise():
+    """Five clients' encodings summed modulo 2^32 decode to the sum of their clipped updates:
+    without noise within the rounding's error (each rounding moves its rotated vector by at most
+    sqrt(d') steps of gamma, and the rotation keeps norms); with noise, the difference has
+    each coordinate's variance n sigma^2 gamma^2 (within 3%)."""
+    rng = np.random.default_rng(4)
+    dim, clip, n = 3000, 1.0, 5
+    updates = [rng.normal(size=dim) * s for s in (0.01, 0.02, 0.1, 1.0, 3.0)]
+    clipped = sum(u * min(1.0, clip / np.linalg.norm(u)) for u in updates)
+    for multiplier in (0.0, 2.0):
+        m = dd.Mechanism.build(clip, multiplier, n, dim)
+        signs = ddgauss.rotation_signs(m.padded, np.random.default_rng(5))
+        total = np.zeros(m.padded, dtype=np.uint64)
+        for i, u in enumerate(updates):
+            total = (total + ddgauss.encode(u, clip, m.gamma, signs, m.l2, m.sigma,
+                                            np.random.default_rng([6, i]),
+                                            np.random.default_rng([7, i]))) % ddgauss.MODULUS
+        error = ddgauss.decode(total, m.gamma, signs, dim) - clipped
+        if multiplier == 0:
+            assert 0 < np.linalg.norm(error) <= n * m.gamma * math.sqrt(m.padded)
+        else:
+            assert abs(error.var() / (n * (m.sigma * m.gamma) ** 2) - 1) < 0.03
+            # the sum carries central DP's noise: z c in real units
+            assert math.isclose(math.sqrt(n) * m.sigma * m.gamma, multiplier * clip)
+
+
+def test_the_grid_holds_the_sums_stddevs_within_the_modulus():
+    """gamma solves stddevs^2 (n^2 c^2 / d' + n sigma_r^2) / gamma^2 + stddevs^2 n / 4 = m^2/4."""
+    m = dd.Mechanism.build(0.5, 1.3, 100, 582_026)
+    n, d, c, sr = 100, 1 << 20, 0.5, 1.3 * 0.5 / 10
+    lhs = 16 * (n ** 2 * c ** 2 / d + n * sr ** 2) / m.gamma ** 2 + 16 * n / 4
+    assert m.padded == d and math.isclose(lhs, ddgauss.MODULUS ** 2 / 4, rel_tol=1e-9)
+    assert math.isclose(m.sigma * m.gamma, sr)
+
+
+# --- the accounting ----------------------------------------------------------------------------
+def test_sensitivities_by_hand():
+    """Theorem 1 at c/gamma = 3, d = 4, beta = exp(-1/2): min(3 + 2, sqrt(9 + 1 + 1 * (3 + 1)))
+    = sqrt(14); at beta = 0 the first bound, 5; and Delta_1 = Delta_2 min(sqrt(d), Delta_2)."""
+    assert math.isclose(dd.rounded_l2_bound(3.0, 4), math.sqrt(14))
+    assert dd.rounded_l2_bound(3.0, 4, beta=0.0) == 5.0
+    assert math.isclose(dd.rounded_l1_bound(math.sqrt(14), 4), 2 * math.sqrt(14))
+    assert dd.rounded_l1_bound(1.5, 100) == 2.25
+
+
+def test_tau_and_one_rounds_rdp_by_hand():
+    assert dd.tau(1.0, 1) == 0.0
+    assert math.isclose(dd.tau(1.0, 2), 10 * math.exp(-math.pi ** 2))
+    assert math.isclose(dd.tau(0.5, 3), 10 * (math.exp(-math.pi ** 2 / 4)
+                                             + math.exp(-math.pi ** 2 / 3)))
+    # order 2, l1 = 3, l2 = 1, tau = 0.01, d = 100: min(1 + 1, 1 + 0.06 + 0.01, (1 + 0.1)^2)
+    assert math.isclose(float(dd.round_rdp(np.array([2.0]), 3.0, 1.0, 0.01, 100)[0]), 1.07)
+    # order 4: min(2 + 1, 2 (1 + 0.06 + 0.01), 2 (1.1)^2) = 2.14
+    assert math.isclose(float(dd.round_rdp(np.array([4.0]), 3.0, 1.0, 0.01, 100)[0]), 2.14)
+
+
+def test_poisson_subsampling_by_hand_and_against_the_exact_gaussian():
+    """Zhu and Wang's bound at order 2 is log((1 - q)(1 + q) + q^2 e^{eps(2)}); at rate 1 the
+    mechanism's own; for the Gaussian mechanism it is never below the exact sampled Gaussian's
+    (Mironov et al., as Opacus computes it) and never above the unsampled one's."""
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    def gaussian(orders, z=1.2):
+        return np.asarray(orders, dtype=np.float64) / (2 * z ** 2)
+
+    q = 0.1
+    expected = math.log((1 - q) * (1 + q) + q ** 2 * math.exp(2 / (2 * 1.2 ** 2)))
+    assert math.isclose(dd.poisson_subsampled(2, q, gaussian), expected)
+    assert dd.poisson_subsampled(7, 1.0, gaussian) == 7 / (2 * 1.2 ** 2)
+    orders = [2, 3, 5, 8, 16, 32, 64]
+    exact = compute_rdp(q=q, noise_multiplier=1.2, steps=1, orders=orders)
+    ours = [dd.poisson_subsampled(a, q, gaussian) for a in orders]
+    assert all(e <= o + 1e-12 <= g + 1e-12 for e, o, g in zip(exact, ours, gaussian(orders),
+                                                                strict=True))
+
+
+def test_with_large_noise_a_round_is_the_gaussian_mechanism_of_its_rounded_sensitivity():
+    """Far from the integers' scale (tau ~ 0) one round at rate 1 is the Gaussian mechanism with
+    noise multiplier sqrt(n) sigma / Delta_2: Opacus's RDP at every order, and its epsilon."""
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    m = dd.Mechanism.build(1.0, 1.1, 10, 1000)
+    assert dd.tau(m.sigma, 10) == 0.0
+    z = math.sqrt(10) * m.sigma / m.l2
+    assert np.allclose(m.rdp(10, 1.0), compute_rdp(q=1.0, noise_multiplier=z, steps=1,
+                                                   orders=dd.ORDERS.tolist()), rtol=1e-9)
+    # the rounding's inflation of the sensitivity is below 1e-5 at 32 bits
+    assert 1 < m.l2 * m.gamma / m.clip < 1 + 1e-5
+    # fewer clients in the sum (dropouts) hold less noise: the round costs more
+    assert (m.rdp(7, 1.0) > m.rdp(10, 1.0)).all()
+
+
+def test_calibration_finds_the_smallest_noise_within_the_target():
+    z = dd.calibrate(3.0, 1e-5, 1.0, 100, 582_026, 0.1, 30)
+
+    def spent(multiplier):
+        return dd.Mechanism.build(1.0, multiplier, 100, 582_026).epsilon({100: 30}, 0.1, 1e-5)
+
+    assert 2.99 <= spent(z) <= 3.0 < spent(z * 0.995)
+
+
+# --- in a run ------------------------------------------------------------------------------------
+def test_distributed_dp_needs_secure_aggregation_and_a_fixed_clip():
+    from pflalign.run.config import build_settings
+    from pflalign.settings.options import ConfigError
+
+    with pytest.raises(ConfigError, match="only secure aggregation's sum carries the noise"):
+        build_settings({"dp": "distributed"})
+    with pytest.raises(ConfigError, match="sees only their noised sum"):
+        build_settings({"dp": "distributed", "secure-aggregation": "secagg+",
+                        "dp-clipping": "adaptive"})
+    with pytest.raises(ConfigError, match="cannot run dp = 'distributed'"):
+        build_settings({"dp": "distributed", "secure-aggregation": "secagg+",
+                        "methods": "scaffold", "eval-audit-fraction": 0.0})
+    with pytest.raises(ConfigError, match="dp = 'distributed' forbids"):
+        build_settings({"dp": "distributed", "secure-aggregation": "secagg+"})
+
+
+@needs_fashion_mnist
+def test_without_noise_the_release_is_central_dps_within_the_grid(tmp_path):
+    """With no noise, round 1's global model is central DP's (the same clip, the same expected
+    clients, no noise) to within the decoding error over the expected clients (at most n sqrt(d')
+    grid steps in L2, over n) and the model's float32 rounding; no epsilon is reported."""
+    from test_secagg import _run
+
+    dp = {"dp-clip": 0.1, "dp-noise-multiplier": 0.0, "eval-audit-fraction": 0.0}
+    central, central_models = _run(tmp_path / "c", **{"dp": "central", **dp})
+    spread, spread_models = _run(tmp_path / "d", **{"dp": "distributed",
+                                                     "secure-aggregation": "secagg+", **dp})
+    m = dd.Mechanism.build(0.1, 0.0, 6, sum(v.size for v in central_models[0].values()))
+    a, b = central_models[0], spread_models[0]
+    error = max(float(np.abs(a[k].astype(np.float64) - b[k]).max()) for k in a)
+    assert 0 < error < m.gamma * math.sqrt(m.padded) + 1e-6
+    assert all("dp-epsilon" not in r for r in spread["rounds"])
+
+
+@needs_fashion_mnist
+def test_every_engine_gives_the_same_metrics_with_epsilon_in_every_row(tmp_path):
+    """dp = distributed on the sequential, batched and Flower engines (each client's noise drawn
+    on its client, its rounding and the rotation from the seed): the same metrics; every row's
+    epsilon is the accountant's for that many rounds of the round's clients (all three a round
+    here, none dropping)."""
+    from harness import three_engines
+
+    values = {"num-clients": 6, "max-samples": 2000, "rounds": 2, "eval-every": 2,
+              "fraction-train": 0.5, "local-steps": 2, "seed": 3, "save-models": "none",
+              "methods": "fedavg,pflalign", "secure-aggregation": "secagg+",
+              "dp": "distributed", "dp-clip": 0.5, "dp-noise-multiplier": 0.02,
+              "dp-delta": 1e-3, "eval-audit-fraction": 0.0}
+    result = three_engines(values, tmp_path, compared_at_least=60)
+    for method in ("fedavg", "pflalign"):
+        rows = result["methods"][method]["rounds"]
+        assert [r["clients-trained"] for r in rows] == [3, 3] and rows[0]["dp-clip"] == 0.5
+        m = dd.Mechanism.build(0.5, 0.02, 3, 582_026)  # the CNN's values
+        assert [r["dp-epsilon"] for r in rows] == pytest.approx(
+            [m.epsilon({3: k}, 1.0, 1e-3) for k in (1, 2)], rel=1e-12)
