@@ -28,6 +28,10 @@ attack breaks which defence.
     python benchmarks/attacks.py --out results/attacks
     python benchmarks/attacks.py --out results/attacks --scenarios dir-0.1 --attackers 0.2 \\
         --attacks alie,ipm --seeds 0,1,2      # one part of the grid
+    python benchmarks/attacks.py --out results/attacks --jobs 2 --runs-only   # two at a time
+
+``--jobs N`` runs N studies at a time, each a process with one torch thread (the default
+``client-resources-num-cpus = 1``); ``--runs-only`` stops before the report.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from studies import cached_study
@@ -122,6 +127,9 @@ def main() -> None:
     parser.add_argument("--engine", default="batched")
     parser.add_argument("--set", action="append", default=[],
                         help="KEY=VALUE for every study (e.g. rounds=10)")
+    parser.add_argument("--jobs", type=int, default=1, help="studies at a time (processes)")
+    parser.add_argument("--runs-only", action="store_true",
+                        help="run (or read back) the studies, and stop before the report")
     args = parser.parse_args()
     out = Path(args.out)
     methods, defences = args.methods.split(","), args.defences.split(",")
@@ -132,13 +140,32 @@ def main() -> None:
              f"{args.defences} --attackers {args.attackers} --seeds {args.seeds} --engine "
              f"{args.engine}" + "".join(f" --set {s}" for s in args.set) + "`", ""]
     verdicts: dict[str, dict] = {d: {"cost": [], "broken": []} for d in defences}
+
+    def common(scenario: str) -> list[str]:
+        return ["--config", str(ROOT / "configs" / "scenarios" / f"{scenario}.toml"),
+                "--methods", entries, "--seeds", args.seeds, "--set", f"engine={args.engine}",
+                "--set", "save-models=none",
+                *[flag for item in args.set for flag in ("--set", item)]]
+
+    def attacked(scenario: str, attack: str, share: float) -> tuple[Path, list[str], str]:
+        return (out / scenario / f"{attack}-{share:g}",
+                [*common(scenario), "--set", f"attackers={share:g}", "--set",
+                 f"attack={attack}"], f"{scenario} / {attack} / {share:g}")
+
+    # every study first (--jobs at a time; the clean ones and the largest share first), then
+    # the report, which reads them back
+    studies = [spec for scenario in args.scenarios.split(",") for spec in (
+        [(out / scenario / "clean", common(scenario), f"{scenario} / clean")]
+        + [attacked(scenario, attack, share) for share in sorted(shares, reverse=True)
+           for attack in attacks])]
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        list(pool.map(lambda spec: cached_study(*spec), studies))
+    if args.runs_only:
+        return
     for scenario in args.scenarios.split(","):
         config = ROOT / "configs" / "scenarios" / f"{scenario}.toml"
         base = dict(resolve(config, args.set).to_dict())
-        common = ["--config", str(config), "--methods", entries, "--seeds", args.seeds,
-                  "--set", f"engine={args.engine}", "--set", "save-models=none",
-                  *[flag for item in args.set for flag in ("--set", item)]]
-        clean = study_figures(cached_study(out / scenario / "clean", common,
+        clean = study_figures(cached_study(out / scenario / "clean", common(scenario),
                                            f"{scenario} / clean"), base, {})
         lines += [f"## {scenario}", "", "### Without attackers: each defence's honest cost", "",
                   "Honest clients' final personal accuracy (%, mean [95% t-interval over "
@@ -171,10 +198,8 @@ def main() -> None:
             results = {}
             for attack in attacks:
                 changes = {"attackers": share, "attack": attack}
-                results[attack] = study_figures(cached_study(
-                    out / scenario / f"{attack}-{share:g}",
-                    [*common, "--set", f"attackers={share:g}", "--set", f"attack={attack}"],
-                    f"{scenario} / {attack} / {share:g}"), base, changes)
+                results[attack] = study_figures(
+                    cached_study(*attacked(scenario, attack, share)), base, changes)
             for method in methods:
                 for defence in defences:
                     label = entry(method, defence, True)
