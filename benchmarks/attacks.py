@@ -152,12 +152,13 @@ def main() -> None:
                 [*common(scenario), "--set", f"attackers={share:g}", "--set",
                  f"attack={attack}"], f"{scenario} / {attack} / {share:g}")
 
-    # every study first (--jobs at a time; the clean ones and the largest share first), then
-    # the report, which reads them back
-    studies = [spec for scenario in args.scenarios.split(",") for spec in (
-        [(out / scenario / "clean", common(scenario), f"{scenario} / clean")]
-        + [attacked(scenario, attack, share) for share in sorted(shares, reverse=True)
-           for attack in attacks])]
+    # every study first, --jobs at a time: the clean ones, then each share's from the largest
+    # (the verdict's) down, each scenario in turn; then the report, which reads them back
+    scenarios = args.scenarios.split(",")
+    studies = [(out / scenario / "clean", common(scenario), f"{scenario} / clean")
+               for scenario in scenarios] + [
+        attacked(scenario, attack, share) for share in sorted(shares, reverse=True)
+        for scenario in scenarios for attack in attacks]
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         list(pool.map(lambda spec: cached_study(*spec), studies))
     if args.runs_only:

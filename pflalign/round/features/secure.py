@@ -87,6 +87,7 @@ class SecureAggregation(RoundFeature):
         #: dp = distributed: the run's mechanism, and the clients in the round's unmasked sum
         self.mechanism: Mechanism | None = None
         self.summed = 0
+        self._rotation: tuple | None = None
 
     def start(self, loop) -> None:
         self.floats = FlatSpec.of({k: v for k, v in loop.server.shared_model(loop.state).items()
@@ -117,9 +118,13 @@ class SecureAggregation(RoundFeature):
         return loop.server.settings.run.dp in ("central", "distributed")
 
     def rotation(self, server_round: int, seed: int) -> tuple[int, np.ndarray]:
-        """The round's public rotation seed and the signs it draws."""
-        key = int(np.random.default_rng([seed, ROTATION_STREAM, server_round]).integers(2 ** 62))
-        return key, sc.rotation_signs(key, self.mechanism.padded)
+        """The round's public rotation seed and the signs it draws (drawn once a round)."""
+        if self._rotation is None or self._rotation[0] != (server_round, seed):
+            key = int(np.random.default_rng([seed, ROTATION_STREAM, server_round]).integers(
+                2 ** 62))
+            self._rotation = ((server_round, seed), key, sc.rotation_signs(
+                key, self.mechanism.padded))
+        return self._rotation[1], self._rotation[2]
 
     def _query(self, loop, server_round: int, clients: Sequence[int], config: dict,
                records: Mapping[int, dict] | None = None) -> tuple[dict[int, Reply], int, int]:
