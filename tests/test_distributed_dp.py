@@ -51,6 +51,30 @@ def test_discrete_gaussian_has_the_pmfs_variance(sigma):
     assert not ddgauss.discrete_gaussian(5, 0.0, np.random.default_rng(0)).any()
 
 
+@pytest.mark.parametrize("sigma", [0.5, 2.0])
+def test_discrete_gaussian_has_the_pmfs_shape(sigma):
+    """A chi-square test of 100,000 draws against the pmf over the values with at least 20
+    expected draws (the tails pooled); the proposal without its rejection step (a discrete
+    Laplace of scale floor(sigma) + 1) fails it at these sizes."""
+    from scipy.stats import chisquare
+
+    support = np.arange(-60, 61)
+    pmf = np.exp(-support ** 2 / (2 * sigma ** 2))
+    pmf /= pmf.sum()
+    draws = ddgauss.discrete_gaussian(100_000, sigma, np.random.default_rng(8))
+    kept = pmf * draws.size >= 20
+    observed = np.array([np.sum(draws == v) for v in support[kept]] + [
+        np.sum(~np.isin(draws, support[kept]))])
+    expected = np.append(pmf[kept], 1 - pmf[kept].sum()) * draws.size
+    assert chisquare(observed, expected).pvalue > 1e-3
+    t = math.floor(sigma) + 1
+    laplace = np.floor(t * np.random.default_rng(8).standard_exponential((2, draws.size)))
+    wrong = (laplace[0] - laplace[1]).astype(int)
+    observed = np.array([np.sum(wrong == v) for v in support[kept]] + [
+        np.sum(~np.isin(wrong, support[kept]))])
+    assert chisquare(observed, expected).pvalue < 1e-6
+
+
 def test_conditional_rounding_is_unbiased_and_within_its_bound():
     rng = np.random.default_rng(3)
     v = np.array([0.25, -1.5, 2.75, 0.0])
@@ -61,7 +85,7 @@ def test_conditional_rounding_is_unbiased_and_within_its_bound():
     bound = math.sqrt(0 + 1.5 ** 2 + 9 + 0) - 0.1  # leaves out (1, -2, 3, 0) and (0, -2, 3, 0)
     kept = np.array([ddgauss.conditional_round(v, bound, rng) for _ in range(2000)])
     assert np.all(np.linalg.norm(kept, axis=1) <= bound)
-    with pytest.raises(ValueError, match="raise ddp-beta"):
+    with pytest.raises(ValueError, match="was not clipped"):
         ddgauss.conditional_round(v, 1.0, rng)
 
 
@@ -98,12 +122,36 @@ def test_encodings_sum_to_the_clipped_updates_plus_the_clients_noise():
 
 
 def test_the_grid_holds_the_sums_stddevs_within_the_modulus():
-    """gamma solves stddevs^2 (n^2 c^2 / d' + n sigma_r^2) / gamma^2 + stddevs^2 n / 4 = m^2/4."""
+    """gamma solves k^2 (n^2 c^2 / d' + n sigma_r^2) / gamma^2 + k^2 n / 4 = m^2/4, with k =
+    sqrt(2 ln(2 d' / 1e-3))."""
     m = dd.Mechanism.build(0.5, 1.3, 100, 582_026)
     n, d, c, sr = 100, 1 << 20, 0.5, 1.3 * 0.5 / 10
-    lhs = 16 * (n ** 2 * c ** 2 / d + n * sr ** 2) / m.gamma ** 2 + 16 * n / 4
+    k2 = 2 * math.log(2 * d / 1e-3)
+    assert math.isclose(dd.stddevs(d) ** 2, k2)
+    lhs = k2 * (n ** 2 * c ** 2 / d + n * sr ** 2) / m.gamma ** 2 + k2 * n / 4
     assert m.padded == d and math.isclose(lhs, ddgauss.MODULUS ** 2 / 4, rel_tol=1e-9)
     assert math.isclose(m.sigma * m.gamma, sr)
+
+
+def test_aligned_updates_at_the_clip_sum_without_wrapping_around():
+    """The worst case of the grid's heuristic: n clients sending the same update, at the clip,
+    without noise. Their sum's largest rotated coordinate is about 3.6 of the k = 5.9 standard
+    deviations the modulus holds, so nothing wraps: the decoded sum is n times the update to
+    within the rounding's error (a wrap would move a coordinate by m gamma, 2^32 steps)."""
+    dim, clip, n = 3000, 1.0, 40
+    m = dd.Mechanism.build(clip, 0.0, n, dim)
+    update = np.random.default_rng(9).normal(size=dim)
+    update *= clip / np.linalg.norm(update)
+    signs = ddgauss.rotation_signs(m.padded, np.random.default_rng(10))
+    total = np.zeros(m.padded, dtype=np.uint64)
+    for i in range(n):
+        total = (total + ddgauss.encode(update, clip, m.gamma, signs, m.l2, 0.0,
+                                        np.random.default_rng([11, i]),
+                                        np.random.default_rng(0))) % ddgauss.MODULUS
+    peak = np.abs(ddgauss.signed(total)).max()
+    assert 0.25 * ddgauss.MODULUS < peak < 0.5 * ddgauss.MODULUS  # large, yet within
+    error = ddgauss.decode(total, m.gamma, signs, dim) - n * update
+    assert np.linalg.norm(error) <= n * m.gamma * math.sqrt(m.padded)
 
 
 # --- the accounting ----------------------------------------------------------------------------
@@ -139,6 +187,12 @@ def test_poisson_subsampling_by_hand_and_against_the_exact_gaussian():
     q = 0.1
     expected = math.log((1 - q) * (1 + q) + q ** 2 * math.exp(2 / (2 * 1.2 ** 2)))
     assert math.isclose(dd.poisson_subsampled(2, q, gaussian), expected)
+    # order 3: log((1-q)^2 (3q - q + 1) + 3 q^2 (1-q) e^{eps(2)} + 3 q^3 e^{2 eps(3)}) / 2
+    e2, e3 = 2 / (2 * 1.2 ** 2), 3 / (2 * 1.2 ** 2)
+    third = math.log((1 - q) ** 2 * (2 * q + 1) + 3 * q ** 2 * (1 - q) * math.exp(e2)
+                     + 3 * q ** 3 * math.exp(2 * e3)) / 2
+    assert math.isclose(dd.poisson_subsampled(3, q, gaussian), third)
+    assert math.isclose(third, 0.0244730, rel_tol=1e-5)
     assert dd.poisson_subsampled(7, 1.0, gaussian) == 7 / (2 * 1.2 ** 2)
     orders = [2, 3, 5, 8, 16, 32, 64]
     exact = compute_rdp(q=q, noise_multiplier=1.2, steps=1, orders=orders)
@@ -170,6 +224,9 @@ def test_calibration_finds_the_smallest_noise_within_the_target():
         return dd.Mechanism.build(1.0, multiplier, 100, 582_026).epsilon({100: 30}, 0.1, 1e-5)
 
     assert 2.99 <= spent(z) <= 3.0 < spent(z * 0.995)
+    # below half a grid step of noise a client adds next to nothing: no bound is claimed
+    tiny = dd.Mechanism.build(1.0, 1e-12, 10, 1000)
+    assert tiny.sigma < 0.5 and tiny.epsilon({10: 1}, 1.0, 1e-5) == math.inf
 
 
 # --- in a run ------------------------------------------------------------------------------------
@@ -205,6 +262,39 @@ def test_without_noise_the_release_is_central_dps_within_the_grid(tmp_path):
     error = max(float(np.abs(a[k].astype(np.float64) - b[k]).max()) for k in a)
     assert 0 < error < m.gamma * math.sqrt(m.padded) + 1e-6
     assert all("dp-epsilon" not in r for r in spread["rounds"])
+
+
+@needs_fashion_mnist
+def test_the_clients_noise_reaches_the_sum_and_both_epsilons_are_accounted(tmp_path):
+    """Round 1 with noise against the same round without (same seed, so the same training,
+    rounding and rotation): the global models differ by the noise alone, whose standard
+    deviation per value is z C / n_0 (n_0 = the 6 expected clients, all in the sum) within 2%.
+    With a client dropping out after sharing its keys, every row's dp-clients is the clients
+    unmasked, dp-epsilon the amplified accountant's (rate 1 here: fixed sampling) over those
+    rounds, and dp-epsilon-server that of the client that was in the most sums."""
+    from test_secagg import _run
+
+    dp = {"dp": "distributed", "secure-aggregation": "secagg+", "dp-clip": 0.1,
+          "eval-audit-fraction": 0.0, "rounds": 1, "eval-every": 1}
+    _, quiet = _run(tmp_path / "z0", **dp, **{"dp-noise-multiplier": 0.0})
+    _, noisy = _run(tmp_path / "z", **dp, **{"dp-noise-multiplier": 0.3})
+    diff = np.concatenate([(noisy[0][k].astype(np.float64) - quiet[0][k]).ravel()
+                           for k in quiet[0] if quiet[0][k].dtype.kind == "f"])
+    assert abs(diff.std() / (0.3 * 0.1 / 6) - 1) < 0.02
+    result, _ = _run(tmp_path / "drop", **{**dp, "rounds": 3, "eval-every": 3,
+                                           "dp-noise-multiplier": 0.8,
+                                           "client-dropout-rate": 0.3, "secagg-threshold": 2})
+    rows = result["rounds"]
+    assert [r["dp-clients"] for r in rows] == [r["clients-trained"] for r in rows]
+    assert any(r["secagg-dropped"] for r in rows)
+    m = dd.Mechanism.build(0.1, 0.8, 6, 582_026)
+    history: dict[int, int] = {}
+    for row in rows:
+        history[row["dp-clients"]] = history.get(row["dp-clients"], 0) + 1
+        assert row["dp-epsilon"] == pytest.approx(m.epsilon(history, 1.0, 1e-5), rel=1e-12)
+    # every client was in every sum it could be; the one in the most: all rounds it survived
+    assert rows[-1]["dp-epsilon-server"] >= rows[-1]["dp-epsilon"]
+    assert result["final"]["dp-epsilon-server"] == rows[-1]["dp-epsilon-server"]
 
 
 @needs_fashion_mnist

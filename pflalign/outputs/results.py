@@ -245,13 +245,17 @@ def budget_lines(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
 def privacy_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
     """The privacy each method's run spent (``dp``; docs/privacy.md): its epsilon at the run's
     delta, from its last round."""
-    spent = {name: result.get("final", {}).get("dp-epsilon") for name, result in methods.items()}
-    spent = {name: value for name, value in spent.items() if value is not None}
+    finals = {name: result.get("final", {}) for name, result in methods.items()}
+    spent = {name: final["dp-epsilon"] for name, final in finals.items()
+             if final.get("dp-epsilon") is not None}
     if not spent:
         return []
     return ["Differential privacy: " + "; ".join(
-        f"{name} spent epsilon {value:.3g}" for name, value in spent.items())
-        + " (at the run's dp-delta, user-level)."]
+        f"{name} spent epsilon {value:.3g}" + (
+            f" (against the server, which knows who took part: "
+            f"{finals[name]['dp-epsilon-server']:.3g})"
+            if finals[name].get("dp-epsilon-server") is not None else "")
+        for name, value in spent.items()) + " (at the run's dp-delta, user-level)."]
 
 
 def audit_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:

@@ -289,7 +289,7 @@ class RoundLoop:
     def final_metrics(self, last_eval: Mapping[str, float]) -> dict:
         seconds = [r["round-seconds"] for r in self.rounds]
         final = dict(last_eval)
-        for key in (TRAIN_LOSS, "dp-epsilon"):
+        for key in (TRAIN_LOSS, "dp-epsilon", "dp-epsilon-server"):
             if self.rounds and key in self.rounds[-1]:
                 final[key] = self.rounds[-1][key]
         final.update({

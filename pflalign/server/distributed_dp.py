@@ -16,6 +16,16 @@ rounding repeated until it holds, which one try does with probability at least `
 and, its coordinates being integers, its L1 norm at most ``Delta_1 = Delta_2 min(sqrt(d),
 Delta_2)`` (``d``: the padded dimension).
 
+**Two guarantees.** The paper's bound holds for neighbouring inputs that differ in one client's
+vector, every client's noise present (a client's update replaced by zeros, its noise kept).
+
+- ``dp-epsilon``: for whoever sees the released models but not who took part in a round (what
+  central DP's ``dp-epsilon`` states): each round at its sample rate, amplified by Poisson
+  sampling (below), as the paper does. It is the one ``dp-epsilon`` calibrates.
+- ``dp-epsilon-server``: against the server, which draws the sample and knows who took part:
+  no amplification; each client's rounds in an unmasked sum composed at rate 1, each with the
+  clients whose noise that sum held; the largest over the clients (:class:`ServerAccountant`).
+
 **Privacy of one round** (Proposition 14): the sum of ``n`` independent ``N_Z(0, sigma^2)^d``
 shifted by a vector within those norms has Renyi divergence of order ``alpha`` at most
 
@@ -24,17 +34,24 @@ shifted by a vector within those norms has Renyi divergence of order ``alpha`` a
          alpha/2 (l_2 + sqrt(d) tau)^2 )
 
 with ``l_p = Delta_p / (sqrt(n) sigma)`` and ``tau = 10 sum_{k=1}^{n-1} exp(-2 pi^2 sigma^2 k /
-(k + 1))`` (how far a sum of discrete Gaussians is from one discrete Gaussian). A round that
-samples each client with probability ``q < 1`` (Poisson sampling) is amplified by Zhu and Wang's
-bound for Poisson-subsampled RDP ("Poisson Subsampled Renyi Differential Privacy", ICML 2019,
-Theorem 9), as the paper does; rounds compose by adding their RDP, converted to (epsilon, delta)
-as the central accountant does (Balle et al. 2020, Opacus's ``get_privacy_spent``). Each round
-is accounted with the number of clients whose noise its sum holds (the survivors the server
-unmasked): a round with dropouts costs more.
+(k + 1))`` (how far a sum of discrete Gaussians is from one discrete Gaussian), for ``sigma >=
+1/2`` (below it no bound is claimed: infinite). A round that samples each client with
+probability ``q < 1`` (Poisson sampling) is amplified by Zhu and Wang's bound for
+Poisson-subsampled RDP ("Poisson Subsampled Renyi Differential Privacy", ICML 2019, Theorem 9),
+as the paper does; rounds compose by adding their RDP, converted to (epsilon, delta) as the
+central accountant does (Balle et al. 2020, Opacus's ``get_privacy_spent``). Each round is
+accounted with the number of clients whose noise its sum holds (the survivors the server
+unmasked): a round with dropouts costs more. A round that released nothing (fewer than two
+clients, or an unmasking that failed) is not accounted; the amplified bound does not cover what
+the absence of a release could tell (with 1,000 clients at rate 0.1, fewer than two in a round
+has a probability below 1e-40).
 
-**Granularity.** ``gamma`` is chosen so that ``stddevs`` standard deviations of every coordinate
-of the sum fit within the modulus ``m = 2^32`` (the paper's Section 4.4 heuristic, solved here
-for gamma): a coordinate of the rotated sum of ``n`` clipped updates has a spread of about
+**Granularity.** ``gamma`` is chosen so that ``k`` standard deviations of every coordinate of the
+sum fit within the modulus ``m = 2^32`` (the paper's Section 4.4 heuristic, solved here for
+gamma), with ``k = sqrt(2 ln(2 d' / p))``, ``p = 1e-3`` (:func:`stddevs`): were the coordinates
+Gaussian, the union bound would keep any of the ``d'`` from wrapping around with probability at
+most ``p`` a round (at ``k`` = 4, the paper's choice, about 60 of the CNN's 2^20 would). A
+coordinate of the rotated sum of ``n`` clipped updates has a spread of about
 ``n c / sqrt(d)``, and each client adds ``sigma_r^2`` of noise (``sigma_r = gamma sigma`` in
 real units) and at most ``gamma^2 / 4`` of rounding variance:
 
@@ -64,10 +81,20 @@ from pflalign.training.ddgauss import MODULUS, padded_size
 #: the rounding's bias: each try stays within Delta_2 with probability at least 1 - beta (the
 #: paper's choice, exp(-1/2))
 BETA = math.exp(-0.5)
-#: the standard deviations of a coordinate of the sum that the modulus must hold
-STDDEVS = 4.0
+#: the probability a round that any coordinate of the sum wraps around the modulus may have,
+#: were the coordinates Gaussian (:func:`stddevs`)
+WRAP = 1e-3
+#: the smallest per-client noise (integer units) the sum's bound holds for
+MIN_SIGMA = 0.5
 #: the Renyi orders: integers (Poisson subsampling's bound needs them), and a few large ones
 ORDERS = np.array([*range(2, 129), 160, 192, 256, 384, 512], dtype=np.float64)
+
+
+def stddevs(padded: int, wrap: float = WRAP) -> float:
+    """``k``: the standard deviations of a coordinate of the sum the modulus holds, so that by the
+    union bound over the ``padded`` coordinates a Gaussian sum wraps with probability at most
+    ``wrap``: ``sqrt(2 ln(2 padded / wrap))``."""
+    return math.sqrt(2 * math.log(2 * padded / wrap))
 
 
 def rounded_l2_bound(l2: float, dim: int, beta: float = BETA) -> float:
@@ -144,17 +171,18 @@ class Mechanism:
 
     @classmethod
     def build(cls, clip: float, multiplier: float, expected: float, dim: int,
-              noised_for: float | None = None, beta: float = BETA, stddevs: float = STDDEVS,
+              noised_for: float | None = None, beta: float = BETA, k: float | None = None,
               modulus: int = MODULUS) -> Mechanism:
         padded = padded_size(dim)
+        k = stddevs(padded) if k is None else k
         noised_for = expected if noised_for is None else noised_for
         local = multiplier * clip / math.sqrt(noised_for)  # a client's noise, real units
         n = max(expected, 1.0)
-        room = modulus ** 2 - stddevs ** 2 * n
+        room = modulus ** 2 - k ** 2 * n
         if room <= 0:
             raise ConfigError(f"{n:g} clients a round cannot sum within the modulus 2^32 at "
-                              f"{stddevs:g} standard deviations")
-        gamma = 2 * stddevs * math.sqrt(n ** 2 * clip ** 2 / padded + n * local ** 2) / (
+                              f"{k:g} standard deviations")
+        gamma = 2 * k * math.sqrt(n ** 2 * clip ** 2 / padded + n * local ** 2) / (
             math.sqrt(room))
         l2 = rounded_l2_bound(clip / gamma, padded, beta)
         return cls(clip=clip, gamma=gamma, sigma=local / gamma, dim=dim, padded=padded, l2=l2,
@@ -164,7 +192,7 @@ class Mechanism:
     def rdp(self, clients: int, rate: float) -> np.ndarray:
         """The RDP at :data:`ORDERS` of one round whose sum holds ``clients`` clients' noise,
         sampled at ``rate``."""
-        if self.sigma == 0:
+        if self.sigma < MIN_SIGMA:
             return np.full(ORDERS.size, math.inf)
         scale = math.sqrt(clients) * self.sigma
         t = tau(self.sigma, clients)
@@ -178,15 +206,20 @@ class Mechanism:
         """Epsilon at ``delta`` of the rounds in ``history`` (clients in the sum -> rounds)."""
         if not any(history.values()):
             return 0.0
-        if self.sigma == 0:
+        if self.sigma < MIN_SIGMA:
             return math.inf
-        from opacus.accountants.analysis.rdp import get_privacy_spent
+        return epsilon_of_rdp(sum(rounds * self.rdp(clients, rate)
+                                  for clients, rounds in history.items() if rounds), delta)
 
-        total = sum(rounds * self.rdp(clients, rate) for clients, rounds in history.items()
-                    if rounds)
-        with quiet():
-            eps, _ = get_privacy_spent(orders=ORDERS.tolist(), rdp=total.tolist(), delta=delta)
-        return float(eps)
+
+def epsilon_of_rdp(rdp: np.ndarray, delta: float) -> float:
+    """(epsilon, ``delta``) of an RDP curve at :data:`ORDERS` (Opacus's conversion)."""
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
+    with quiet():
+        eps, _ = get_privacy_spent(orders=ORDERS.tolist(), rdp=np.asarray(rdp).tolist(),
+                                   delta=delta)
+    return float(eps)
 
 
 def noised_for(expected: float, clients: int, rate: float) -> float:
@@ -249,3 +282,37 @@ class DistributedAccountant:
 
     def load_state_dict(self, state: dict) -> None:
         self.history = {int(k): int(v) for k, v in state["rounds"].items()}
+
+
+@dataclass
+class ServerAccountant:
+    """``dp-epsilon-server``: each client's rounds in an unmasked sum (clients in the sum ->
+    rounds, per client), at rate 1; the epsilon of the client that has spent most."""
+
+    mechanism: Mechanism
+    delta: float
+    clients: dict[int, dict[int, int]] = field(default_factory=dict)
+
+    def step(self, summed: list[int]) -> None:
+        for client in summed:
+            own = self.clients.setdefault(int(client), {})
+            own[len(summed)] = own.get(len(summed), 0) + 1
+
+    def epsilon(self) -> float:
+        """The largest epsilon over the clients (0 before any sum)."""
+        if not self.clients:
+            return 0.0
+        if self.mechanism.sigma < MIN_SIGMA:
+            return math.inf
+        per_size = {n: self.mechanism.rdp(n, 1.0) for own in self.clients.values() for n in own}
+        histories = {tuple(sorted(own.items())) for own in self.clients.values()}
+        return max(epsilon_of_rdp(sum(k * per_size[n] for n, k in history), self.delta)
+                   for history in histories)
+
+    def state_dict(self) -> dict:
+        return {"clients": {str(c): {str(n): k for n, k in own.items()}
+                            for c, own in self.clients.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.clients = {int(c): {int(n): int(k) for n, k in own.items()}
+                        for c, own in state.get("clients", {}).items()}

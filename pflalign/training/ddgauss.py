@@ -58,10 +58,11 @@ def hadamard(vector: np.ndarray) -> np.ndarray:
     if size & (size - 1):
         raise ValueError(f"the Walsh-Hadamard transform needs a power-of-two length, got {size}")
     half = 1
-    while half < size:
+    while half < size:  # each stage in place: (a, b) -> (a + b, a - b)
         blocks = values.reshape(-1, 2, half)
-        values = np.stack((blocks[:, 0] + blocks[:, 1], blocks[:, 0] - blocks[:, 1]),
-                          axis=1).reshape(size)
+        first = blocks[:, 0].copy()
+        blocks[:, 0] += blocks[:, 1]
+        np.subtract(first, blocks[:, 1], out=blocks[:, 1])
         half *= 2
     return values / math.sqrt(size)
 
@@ -115,8 +116,9 @@ def conditional_round(vector: np.ndarray, bound: float, rng: np.random.Generator
         if float(np.linalg.norm(rounded)) <= bound:
             return rounded.astype(np.int64)
     raise ValueError(f"no randomized rounding of the update fell within the L2 bound {bound:.6g} "
-                     f"in {MAX_ROUNDINGS} tries; the bound is below the scaled clip plus "
-                     "the rounding's spread (raise ddp-beta)")
+                     f"in {MAX_ROUNDINGS} tries: the bound is below what a rounding of a "
+                     "vector of this norm reaches (the vector was not clipped to the bound's "
+                     "clip)")
 
 
 def encode(update: np.ndarray, clip: float, gamma: float, signs: np.ndarray, bound: float,

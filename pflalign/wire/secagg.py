@@ -173,8 +173,31 @@ def share_keys(secrets: ClientSecrets, public: Mapping[int, tuple[bytes, bytes]]
 
 
 def _prg(seed: bytes, size: int, modulus: int) -> np.ndarray:
+    """``size`` pseudo-random values in ``[0, modulus)`` from ``seed``: uint32 for the modulus
+    2^32 (whose sums then wrap by themselves), else uint64."""
     gen = np.random.Generator(np.random.PCG64(int.from_bytes(seed, "little")))
+    if modulus == 1 << 32:
+        return np.frombuffer(gen.bytes(4 * size), dtype="<u4").astype(np.uint32)
     return gen.integers(0, modulus, size=size, dtype=np.uint64)
+
+
+def _add(total: np.ndarray, values: np.ndarray, modulus: int, sign: int = 1) -> np.ndarray:
+    """``total + sign * values`` mod ``modulus``, in place where the modulus is 2^32 (uint32
+    arithmetic wraps around by itself)."""
+    if total.dtype == np.uint32:
+        if sign > 0:
+            total += values
+        else:
+            total -= values
+        return total
+    return (total + values) % modulus if sign > 0 else (total + modulus - values) % modulus
+
+
+def _start(vector: np.ndarray, modulus: int) -> np.ndarray:
+    """A vector mod ``modulus``, as the dtype its sums are taken in (a copy)."""
+    if modulus == 1 << 32:
+        return (np.asarray(vector).astype(np.uint64) % modulus).astype(np.uint32)
+    return np.asarray(vector, dtype=np.uint64) % modulus
 
 
 def _pair_seed(own_mask_key: bytes, other_mask_public: bytes) -> bytes:
@@ -191,15 +214,13 @@ def masked_input(secrets: ClientSecrets, received: Mapping[int, bytes], vector: 
         payload = decrypt(_channel_key(secrets.enc_key, secrets.public[sender][0]), ciphertext)
         length = int.from_bytes(payload[:4], "little")
         secrets.shares[sender] = (payload[4:4 + length], payload[4 + length:])
-    masked = (np.asarray(vector, dtype=np.uint64) % modulus
-              + _prg(secrets.seed, vector.size, modulus)) % modulus
+    masked = _add(_start(vector, modulus), _prg(secrets.seed, vector.size, modulus), modulus)
     for other, (_, mask_public) in secrets.public.items():
         if other == secrets.id:
             continue
         pair = _prg(_pair_seed(secrets.mask_key, mask_public), vector.size, modulus)
-        masked = (masked + pair) % modulus if secrets.id < other else (
-            masked + modulus - pair) % modulus
-    return masked
+        masked = _add(masked, pair, modulus, 1 if secrets.id < other else -1)
+    return masked.astype(np.uint64)
 
 
 def unmask(secrets: ClientSecrets, survivors: Sequence[int], dropped: Sequence[int],
@@ -222,9 +243,9 @@ def unmasked_sum(masked: Mapping[int, np.ndarray], public: Mapping[int, Mapping[
 
     survivors = sorted(masked)
     modulus, size = params.modulus, next(iter(masked.values())).size
-    total = np.zeros(size, dtype=np.uint64)
+    total = _start(np.zeros(size, dtype=np.uint64), modulus)
     for u in survivors:
-        total = (total + masked[u]) % modulus
+        total = _add(total, _start(masked[u], modulus), modulus)
     for v in sorted(public):
         revealed = [s[v] for s in shares.values() if v in s]
         if len(revealed) < params.threshold:
@@ -232,7 +253,7 @@ def unmasked_sum(masked: Mapping[int, np.ndarray], public: Mapping[int, Mapping[
                              f"the threshold {params.threshold}: the sum cannot be unmasked.")
         secret = combine_shares(revealed[:params.threshold])
         if v in masked:  # its self mask
-            total = (total + modulus - _prg(secret, size, modulus)) % modulus
+            total = _add(total, _prg(secret, size, modulus), modulus, -1)
             continue
         # dropped after sharing its keys: cancel the pairwise masks its surviving neighbours added
         own_public = public[v]
@@ -241,8 +262,8 @@ def unmasked_sum(masked: Mapping[int, np.ndarray], public: Mapping[int, Mapping[
                 continue
             pair = _prg(_pair_seed(secret, own_public[u][1]), size, modulus)
             # u added +pair when u < v, else -pair: remove it
-            total = (total + modulus - pair) % modulus if u < v else (total + pair) % modulus
-    return total
+            total = _add(total, pair, modulus, -1 if u < v else 1)
+    return total.astype(np.uint64)
 
 
 def centered(total: np.ndarray, modulus: int) -> np.ndarray:

@@ -31,7 +31,7 @@ from pflalign.methods.base import Method
 from pflalign.round.feature import RoundFeature, register
 from pflalign.round.features.secure import SecureAggregation
 from pflalign.server.aggregation import FlatSpec
-from pflalign.server.distributed_dp import DistributedAccountant
+from pflalign.server.distributed_dp import DistributedAccountant, ServerAccountant
 from pflalign.server.privacy import (
     CentralPrivacy,
     epsilon_of,
@@ -127,12 +127,14 @@ class DistributedDP(RoundFeature):
     def __init__(self, loop):
         self.secure: SecureAggregation | None = None
         self.accountant: DistributedAccountant | None = None
+        self.server: ServerAccountant | None = None
 
     def start(self, loop) -> None:
         run = loop.server.settings.run
         self.secure = next(f for f in loop.features if isinstance(f, SecureAggregation))
         m = self.secure.mechanism
         self.accountant = DistributedAccountant(m, run.dp_delta, sample_rate(run))
+        self.server = ServerAccountant(m, run.dp_delta)
         loop.reporter.info(
             f"[{loop.label}] dp = distributed: each client clips its update to {m.clip:g}, "
             f"rotates it ({m.dim} values padded to {m.padded}), rounds it to a grid of "
@@ -160,20 +162,28 @@ class DistributedDP(RoundFeature):
 
     def trained(self, loop, server_round: int, row: dict) -> None:
         """Account the round if its sum was released (a round that unmasked nothing released
-        nothing), and report the epsilon spent so far; without noise, none."""
-        if self.secure.summed:
-            self.accountant.step(self.secure.summed)
+        nothing), and report the clients in the sum and both epsilons spent so far
+        (:mod:`pflalign.server.distributed_dp`): for who sees the models (amplified by the
+        sampling), and against the server (who took part is known to it); without noise,
+        neither."""
+        summed = self.secure.summed
+        row["dp-clients"] = len(summed)
+        if summed:
+            self.accountant.step(len(summed))
+            self.server.step(summed)
         if self.secure.mechanism.sigma > 0:
             row["dp-epsilon"] = self.accountant.epsilon()
+            row["dp-epsilon-server"] = self.server.epsilon()
 
     def state_dict(self) -> dict:
-        return self.accountant.state_dict()
+        return {**self.accountant.state_dict(), **self.server.state_dict()}
 
     def checkpoint_refusal(self, loop, server_round: int) -> str | None:
         return untrusted_checkpoint(loop)
 
     def load_state_dict(self, state: Mapping) -> None:
         self.accountant.load_state_dict(dict(state))
+        self.server.load_state_dict(dict(state))
 
 
 @register

@@ -86,7 +86,7 @@ class SecureAggregation(RoundFeature):
         self.floats: FlatSpec | None = None
         #: dp = distributed: the run's mechanism, and the clients in the round's unmasked sum
         self.mechanism: Mechanism | None = None
-        self.summed = 0
+        self.summed: list[int] = []
         self._rotation: tuple | None = None
 
     def start(self, loop) -> None:
@@ -143,7 +143,7 @@ class SecureAggregation(RoundFeature):
 
     def before_training(self, loop, server_round: int) -> Traffic:
         server, run = loop.server, loop.server.settings.run
-        self.masked, self.release_model, self.summed = {}, None, 0
+        self.masked, self.release_model, self.summed = {}, None, []
         clients = sorted(server.sample(server_round))
         setup, down, up = self._query(loop, server_round, clients, {ACTION: sc.SETUP})
         keys = {c: (sc.as_bytes(r.arrays[sc.KEYS]["enc"]), sc.as_bytes(r.arrays[sc.KEYS]["mask"]))
@@ -239,7 +239,7 @@ class SecureAggregation(RoundFeature):
         started = time.perf_counter()
         survivors = sorted(int(m[0]["partition-id"]) for m in collected.good
                            if int(m[0]["partition-id"]) in self.masked)
-        self.summed = 0
+        self.summed = []
         if not survivors:
             self.release_model = None
             return collected
@@ -274,7 +274,7 @@ class SecureAggregation(RoundFeature):
         else:  # under dp = central the sum itself, which the noise then follows
             mean_update = dequantize_sum(total, len(survivors), params) / (
                 1.0 if self.private(loop) else weights)
-        self.summed = len(survivors)
+        self.summed = list(survivors)
         shared = server.shared_model(loop.state)
         base = self.floats.flatten(shared, np.float64)
         self.release_model = {**shared, **self.floats.unflatten(base + mean_update)}
