@@ -217,6 +217,14 @@ def test_with_large_noise_a_round_is_the_gaussian_mechanism_of_its_rounded_sensi
     assert (m.rdp(7, 1.0) > m.rdp(10, 1.0)).all()
 
 
+def test_the_vectorized_conversion_is_opacuss():
+    rng = np.random.default_rng(12)
+    curves = np.abs(rng.normal(size=(5, dd.ORDERS.size))).cumsum(axis=1) * [[0.01], [0.1], [1],
+                                                                             [3], [10]]
+    assert np.allclose(dd.epsilons_of_rdp(curves, 1e-5),
+                       [dd.epsilon_of_rdp(c, 1e-5) for c in curves], rtol=1e-12)
+
+
 def test_calibration_finds_the_smallest_noise_within_the_target():
     z = dd.calibrate(3.0, 1e-5, 1.0, 100, 582_026, 0.1, 30)
 
