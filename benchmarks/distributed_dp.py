@@ -86,9 +86,12 @@ def main() -> None:
              f"{args.epsilons} --seeds {args.seeds}{sets}`", "",
              "FedAvg's personal accuracy (%, mean [95% t-interval] over seeds), distributed's "
              "change from central paired by seed (points), the epsilon the runs reported by "
-             "their last round (largest over seeds), seconds and megabytes up per round:", "",
-             "| epsilon | mechanism | accuracy | change | epsilon spent | s/round | MB up/round |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+             "their last round (largest over seeds; against the server, which knows who took "
+             "part, under distributed: central DP's server sees every update), seconds and "
+             "megabytes up per round:", "",
+             "| epsilon | mechanism | accuracy | change | epsilon spent | against the server "
+             "| s/round | MB up/round |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for epsilon in epsilons:
         for mechanism in MECHANISMS:
             rows = {s: results[mechanism, epsilon, s] for s in seeds}
@@ -97,12 +100,14 @@ def main() -> None:
                        - results["central", epsilon, s]["final"]["personal-acc"] for s in seeds]
                       if mechanism == "distributed" else [])
             spent = max(r["rounds"][-1]["dp-epsilon"] for r in rows.values())
+            server = (f'{max(r["rounds"][-1]["dp-epsilon-server"] for r in rows.values()):.3f}'
+                      if mechanism == "distributed" else "none")
             seconds = [r["final"]["seconds-per-round"]
                        for r in rows.values()]
             mb = [sum(x["bytes-up"] for x in r["rounds"]) / len(r["rounds"]) / 1e6
                   for r in rows.values()]
             lines.append(f"| {epsilon:g} | {mechanism} | {interval(acc)} | "
-                         f"{interval(change) if change else '-'} | {spent:.3f} | "
+                         f"{interval(change) if change else '-'} | {spent:.3f} | {server} | "
                          f"{interval(seconds, 1, 1)} | {interval(mb, 1, 1)} |")
     out.mkdir(parents=True, exist_ok=True)
     (out / "distributed-dp.md").write_text("\n".join(lines) + "\n")
