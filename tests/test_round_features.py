@@ -39,7 +39,7 @@ def _features(method: str = "fedavg", **values) -> list[str]:
 def test_the_config_turns_on_exactly_its_features_in_registry_order():
     assert list(FEATURES) == ["gga", "record-uploads", "clock", "telemetry", "audit",
                               "update-bounds", "robust-aggregation", "secure-aggregation",
-                              "central-dp", "local-dp", "saved-models"]
+                              "central-dp", "distributed-dp", "local-dp", "saved-models"]
     # save-models (on by default) asks for the models last, after every check of the replies
     assert _features(**{"save-models": "final"})[-1] == "saved-models"
     # every run reports its processes and its audits (zero audited at fraction 0)
@@ -53,6 +53,10 @@ def test_the_config_turns_on_exactly_its_features_in_registry_order():
     assert _features(dp="central") == ["telemetry", "audit", "central-dp"]
     assert _features("local", dp="central") == ["telemetry", "audit", "update-bounds",
                                                 "local-dp"]
+    # distributed DP: the noised sum secure aggregation unmasks, divided and accounted after it
+    assert _features(dp="distributed", **{"secure-aggregation": "secagg+",
+                                          "eval-audit-fraction": 0}) == [
+        "telemetry", "audit", "secure-aggregation", "distributed-dp"]
     assert _features(dp="local", **{"eval-audit-fraction": 0}) == [
         "telemetry", "audit", "update-bounds", "local-dp"]
     assert _features(**{"update-clip": 2.0}) == ["telemetry", "audit", "update-bounds"]
