@@ -165,6 +165,7 @@ def _nodes_kept_their_models(work, method: dict) -> None:
         assert stats.correct / stats.count == finals[i]
 
 
+@pytest.mark.slow
 def test_deployment_with_tls_auth_and_a_restarted_node(tmp_path):
     work = tmp_path / "deploy"
     out = tmp_path / "out"

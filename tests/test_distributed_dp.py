@@ -306,11 +306,13 @@ def test_the_clients_noise_reaches_the_sum_and_both_epsilons_are_accounted(tmp_p
 
 
 @needs_fashion_mnist
-def test_every_engine_gives_the_same_metrics_with_epsilon_in_every_row(tmp_path):
-    """dp = distributed on the sequential, batched and Flower engines (each client's noise drawn
-    on its client, its rounding and the rotation from the seed): the same metrics; every row's
-    epsilon is the accountant's for that many rounds of the round's clients (all three a round
-    here, none dropping)."""
+@pytest.mark.parametrize("flower", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_every_engine_gives_the_same_metrics_with_epsilon_in_every_row(tmp_path, flower):
+    """dp = distributed on the sequential and batched engines (each client's noise drawn on its
+    client, its rounding and the rotation from the seed): the same metrics; every row's epsilon
+    is the accountant's for that many rounds of the round's clients (all three a round here,
+    none dropping). The Flower engine runs the same client handler (SecAgg+'s, which
+    test_attacks.py's Flower run covers); its own run of this config is slow-marked below."""
     from harness import three_engines
 
     values = {"num-clients": 6, "max-samples": 2000, "rounds": 2, "eval-every": 2,
@@ -318,7 +320,7 @@ def test_every_engine_gives_the_same_metrics_with_epsilon_in_every_row(tmp_path)
               "methods": "fedavg,pflalign", "secure-aggregation": "secagg+",
               "dp": "distributed", "dp-clip": 0.5, "dp-noise-multiplier": 0.02,
               "dp-delta": 1e-3, "eval-audit-fraction": 0.0}
-    result = three_engines(values, tmp_path, compared_at_least=60)
+    result = three_engines(values, tmp_path, compared_at_least=60, flower=flower)
     for method in ("fedavg", "pflalign"):
         rows = result["methods"][method]["rounds"]
         assert [r["clients-trained"] for r in rows] == [3, 3] and rows[0]["dp-clip"] == 0.5

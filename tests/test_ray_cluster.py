@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, needs_fashion_mnist
 from processes import listening_addresses, session_processes, stop_session
 
@@ -38,6 +39,7 @@ def test_an_address_where_nothing_listens_fails_at_once(tmp_path):
     assert time.perf_counter() - started < 60
 
 
+@pytest.mark.slow
 @needs_fashion_mnist
 def test_clients_run_on_an_existing_ray_cluster(tmp_path):
     ray_tmp = tempfile.mkdtemp(prefix="rh-", dir="/tmp")  # Ray's socket paths must stay short

@@ -242,6 +242,7 @@ def test_buffers_and_extra_records_are_norm_bounded_too():
 # --- the Flower engine: failures, a hanging client, exact accounting --------------------------
 
 
+@pytest.mark.slow
 @needs_fashion_mnist
 def test_flower_engine_counts_injected_failures_and_a_hanging_client_exactly(tmp_path):
     # round-timeout: long enough for the honest clients on a loaded machine (the suite runs two
