@@ -237,6 +237,31 @@ def test_calibration_finds_the_smallest_noise_within_the_target():
     assert tiny.sigma < 0.5 and tiny.epsilon({10: 1}, 1.0, 1e-5) == math.inf
 
 
+def test_the_accountants_resume_from_their_state():
+    """What a checkpoint keeps (JSON-like: string keys) gives back the same epsilons, and the
+    rounds after a resume add to it as without one."""
+    import json
+
+    m = dd.Mechanism.build(1.0, 1.0, 10, 1000)
+    amplified, server = dd.DistributedAccountant(m, 1e-5, 0.5), dd.ServerAccountant(m, 1e-5)
+    for summed in ([0, 1, 2], [1, 2], [2, 3, 4, 5]):
+        amplified.step(len(summed))
+        server.step(summed)
+    state = json.loads(json.dumps({**amplified.state_dict(), **server.state_dict()}))
+    again, server_again = dd.DistributedAccountant(m, 1e-5, 0.5), dd.ServerAccountant(m, 1e-5)
+    again.load_state_dict(state)
+    server_again.load_state_dict(state)
+    assert again.epsilon() == amplified.epsilon() and server_again.epsilon() == server.epsilon()
+    for accountant, step in ((amplified, 2), (again, 2)):
+        accountant.step(step)
+    server.step([2, 6])
+    server_again.step([2, 6])
+    assert again.epsilon() == amplified.epsilon() and server_again.epsilon() == server.epsilon()
+    # client 2 was in all four sums, of 3, 2, 4 and 2 clients: the largest epsilon is its own
+    assert server.epsilon() == pytest.approx(
+        dd.epsilon_of_rdp(m.rdp(3, 1) + 2 * m.rdp(2, 1) + m.rdp(4, 1), 1e-5), rel=1e-12)
+
+
 # --- in a run ------------------------------------------------------------------------------------
 def test_distributed_dp_needs_secure_aggregation_and_a_fixed_clip():
     from pflalign.run.config import build_settings
