@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from pflalign.engines.faults import malicious_clients  # noqa: E402
 from pflalign.outputs.report import study_runs  # noqa: E402
 from pflalign.outputs.stats import mean_ci  # noqa: E402
-from pflalign.run.config import build_settings, resolve  # noqa: E402
+from pflalign.run.config import build_settings, defaults, method_labels, resolve  # noqa: E402
 from pflalign.server.metrics import accuracy_summary  # noqa: E402
 
 ATTACKS = "alie,ipm,min-max,min-sum,labelflip,signflip,scale,backdoor,free-rider"
@@ -60,13 +60,15 @@ POINT = 0.01
 
 
 def entry(method: str, defence: str, label: bool = False) -> str:
-    """The method entry of ``method`` under ``defence``; ``label``: as simulate.py labels it
-    (its overrides' string values quoted)."""
+    """The method entry of ``method`` under ``defence``; ``label``: as simulate.py labels it in
+    its results (the project's own parser: string values quoted, numbers as typed values)."""
     if defence == "mean":
-        return method
-    if defence == "update-clip":
-        return f"{method}(update-clip=1)"
-    return f'{method}(aggregation="{defence}")' if label else f"{method}(aggregation={defence})"
+        text = method
+    elif defence == "update-clip":
+        text = f"{method}(update-clip=1)"
+    else:
+        text = f"{method}(aggregation={defence})"
+    return method_labels({**defaults(), "methods": text})[0] if label else text
 
 
 def honest_figures(entry_result: dict, attackers: frozenset[int]) -> dict[str, float]:

@@ -83,6 +83,8 @@ def test_entries_and_paired_changes():
     assert bench.entry("fedrep", "krum") == "fedrep(aggregation=krum)"
     assert bench.entry("fedrep", "krum", label=True) == 'fedrep(aggregation="krum")'
     assert bench.entry("ditto", "update-clip") == "ditto(update-clip=1)"
+    # the labels are those a real study's results carry (a float override as 1.0)
+    assert bench.entry("ditto", "update-clip", label=True) == "ditto(update-clip=1.0)"
     assert bench.entry("ditto", "mean") == "ditto"
     clean = {s: {"acc": 0.8} for s in SEEDS}
     attacked = {s: {"acc": 0.7 + 0.01 * s} for s in SEEDS}
