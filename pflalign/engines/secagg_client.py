@@ -169,20 +169,20 @@ def masked_upload(client_id: int, config: Mapping[str, Value], run,
     update = flat_update(model, received, keys)
     seed = run.seed
     rng = np.random.default_rng([seed, ROUNDING_STREAM, int(config[ROUND]), client_id])
+    params = Params(threshold=int(config[THRESHOLD]), neighbours=0,
+                    clip=float(config[CLIP]))
     if DDP_GAMMA in config:  # dp = distributed: the client's share of the noise goes in first
         noise = (np.random.default_rng() if run.dp_secure else
                  np.random.default_rng([seed, NOISE_STREAM, int(config[ROUND]), client_id]))
         signs = rotation_signs(int(config[DDP_ROTATION]), ddgauss.padded_size(update.size))
         vector = ddgauss.encode(update, float(config[DP_CLIP]), float(config[DDP_GAMMA]), signs,
                                 float(config[DDP_BOUND]), float(config[DDP_SIGMA]), rng, noise)
-    elif DP_CLIP in config:  # dp = central: DP-FedAvg's clip, on the client; the sum is unweighted
-        bound, norm = float(config[DP_CLIP]), float(np.linalg.norm(update))
-        update = update * min(1.0, bound / norm) if norm > 0 else update
     else:
-        update = update * (num_examples / float(config[WEIGHT_SCALE]))
-    params = Params(threshold=int(config[THRESHOLD]), neighbours=0,
-                    clip=float(config[CLIP]))
-    if DDP_GAMMA not in config:
+        if DP_CLIP in config:  # dp = central: DP-FedAvg's clip, on the client; unweighted sum
+            bound, norm = float(config[DP_CLIP]), float(np.linalg.norm(update))
+            update = update * min(1.0, bound / norm) if norm > 0 else update
+        else:
+            update = update * (num_examples / float(config[WEIGHT_SCALE]))
         vector = quantize(update, params, rng)
     inbox = {int(k): as_bytes(v) for k, v in arrays.get(INBOX, {}).items()}
     masked = masked_input(secrets, inbox, vector, params.modulus)
