@@ -9,8 +9,9 @@ setup:
 run: setup
 	$(PY) simulate.py --overwrite
 
-# the default suite (11-13 minutes on 2 cores: its files spread over TEST_WORKERS pytest-xdist
-# processes, a file's tests in one); `make test-slow`: the extended integration cases (pytest -m
+# the default suite (about 14 minutes on 2 cores: its files spread over TEST_WORKERS pytest-xdist
+# processes, a file's tests in one, the longest files first:
+# tests/conftest.py's HEAVY_FILES); `make test-slow`: the extended integration cases (pytest -m
 # slow: deployments and a two-node Ray cluster across network namespaces, the manual steps, bad
 # nodes), one at a time
 TEST_WORKERS ?= 2

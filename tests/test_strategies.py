@@ -60,14 +60,17 @@ def _central_dp(strategy):
 ])
 def test_a_users_serverapp_over_the_strategy_equals_the_projects_flower_engine(
         method, keys, wrap, tmp_path):
-    """The project's Flower engine (its ServerApp over the round loop), and a ServerApp written
-    as for Flower's FedAvg over the method's strategy (in a wrapper, for the wrapper's case:
-    the project's run then has the wrapper's keys), both on Ray with the project's ClientApp:
-    every row, final metric and per-client result equal (timings aside)."""
+    """A ServerApp written as for Flower's FedAvg over the method's strategy (in a wrapper, for
+    the wrapper's case: the project's run then has the wrapper's keys), on Ray with the
+    project's ClientApp, and the project's own run: every row, final metric and per-client
+    result equal (timings aside). The project's run is on the sequential engine, which gives
+    its Flower engine's metrics bit for bit (test_baselines_simulation), so that one Ray start
+    per case is spent on the user's app."""
     plain = build_settings({**TINY, "methods": method, "engine": "flower",
                             "out-dir": str(tmp_path / "project")})
     settings = plain.replace(keys)
-    project = project_simulate(settings, Reporter(quiet=True))["methods"][method]
+    project = project_simulate(settings.replace({"engine": "sequential"}),
+                               Reporter(quiet=True))["methods"][method]
 
     app = ServerApp()
     kept: dict = {}
