@@ -54,6 +54,33 @@ def _no_process_metric_in_a_row(entry: dict) -> None:
 # --- a run ------------------------------------------------------------------------------------
 
 
+def test_the_peak_is_read_at_most_every_half_second_unless_fresh(monkeypatch):
+    from pflalign.process import memory
+
+    reads = []
+
+    class Usage:
+        ru_maxrss = 2048
+
+    def getrusage(who):
+        reads.append(who)
+        return Usage
+
+    monkeypatch.setattr(memory.resource, "getrusage", getrusage)
+    monkeypatch.setattr(memory, "_last_read", [-float("inf"), 0.0])
+    clock = [100.0]
+    monkeypatch.setattr(memory.time, "monotonic", lambda: clock[0])
+    linux = memory.sys.platform != "darwin"
+    assert peak_rss_mb() == (2.0 if linux else 2048 / 2**20) and len(reads) == 1
+    Usage.ru_maxrss = 4096
+    clock[0] += 0.49  # within PEAK_READ_EVERY: the last read
+    assert peak_rss_mb() == (2.0 if linux else 2048 / 2**20) and len(reads) == 1
+    assert peak_rss_mb(fresh=True) == (4.0 if linux else 4096 / 2**20) and len(reads) == 2
+    clock[0] += 0.5
+    Usage.ru_maxrss = 8192
+    assert peak_rss_mb() == (8.0 if linux else 8192 / 2**20) and len(reads) == 3
+
+
 @needs_fashion_mnist
 def test_a_sequential_run_lists_its_one_process_as_server_and_clients(tmp_path):
     # a peak is at least any earlier resident size (not a later one: writing results.json after
@@ -67,7 +94,7 @@ def test_a_sequential_run_lists_its_one_process_as_server_and_clients(tmp_path):
     assert set(server_entry) == {"role", "host", "pid", "peak-rss-mb"}
     assert server_entry["role"] == "server" and server_entry["pid"] == os.getpid()
     assert server_entry["host"] == host_id()
-    assert rss_before <= server_entry["peak-rss-mb"] <= peak_rss_mb()
+    assert rss_before <= server_entry["peak-rss-mb"] <= peak_rss_mb(fresh=True)
     # the clients ran in this process: one client process, the server's, 4 trainings and 4
     # evaluations, its peak reported before the server's was measured
     assert clients == [{"role": "clients", "host": host_id(), "pid": os.getpid(),

@@ -190,11 +190,13 @@ class Audit:
         if not chosen:
             return outcome
         # a chunk of clients at a time: their states asked for, their replies recomputed, the
-        # states dropped (at 10,000 clients all of them at once would be gigabytes)
+        # states dropped (at 10,000 clients all of them at once would be gigabytes); the
+        # messages indexed once, not per chunk (which grew with the square of the clients)
+        sent = {m.client: m for m in messages}
         for start in range(0, len(chosen), STATE_CHUNK):
             part = chosen[start:start + STATE_CHUNK]
             states = self.states(exchange(STATE, [message(cid) for cid in part]), part, outcome)
-            outcome = self._compare(server_round, EVALUATE, messages, states, outcome)
+            outcome = self._compare(server_round, EVALUATE, sent, states, outcome)
         return outcome
 
     # --- training ------------------------------------------------------------------------------
@@ -223,13 +225,15 @@ class Audit:
         outcome.good = list(collected.good)
         if not states:
             return outcome
-        return self._compare(server_round, TRAIN, messages, states, outcome)
+        return self._compare(server_round, TRAIN, {m.client: m for m in messages}, states,
+                             outcome)
 
     # --- both ----------------------------------------------------------------------------------
-    def _compare(self, server_round: int, action: str, messages: Sequence[Outgoing],
+    def _compare(self, server_round: int, action: str, sent: Mapping[int, Outgoing],
                  states: Mapping[int, State | None | str], outcome: AuditOutcome,
                  ) -> AuditOutcome:
-        sent = {m.client: m for m in messages}
+        """Recompute the replies of the clients in ``states`` to their messages (``sent``, by
+        client) and reject those that disagree."""
         bad: dict[int, str] = {}
         # the replies of the clients in ``states``, in the order they came (found through an
         # index of the replies kept for the round: a chunk's look-up does not scan them all)

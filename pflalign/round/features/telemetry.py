@@ -51,7 +51,7 @@ class Telemetry(RoundFeature):
         largest peak it reported and its number of accepted replies. Under the in-process engines
         the clients run here: the server's pid is then a client's too."""
         server = {"role": "server", "host": host_id(), "pid": os.getpid(),
-                  "peak-rss-mb": peak_rss_mb()}
+                  "peak-rss-mb": peak_rss_mb(fresh=True)}
         clients = [{"role": "clients", "host": host, "pid": pid, "peak-rss-mb": peak,
                     "replies": count}
                    for (host, pid), (peak, count) in sorted(
