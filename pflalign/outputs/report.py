@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from pflalign.outputs import stats
-from pflalign.outputs.results import json_safe, slug
+from pflalign.outputs.results import json_safe, sample_notes, slug
 
 #: (key in a run's "final" metrics, column label, scale, whether to show the std over runs)
 COLUMNS = (("personal-acc", "personal", 100, True), ("personal-acc-next", "next", 100, True),
@@ -528,6 +528,14 @@ def _protocol_section(summary: Mapping, doc: Mapping) -> list[str]:
     else:
         lines.append("- Sweep: none")
     lines.append(f"- Confidence intervals: {summary['ci']}.")
+    sampled = [f"seed {run['seed']}: {note}" for run in study_runs(doc)
+               for note in sample_notes(run.get("methods") or {})]
+    if sampled:
+        lines.append("- Evaluation of a sample of the clients (eval-clients): each final "
+                     "metric below is the sample's, which estimates the whole population's; "
+                     "the interval is for the population, from the one sample (a ratio "
+                     "estimator with the finite-population correction):")
+        lines += [f"  - {note}" for note in sampled]
     tune = protocol.get("tune")
     if not tune:
         lines.append("- Tuning: none (each method with its configured values)")

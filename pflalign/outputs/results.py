@@ -220,7 +220,7 @@ def comparison_table(methods: Mapping[str, Mapping[str, object]]) -> str:
         lines.append(f"{name:<{width}}  {cells}  {count:>9}  "
                      f"{final.get('seconds-per-round', 0):8.2f}  {up:8.1f}  {down:8.1f}")
     return "\n".join(lines + partial + budget_lines(methods) + privacy_notes(methods)
-                     + audit_notes(methods))
+                     + sample_notes(methods) + audit_notes(methods))
 
 
 def budget_lines(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
@@ -256,6 +256,26 @@ def privacy_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
             f"{finals[name]['dp-epsilon-server']:.3g})"
             if finals[name].get("dp-epsilon-server") is not None else "")
         for name, value in spent.items()) + " (at the run's dp-delta, user-level)."]
+
+
+def sample_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:
+    """What a final evaluation of a sample (``eval-clients``) says of the whole population:
+    each method's pooled accuracy (a regression's error) with its 95% interval."""
+    notes = []
+    for name, result in methods.items():
+        final = result.get("final", {})
+        if "eval-population" not in final:
+            continue
+        for key, scale, unit in (("personal-acc", 100, "%"), ("unseen-acc", 100, "%"),
+                                 ("personal-mse", 1, ""), ("unseen-mse", 1, "")):
+            low, high = final.get(f"{key}-ci-low"), final.get(f"{key}-ci-high")
+            if key in final and low is not None:
+                notes.append(
+                    f"{name}: {key} {scale * final[key]:.4g}{unit} from {final['evaluated']:,} "
+                    f"sampled of {final['eval-population']:,} clients (eval-clients); 95% "
+                    f"interval for the whole population [{scale * low:.4g}, "
+                    f"{scale * high:.4g}]{unit}.")
+    return notes
 
 
 def audit_notes(methods: Mapping[str, Mapping[str, object]]) -> list[str]:

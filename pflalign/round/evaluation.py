@@ -11,6 +11,7 @@ evaluated client's own accuracy goes to the run's per-client results.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import numpy as np
 
 from pflalign.methods.base import Method
 from pflalign.models.language import is_language_model
-from pflalign.server.metrics import accuracy_summary
+from pflalign.server.metrics import accuracy_summary, ratio_interval
 from pflalign.server.runtime import ServerRuntime
 from pflalign.server.validation import Collected
 from pflalign.wire.messages import Exchange, Outgoing
@@ -43,15 +44,21 @@ BACKDOOR_ASR = "personal-backdoor-asr"
 
 
 def evaluation_metrics(server: ServerRuntime, method: Method,
-                       rows: Sequence[Mapping[str, float]]) -> tuple[dict, list[dict]]:
+                       rows: Sequence[Mapping[str, float]],
+                       population: tuple[int, int] | None = None) -> tuple[dict, list[dict]]:
     """The round's metrics from the accepted evaluation replies ``rows``, and the per-client
-    results."""
+    results. ``population``: the round scored a sample of the method's clients, of which there
+    are (seen, unseen): the pooled metrics then carry their confidence intervals
+    (:func:`sample_intervals`)."""
     metrics: dict = {}
     info = {int(m[PARTITION_ID]): server.clients[int(m[PARTITION_ID])] for m in rows}
     seen = [m for m in rows if not info[int(m[PARTITION_ID])].unseen]
     unseen = [m for m in rows if info[int(m[PARTITION_ID])].unseen]
+    if population is not None:
+        metrics.update(sample_intervals(server.settings.run.task, seen, unseen, population))
     if server.settings.run.task == "regression":
-        return regression_metrics(method, rows, seen, unseen, info)
+        metrics_r, clients = regression_metrics(method, rows, seen, unseen, info)
+        return {**metrics_r, **metrics}, clients
     if seen:
         metrics.update(accuracy_summary([m[PERSONAL_CORRECT] for m in seen],
                                         [m[NUM_TEST] for m in seen]))
@@ -92,6 +99,32 @@ def evaluation_metrics(server: ServerRuntime, method: Method,
                    if m.get(BACKDOOR_TRIED) else {})}
                for m in rows for cid in [int(m[PARTITION_ID])]]
     return metrics, clients
+
+
+def sample_intervals(task: str, seen: Sequence[Mapping[str, float]],
+                     unseen: Sequence[Mapping[str, float]],
+                     population: tuple[int, int]) -> dict[str, float | int]:
+    """An evaluation of a sample (``eval-clients``, ``eval-fraction``): for the whole population
+    of (seen, unseen) clients, the 95% interval of personal-acc and unseen-acc (a regression's
+    personal-mse and unseen-mse), each pooling every client's test samples
+    (:func:`~pflalign.server.metrics.ratio_interval`), and ``eval-population``, the clients
+    the sample stands for."""
+    out: dict[str, float | int] = {"eval-population": int(sum(population))}
+    regression = task == "regression"
+    for prefix, group, size in (("personal", seen, population[0]),
+                                ("unseen", unseen, population[1])):
+        if len(group) < 2:
+            continue
+        counts = [m[NUM_TEST] for m in group]
+        if regression:
+            low, high = ratio_interval([m[PERSONAL_LOSS] * m[NUM_TEST] for m in group], counts,
+                                       size, bounds=(0.0, math.inf))
+            key = f"{prefix}-mse"
+        else:
+            low, high = ratio_interval([m[PERSONAL_CORRECT] for m in group], counts, size)
+            key = f"{prefix}-acc"
+        out[f"{key}-ci-low"], out[f"{key}-ci-high"] = low, high
+    return out
 
 
 def _weighted(rows: Sequence[Mapping[str, float]], key: str) -> float | None:
@@ -174,7 +207,12 @@ def evaluate(loop, evaluation: Evaluation) -> tuple[dict, int, int, Collected]:
                      "eval-clients": len(evaluation.wanted), **extra}
     if evaluation.busy:
         metrics["eval-busy"] = len(evaluation.busy)
-    summary, loop.client_results = evaluation_metrics(server, method, rows)
+    population = None
+    if server.eval_sampled(server_round):  # the sample stands for all the method's clients
+        everyone = method.eval_clients(server)
+        unseen = sum(1 for cid in everyone if server.clients[cid].unseen)
+        population = (len(everyone) - unseen, unseen)
+    summary, loop.client_results = evaluation_metrics(server, method, rows, population)
     metrics.update(summary)
     return metrics, exchange.bytes_down, exchange.bytes_up, collected
 

@@ -18,7 +18,11 @@ import numpy as np
 from pflalign.server.aggregation import FlatSpec, combine, fedavg
 from pflalign.server.privacy import poisson_sample
 from pflalign.server.robust import Kept, bulyan, centered_clip, fltrust, krum, multi_krum
-from pflalign.server.sampling import EVAL_SAMPLING_STREAM, sample_clients
+from pflalign.server.sampling import (
+    EVAL_SAMPLING_STREAM,
+    draw_eval_population,
+    sample_clients,
+)
 from pflalign.settings.schema import Settings
 from pflalign.wire.messages import ClientInfo
 from pflalign.wire.state import ServerState, State
@@ -51,6 +55,8 @@ class ServerRuntime:
         self.trainable_spec = FlatSpec.of({k: initial_model[k] for k in trainable})
         self.keep_personal(())
         self._samples: dict[int | tuple[int, float], list[int]] = {}
+        #: ``eval-clients``'s sample, by (number of clients, eval-clients) it was drawn for
+        self._eval_population: tuple[tuple[int, int] | None, frozenset[int] | None] = (None, None)
         self._notices: list[str] = []
         self._weak_sizes: set[int] = set()
         #: what the round's aggregation is relative to (the global model and the server state's
@@ -244,10 +250,29 @@ class ServerRuntime:
         round or with ``eval-fraction = 1``; else a sample of that fraction (at least one), the
         same for every method (seed, round and its own stream)."""
         clients = list(clients)
+        population = self.eval_population()
+        if population is not None:
+            clients = [cid for cid in clients if cid in population]
         fraction = self.settings.run.eval_fraction
         if fraction >= 1.0 or server_round == self.rounds or not clients:
             return clients
         return sample_clients(clients, fraction, self.seed, server_round, EVAL_SAMPLING_STREAM)
+
+    def eval_sampled(self, server_round: int) -> bool:
+        """Whether ``server_round``'s evaluation scores a sample of the method's clients drawn
+        for it (``eval-clients``, or ``eval-fraction`` before the last round), whose metrics
+        then estimate the whole population's."""
+        return self.eval_population() is not None or (
+            self.settings.run.eval_fraction < 1.0 and server_round != self.rounds)
+
+    def eval_population(self) -> frozenset[int] | None:
+        """The clients evaluations may score under ``eval-clients`` (drawn once by the seed from
+        every client: the same for every method), or None when all of them."""
+        key = (len(self.clients), self.settings.run.eval_clients)
+        if self._eval_population[0] != key:
+            drawn = draw_eval_population(self.clients, self.settings.run.eval_clients, self.seed)
+            self._eval_population = (key, None if drawn is None else frozenset(drawn))
+        return self._eval_population[1]
 
     def largest_first(self, clients: Iterable[int]) -> list[int]:
         """Clients in decreasing order of data size: engines hand messages to free workers in

@@ -9,6 +9,11 @@ import numpy as np
 SAMPLING_STREAM = 7
 #: the stream of ``eval-fraction``'s draw of the clients evaluated in a round
 EVAL_SAMPLING_STREAM = 13
+#: the stream of ``eval-clients``'s draw of the clients every evaluation scores
+EVAL_POPULATION_STREAM = 17
+#: ``eval-clients = 0``: every client is evaluated up to this many, and a sample of this many
+#: above it
+EVAL_ALL_UP_TO = 10_000
 
 
 def round_size(fraction: float, clients: int) -> int:
@@ -35,3 +40,16 @@ def sample_clients(pool: Iterable[int], fraction: float, seed: int, server_round
     k = round_size(fraction, len(ordered))
     rng = np.random.default_rng([seed, server_round, stream])
     return sorted(int(c) for c in rng.choice(ordered, size=k, replace=False))
+
+
+def draw_eval_population(clients: Iterable[int], eval_clients: int, seed: int) -> list[int] | None:
+    """The clients every evaluation scores under ``eval-clients``, sorted: ``eval_clients`` of
+    ``clients`` drawn by (seed, its own stream), or :data:`EVAL_ALL_UP_TO` of them when it is 0
+    and there are more; None when every client is evaluated."""
+    pool = np.fromiter(clients, dtype=np.int64)
+    wanted = eval_clients or EVAL_ALL_UP_TO
+    if wanted >= len(pool):
+        return None
+    pool.sort()
+    rng = np.random.default_rng([seed, EVAL_POPULATION_STREAM])
+    return sorted(int(c) for c in rng.choice(pool, size=wanted, replace=False))

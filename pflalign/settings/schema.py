@@ -147,6 +147,16 @@ class FederationConfig(Params):
         'of at least one, drawn reproducibly from seed and the round, as cross-device practice '
         'does); the last round always evaluates every client, and the final metrics are its.',
         minimum=0.0, maximum=1.0, exclusive_minimum=True, group='run', scope='run')
+    eval_clients: int = param(
+        0,
+        'The clients the evaluations score: 0 = every client up to 10,000 and, above that, a '
+        'sample of 10,000; N = a sample of N clients (every client when N is at least their '
+        'number). The sample is drawn once from the seed, the same for every method and engine, '
+        'and eval-fraction draws from it; the final metrics then hold personal-acc (a '
+        'regression\'s personal-mse) with its 95% confidence interval for the whole population '
+        '(personal-acc-ci-low and -high, a ratio estimator with the finite-population '
+        'correction), which the report states; results.json keeps only the sampled clients.',
+        minimum=0, group='run', scope='run')
     fraction_train: float = param(
         0.4,
         'Fraction of training clients sampled each round (at least one), drawn reproducibly '
