@@ -98,3 +98,33 @@ def test_every_engine_scores_the_same_sample_and_the_interval_covers_the_full_ev
     assert (f"fedavg: personal-acc {100 * final['personal-acc']:.4g}% from 40 sampled of 130 "
             f"clients (eval-clients); 95% interval for the whole population [{low:.4g}, "
             f"{high:.4g}]%") in report
+
+
+def test_results_json_keeps_a_seeded_sample_of_a_long_client_list_and_writes_all_beside(
+        tmp_path):
+    import gzip
+
+    from pflalign.outputs.results import CLIENTS_IN_RESULTS, write_results
+
+    many = [{"id": i, "num-train": i % 7 + 1, "num-test": 2}
+            for i in range(CLIENTS_IN_RESULTS + 50)]
+    few = many[:30]
+    results = {"config": {"seed": 5}, "partition": {"dataset": "synthetic", "clients": many},
+               "methods": {"fedavg(lr=0.1)": {"final": {}, "clients": many},
+                           "local": {"final": {}, "clients": few}}}
+    written = json.loads(write_results(tmp_path, results).read_text())
+    partition, entry = written["partition"], written["methods"]["fedavg(lr=0.1)"]
+    for record, name in ((partition, "partition.json.gz"), (entry, entry["clients-file"])):
+        assert len(record["clients"]) == CLIENTS_IN_RESULTS
+        assert record["clients-total"] == len(many) and record["clients-file"] == name
+        ids = [c["id"] for c in record["clients"]]
+        assert ids == sorted(set(ids)) and set(ids) < set(range(len(many)))
+        with gzip.open(tmp_path / name, "rt") as handle:
+            assert json.load(handle) == many
+    assert entry["clients-file"].startswith("clients/") and partition["clients"] == entry[
+        "clients"]  # one draw: the same clients in both
+    assert written["methods"]["local"]["clients"] == few  # short lists stay whole
+    assert "clients-total" not in written["methods"]["local"]
+    assert results["partition"]["clients"] is many  # the run's own record is left whole
+    again = json.loads(write_results(tmp_path / "again", results).read_text())
+    assert again["partition"]["clients"] == partition["clients"]  # the seed's own draw

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gzip
 import hashlib
 import json
 import math
@@ -15,6 +16,8 @@ import time
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
+
+import numpy as np
 
 from pflalign.settings.options import ConfigError
 
@@ -74,13 +77,68 @@ def json_safe(value: object) -> object:
     return value
 
 
+#: results.json lists at most this many clients in ``partition.clients`` and in each method's
+#: ``clients``; a longer list is written whole to a gzip-compressed JSON file beside it
+CLIENTS_IN_RESULTS = 10_000
+#: the stream of the seeded draw of the clients a bounded list keeps
+KEPT_CLIENTS_STREAM = 23
+#: the compressed lists this process wrote, by path: their number of clients
+_written_lists: dict[Path, int] = {}
+
+
+def bounded_clients(out: Path, clients: list, name: str, seed: int) -> tuple[list, dict]:
+    """``clients`` as results.json keeps them: all of them up to :data:`CLIENTS_IN_RESULTS`;
+    beyond that a sample of that many drawn by the seed, in their order, with the whole list
+    written to ``out/name`` (gzip JSON, once per process and length); and the keys that say
+    so (``clients-total``, ``clients-file``)."""
+    if len(clients) <= CLIENTS_IN_RESULTS:
+        return clients, {}
+    path = out / name
+    if _written_lists.get(path) != len(clients) or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with gzip.open(tmp, "wt", compresslevel=6) as handle:
+            json.dump(json_safe(clients), handle, separators=(",", ":"))
+        os.replace(tmp, path)
+        _written_lists[path] = len(clients)
+    rng = np.random.default_rng([seed, KEPT_CLIENTS_STREAM])
+    kept = np.sort(rng.choice(len(clients), CLIENTS_IN_RESULTS, replace=False))
+    return [clients[i] for i in kept.tolist()], {"clients-total": len(clients),
+                                                 "clients-file": name}
+
+
+def bounded(out: Path, results: Mapping[str, object]) -> Mapping[str, object]:
+    """``results`` with its per-client lists bounded (:func:`bounded_clients`): the partition's
+    and each method entry's."""
+    seed = int((results.get("config") or {}).get("seed") or 0)
+    bounded_results = dict(results)
+    partition = results.get("partition")
+    if isinstance(partition, Mapping) and len(partition.get("clients") or ()) > (
+            CLIENTS_IN_RESULTS):
+        kept, keys = bounded_clients(out, list(partition["clients"]), "partition.json.gz", seed)
+        bounded_results["partition"] = {**partition, "clients": kept, **keys}
+    methods = results.get("methods")
+    if isinstance(methods, Mapping):
+        entries = {}
+        for label, entry in methods.items():
+            if isinstance(entry, Mapping) and len(entry.get("clients") or ()) > (
+                    CLIENTS_IN_RESULTS):
+                kept, keys = bounded_clients(out, list(entry["clients"]),
+                                             f"clients/{slug(label)}.json.gz", seed)
+                entry = {**entry, "clients": kept, **keys}
+            entries[label] = entry
+        bounded_results["methods"] = entries
+    return bounded_results
+
+
 def write_results(out_dir: str | Path, results: Mapping[str, object]) -> Path:
-    """Write ``out_dir/results.json`` atomically (a crash never leaves a half-written file)."""
+    """Write ``out_dir/results.json`` atomically (a crash never leaves a half-written file),
+    with its per-client lists bounded (:func:`bounded`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(json_safe(results), indent=1) + "\n")
+    tmp.write_text(json.dumps(json_safe(bounded(out, results)), indent=1) + "\n")
     os.replace(tmp, path)
     return path
 
