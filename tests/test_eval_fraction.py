@@ -48,9 +48,14 @@ def test_a_sample_is_evaluated_before_the_last_round_and_training_is_unchanged(t
         a, b = full["methods"][method], part["methods"][method]
         assert [r["eval-clients"] for r in b["rounds"]] == [3, 3, 10]
         # the training rows are the same bit for bit; the last round's evaluation too
-        evaluation = {k for r in a["rounds"] for k in r if k.startswith(("personal", "global",
-                                                                         "eval", "evaluated",
-                                                                         "unseen"))}
+        evaluation = {k for r in a["rounds"] + b["rounds"] for k in r
+                      if k.startswith(("personal", "global", "eval", "evaluated", "unseen"))}
+        # a sample's rows estimate the whole population's accuracy, with its interval
+        sampled = b["rounds"][0]
+        assert sampled["eval-population"] == 10
+        assert sampled["personal-acc-ci-low"] <= sampled["personal-acc"] <= sampled[
+            "personal-acc-ci-high"]
+        assert "eval-population" not in b["rounds"][-1]
         for ra, rb in zip(a["rounds"], b["rounds"], strict=True):
             assert _without(ra, evaluation | {"bytes-up", "bytes-down"}) == _without(
                 rb, evaluation | {"bytes-up", "bytes-down"})

@@ -368,6 +368,7 @@ def test_under_dp_secure_the_server_samples_and_noises_with_a_key_no_output_hold
     checkpointed privacy state carries it so that a resumed run keeps it."""
     from pflalign.run.config import build_settings
     from pflalign.server.runtime import ServerRuntime
+    from pflalign.wire.messages import ClientInfo
 
     values = {"dp": "central", "methods": "fedavg", "sampling": "poisson", "num-clients": 50,
               "fraction-train": 0.2, "dp-noise-multiplier": 1.0, "dp-secure": True}
@@ -375,8 +376,7 @@ def test_under_dp_secure_the_server_samples_and_noises_with_a_key_no_output_hold
     first, second = (ServerRuntime(settings, "fedavg", {"w": np.zeros(2, np.float32)}, ("w",),
                                    object) for _ in range(2))
     for runtime in (first, second):
-        runtime.clients = {c: None for c in range(50)}
-        runtime.training_clients = lambda: list(range(50))
+        runtime.clients = {c: ClientInfo(c, 1, 1, False) for c in range(50)}
     assert first.private_key not in (second.private_key, settings.run.seed)
     assert first.sample(4) == privacy.poisson_sample(range(50), 0.2, first.private_key, 4)
     spec = FlatSpec.of({"w": np.zeros(2)})

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pflalign.server.sampling import sorted_ids
 from pflalign.settings.options import ConfigError
 
 #: the random stream of the profiles under the run's seed
@@ -199,9 +200,13 @@ class Availability:
 
     def available(self, clients: Sequence[int], time: float) -> list[int]:
         """The clients of ``clients`` reachable at ``time``."""
-        ids = np.asarray(clients, dtype=np.int64)
+        return self.available_ids(np.asarray(clients, dtype=np.int64), time).tolist()
+
+    def available_ids(self, ids: np.ndarray, time: float) -> np.ndarray:
+        """:meth:`available` of an int64 array, as one (a round's draw among a million
+        clients, with no Python int per client)."""
         hour = np.mod(time / 3600.0 + self.phase[ids], 24.0)
-        return [int(c) for c in ids[hour < self.hours]]
+        return ids[hour < self.hours]
 
     def next_opening(self, clients: Sequence[int], time: float) -> float:
         """The first time at or after ``time`` when one of ``clients`` is reachable."""
@@ -236,6 +241,11 @@ class WindowAvailability:
         _, inside = self._open(clients, time)
         reachable = set(self.owner[inside].tolist())
         return [int(c) for c in clients if int(c) in reachable]
+
+    def available_ids(self, ids: np.ndarray, time: float) -> np.ndarray:
+        """:meth:`available` of an int64 array, as one."""
+        _, inside = self._open(ids, time)
+        return ids[np.isin(ids, self.owner[inside])]
 
     def next_opening(self, clients: Sequence[int], time: float) -> float:
         """The first time at or after ``time`` when one of ``clients`` is reachable."""
@@ -310,7 +320,7 @@ def availability_of(run: object, num_clients: int) -> Availability | WindowAvail
 
 def sample_available(pool: Sequence[int], count: int, seed: int, server_round: int) -> list[int]:
     """``min(count, |pool|)`` distinct clients of ``pool``, sorted, drawn by (seed, round)."""
-    ordered = sorted(pool)
+    ordered = sorted_ids(pool)
     take = min(count, len(ordered))
     rng = np.random.default_rng([seed, server_round, AVAILABLE_STREAM])
     return sorted(int(c) for c in rng.choice(ordered, size=take, replace=False))

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pflalign.server.sampling import sorted_ids
 from pflalign.settings.options import ConfigError
 from pflalign.training.privacy import clip, gaussian_noise, noise_rng
 
@@ -92,10 +93,10 @@ def adapt_clip(bound: float, norms: Sequence[float], quantile: float, lr: float,
 def poisson_sample(pool: Sequence[int], rate: float, seed: int, server_round: int) -> list[int]:
     """Each client of ``pool`` independently with probability ``rate`` (possibly none), sorted;
     reproducible from (seed, round) and the same for every method."""
-    ordered = sorted(pool)
+    ordered = sorted_ids(pool)
     rng = np.random.default_rng([seed, server_round, POISSON_STREAM])
     keep = rng.random(len(ordered)) < rate
-    return [int(c) for c, k in zip(ordered, keep, strict=True) if k]
+    return ordered[keep].tolist()
 
 
 @dataclass

@@ -27,6 +27,14 @@ def expected_clients(sampling: str, fraction: float, clients: int) -> float:
     return fraction * clients if sampling == "poisson" else float(round_size(fraction, clients))
 
 
+def sorted_ids(pool: Iterable[int]) -> np.ndarray:
+    """``pool`` as a sorted int64 array (an array is sorted as it is: no walk of a million
+    Python ints)."""
+    if isinstance(pool, np.ndarray):
+        return np.sort(pool.astype(np.int64, copy=False))
+    return np.asarray(sorted(pool), dtype=np.int64)
+
+
 def sample_clients(pool: Iterable[int], fraction: float, seed: int, server_round: int,
                    stream: int = SAMPLING_STREAM) -> list[int]:
     """``max(1, round(fraction * |pool|))`` distinct clients of ``pool``, sorted.
@@ -34,8 +42,8 @@ def sample_clients(pool: Iterable[int], fraction: float, seed: int, server_round
     The draw depends only on (seed, round, stream) and the sorted pool, so every method of a
     comparison trains (and, with ``eval-fraction``, evaluates) the same clients in the same round.
     """
-    ordered = sorted(pool)
-    if not ordered:
+    ordered = sorted_ids(pool)
+    if not len(ordered):
         raise ValueError("Cannot sample from an empty pool of clients.")
     k = round_size(fraction, len(ordered))
     rng = np.random.default_rng([seed, server_round, stream])

@@ -96,14 +96,14 @@ class SimulatedClock(RoundFeature):
         if self.availability is None:
             return Selection(server.sample(server_round, over) if over > 1
                              else server.sample(server_round), wanted)
-        pool = server.training_clients()
-        reachable = self.availability.available(pool, self.now)
+        pool = server.training_ids()  # arrays: no Python int per client of a million
+        reachable = self.availability.available_ids(pool, self.now)
         entries: dict = {}
-        if not reachable:
+        if not len(reachable):
             opening = self.availability.next_opening(pool, self.now)
             entries["waited"] = opening - self.now
             self.now = opening
-            reachable = self.availability.available(pool, self.now)
+            reachable = self.availability.available_ids(pool, self.now)
             loop.warn(f"round {server_round}: no client is reachable; the clock waits "
                       f"{entries['waited']:.0f} simulated s for the next.")
         entries["available"] = len(reachable)
