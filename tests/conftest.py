@@ -49,7 +49,8 @@ HEAVY_FILES = {
     "test_cli_checks.py": 48, "test_user_model.py": 45, "test_workers.py": 44,
     "test_deploy_resubmit.py": 43, "test_audit.py": 42, "test_interrupt.py": 36,
     "test_report.py": 35, "test_config.py": 33, "test_tables.py": 33,
-    "test_docs_examples.py": 32, "test_robustness.py": 26}
+    "test_docs_examples.py": 32, "test_robustness.py": 26,
+    "test_eval_sample.py": 60, "test_population.py": 30}  # the last two estimated
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
