@@ -43,14 +43,14 @@ def pytest_configure(config: pytest.Config) -> None:
 #: running alone at the end (longest-processing-time-first); the rest follow in file order
 HEAVY_FILES = {
     "test_baselines_simulation.py": 142, "test_batched.py": 110, "test_checkpoint.py": 100,
-    "test_strategies.py": 96, "test_study.py": 92, "test_attacks.py": 85,
+    "test_strategies.py": 55, "test_study.py": 92, "test_attacks.py": 85,
     "test_language.py": 77, "test_simulation.py": 72, "test_saved_models.py": 68,
     "test_async.py": 57, "test_own_app.py": 54, "test_systems.py": 51, "test_probe.py": 49,
     "test_cli_checks.py": 48, "test_user_model.py": 45, "test_workers.py": 44,
     "test_deploy_resubmit.py": 43, "test_audit.py": 42, "test_interrupt.py": 36,
     "test_report.py": 35, "test_config.py": 33, "test_tables.py": 33,
-    "test_docs_examples.py": 32, "test_robustness.py": 26,
-    "test_eval_sample.py": 60, "test_population.py": 30}  # the last two estimated
+    "test_docs_examples.py": 32, "test_robustness.py": 26, "test_eval_sample.py": 36,
+    "test_population.py": 22}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
