@@ -51,14 +51,21 @@ def test_the_interval_covers_a_planted_populations_pooled_accuracy_about_95_perc
 
 def test_the_sample_is_the_seeds_own_and_none_when_everyone_fits():
     clients = range(20000)
-    drawn = draw_eval_population(clients, 500, seed=3)
+    drawn = draw_eval_population(clients, [], 500, seed=3)
     assert len(drawn) == len(set(drawn)) == 500 and drawn == sorted(drawn)
-    assert drawn == draw_eval_population(reversed(clients), 500, seed=3)  # order-free
-    assert drawn != draw_eval_population(clients, 500, seed=4)
-    assert draw_eval_population(range(500), 500, seed=3) is None
+    assert drawn == draw_eval_population(reversed(clients), [], 500, seed=3)  # order-free
+    assert drawn != draw_eval_population(clients, [], 500, seed=4)
+    assert draw_eval_population(range(500), [], 500, seed=3) is None
     # eval-clients = 0: everyone up to EVAL_ALL_UP_TO, a sample of that many above
-    assert draw_eval_population(range(EVAL_ALL_UP_TO), 0, seed=0) is None
-    assert len(draw_eval_population(range(EVAL_ALL_UP_TO + 1), 0, seed=0)) == EVAL_ALL_UP_TO
+    assert draw_eval_population(range(EVAL_ALL_UP_TO), [], 0, seed=0) is None
+    assert len(draw_eval_population(range(EVAL_ALL_UP_TO + 1), [], 0, seed=0)) == EVAL_ALL_UP_TO
+    # seen and unseen apart: in proportion, the smaller kind at least 100 (at most half)
+    mixed = draw_eval_population(range(100_000), range(100_000, 100_150), 10_000, seed=0)
+    assert len(mixed) == 10_000 and sum(c >= 100_000 for c in mixed) == 100
+    assert [c for c in mixed if c < 100_000] == draw_eval_population(
+        range(100_000), [], 9_900, seed=0)  # the seen draw is the seen clients' own
+    small = draw_eval_population(range(120), range(120, 130), 40, seed=2)
+    assert len(small) == 40 and set(range(120, 130)) <= set(small)
 
 
 SYNTHETIC = {"dataset": "synthetic", "partition": "natural", "model": "mlp", "num-clients": 120,
@@ -73,7 +80,7 @@ def test_every_engine_scores_the_same_sample_and_the_interval_covers_the_full_ev
     flower = json.loads((tmp_path / "sampled" / "f" / "results.json").read_text())
     full = simulate(build_settings({**SYNTHETIC, "engine": "batched",
                                     "out-dir": str(tmp_path / "full")}))
-    population = draw_eval_population(range(130), 40, seed=2)
+    population = draw_eval_population(range(120), range(120, 130), 40, seed=2)
     for method in ("fedavg", "pflalign"):
         ours = sampled["methods"][method]
         ids = [c["id"] for c in ours["clients"]]

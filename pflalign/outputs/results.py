@@ -82,57 +82,80 @@ def json_safe(value: object) -> object:
 CLIENTS_IN_RESULTS = 10_000
 #: the stream of the seeded draw of the clients a bounded list keeps
 KEPT_CLIENTS_STREAM = 23
-#: the compressed lists this process wrote, by path: their number of clients
-_written_lists: dict[Path, int] = {}
+#: the compressed lists this process wrote, by path: the list (its id and length) written there
+_written_lists: dict[Path, tuple[int, int]] = {}
 
 
-def bounded_clients(out: Path, clients: list, name: str, seed: int) -> tuple[list, dict]:
-    """``clients`` as results.json keeps them: all of them up to :data:`CLIENTS_IN_RESULTS`;
-    beyond that a sample of that many drawn by the seed, in their order, with the whole list
-    written to ``out/name`` (gzip JSON, once per process and length); and the keys that say
-    so (``clients-total``, ``clients-file``)."""
-    if len(clients) <= CLIENTS_IN_RESULTS:
-        return clients, {}
-    path = out / name
-    if _written_lists.get(path) != len(clients) or not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        try:  # one string through the C encoder (json.dump's many small writes took 60 s at
-            # a million clients); json_safe's walk only where a value is not finite
-            text = json.dumps(clients, separators=(",", ":"), allow_nan=False)
-        except ValueError:
-            text = json.dumps(json_safe(clients), separators=(",", ":"))
-        tmp.write_bytes(gzip.compress(text.encode(), compresslevel=6))
-        os.replace(tmp, path)
-        _written_lists[path] = len(clients)
-    rng = np.random.default_rng([seed, KEPT_CLIENTS_STREAM])
-    kept = np.sort(rng.choice(len(clients), CLIENTS_IN_RESULTS, replace=False))
-    return [clients[i] for i in kept.tolist()], {"clients-total": len(clients),
-                                                 "clients-file": name}
+def _write_whole(path: Path, clients: list) -> None:
+    """``clients`` to ``path`` as gzip JSON, unless this process wrote this very list there."""
+    if _written_lists.get(path) == (id(clients), len(clients)) and path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:  # one string through the C encoder (json.dump's many small writes took 60 s at a
+        # million clients); json_safe's walk only where a value is not finite
+        text = json.dumps(clients, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        text = json.dumps(json_safe(clients), separators=(",", ":"))
+    tmp.write_bytes(gzip.compress(text.encode(), compresslevel=6))
+    os.replace(tmp, path)
+    _written_lists[path] = (id(clients), len(clients))
 
 
-def bounded(out: Path, results: Mapping[str, object]) -> Mapping[str, object]:
-    """``results`` with its per-client lists bounded (:func:`bounded_clients`): the partition's
-    and each method entry's."""
-    seed = int((results.get("config") or {}).get("seed") or 0)
-    bounded_results = dict(results)
-    partition = results.get("partition")
+def _bounded_run(out: Path, run: Mapping[str, object], seed: int, where: str = "",
+                 ) -> Mapping[str, object]:
+    """One run's ``partition.clients`` and entries' ``clients`` as results.json keeps them: all
+    of a list up to :data:`CLIENTS_IN_RESULTS`; beyond that the records of the clients one draw
+    keeps (:data:`CLIENTS_IN_RESULTS` ids of the long lists' clients, by the seed: the same
+    clients in every list), with the whole list written to ``out/where...json.gz`` and
+    ``clients-total``, ``clients-file`` (relative to ``out``) beside it."""
+    partition = run.get("partition")
+    methods = run.get("methods")
+    lists: dict[tuple[str, ...], list] = {}
     if isinstance(partition, Mapping) and len(partition.get("clients") or ()) > (
             CLIENTS_IN_RESULTS):
-        kept, keys = bounded_clients(out, list(partition["clients"]), "partition.json.gz", seed)
-        bounded_results["partition"] = {**partition, "clients": kept, **keys}
-    methods = results.get("methods")
+        lists[("partition",)] = partition["clients"]
     if isinstance(methods, Mapping):
-        entries = {}
         for label, entry in methods.items():
             if isinstance(entry, Mapping) and len(entry.get("clients") or ()) > (
                     CLIENTS_IN_RESULTS):
-                kept, keys = bounded_clients(out, list(entry["clients"]),
-                                             f"clients/{slug(label)}.json.gz", seed)
-                entry = {**entry, "clients": kept, **keys}
-            entries[label] = entry
-        bounded_results["methods"] = entries
-    return bounded_results
+                lists[("methods", label)] = entry["clients"]
+    if not lists:
+        if (not where and isinstance(partition, Mapping) and partition.get("clients")
+                and "clients-file" not in partition):  # an earlier run's whole list
+            (out / "partition.json.gz").unlink(missing_ok=True)
+        return run
+    ids = np.unique(np.concatenate([np.fromiter((c["id"] for c in clients), np.int64)
+                                    for clients in lists.values()]))
+    rng = np.random.default_rng([seed, KEPT_CLIENTS_STREAM])
+    kept = set(rng.choice(ids, CLIENTS_IN_RESULTS, replace=False).tolist())
+    bounded_run = dict(run)
+    if isinstance(methods, Mapping):
+        bounded_run["methods"] = dict(methods)
+    for key, clients in lists.items():
+        name = (f"{where}partition.json.gz" if key == ("partition",)
+                else f"{where}clients/{slug(key[1])}.json.gz")
+        _write_whole(out / name, clients)
+        record = dict(partition if key == ("partition",) else methods[key[1]])
+        record.update({"clients": [c for c in clients if c["id"] in kept],
+                       "clients-total": len(clients), "clients-file": name})
+        if key == ("partition",):
+            bounded_run["partition"] = record
+        else:
+            bounded_run["methods"][key[1]] = record
+    return bounded_run
+
+
+def bounded(out: Path, results: Mapping[str, object]) -> Mapping[str, object]:
+    """``results`` (a run, or a study and each of its runs) with its per-client lists bounded
+    (:func:`_bounded_run`); a study's runs' whole lists go to ``runs-clients/<n>/``."""
+    seed = int((results.get("config") or {}).get("seed") or 0)
+    if results.get("kind") == "study" and isinstance(results.get("runs"), list):
+        runs = [_bounded_run(out, run, int(run.get("seed") or 0), f"runs-clients/{n}/")
+                if isinstance(run, Mapping) else run
+                for n, run in enumerate(results["runs"])]
+        return {**results, "runs": runs}
+    return _bounded_run(out, results, seed)
 
 
 def write_results(out_dir: str | Path, results: Mapping[str, object]) -> Path:

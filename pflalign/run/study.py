@@ -44,7 +44,7 @@ import numpy as np
 
 from pflalign.methods.registry import METHODS
 from pflalign.outputs.report import COMPARABLE_METRICS, setting_label
-from pflalign.outputs.results import Reporter, slug, write_results
+from pflalign.outputs.results import Reporter, bounded, slug, write_results
 from pflalign.outputs.stats import higher_is_better, is_fraction
 from pflalign.outputs.tracking import Trackers, TrackingReporter, parse_tracking
 from pflalign.run import tuning
@@ -609,6 +609,7 @@ def finish_single(out: Path, results: dict, scenario: str) -> dict:
     """A plain run: its results.json gains the schema fields, then the CSV and the report."""
     results = {"schema-version": SCHEMA_VERSION, "kind": "run", "scenario": scenario,
                **{k: v for k, v in results.items() if k not in ("schema-version", "kind")}}
+    results = dict(bounded(out, results))  # the CSV and the report read what results.json holds
     write_results(out, results)
     write_outputs(out, results)
     return results
@@ -618,6 +619,7 @@ def finish_study(out: Path, doc: dict, reference: str) -> dict:
     from pflalign.outputs.report import summarize_study
 
     doc["summary"] = summarize_study(doc, reference=reference)
+    doc = dict(bounded(out, doc))  # the CSV and the report read what results.json holds
     write_results(out, doc)
     write_outputs(out, doc)
     return doc

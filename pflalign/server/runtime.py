@@ -285,7 +285,9 @@ class ServerRuntime:
         every client: the same for every method), or None when all of them."""
         key = (len(self.clients), self.settings.run.eval_clients)
         if self._eval_population[0] != key:
-            drawn = draw_eval_population(self.clients, self.settings.run.eval_clients, self.seed)
+            unseen = [cid for cid, info in self.clients.items() if info.unseen]
+            drawn = draw_eval_population(self.training_ids(), unseen,
+                                         self.settings.run.eval_clients, self.seed)
             self._eval_population = (key, None if drawn is None else frozenset(drawn))
         return self._eval_population[1]
 

@@ -50,14 +50,30 @@ def sample_clients(pool: Iterable[int], fraction: float, seed: int, server_round
     return sorted(int(c) for c in rng.choice(ordered, size=k, replace=False))
 
 
-def draw_eval_population(clients: Iterable[int], eval_clients: int, seed: int) -> list[int] | None:
+#: eval-clients: at least this many of each kind of client (seen, unseen) are drawn, where there
+#: are that many, so that the smaller kind keeps its metric and interval
+EVAL_MIN_PER_KIND = 100
+
+
+def draw_eval_population(seen: Iterable[int], unseen: Iterable[int], eval_clients: int,
+                         seed: int) -> list[int] | None:
     """The clients every evaluation scores under ``eval-clients``, sorted: ``eval_clients`` of
-    ``clients`` drawn by (seed, its own stream), or :data:`EVAL_ALL_UP_TO` of them when it is 0
-    and there are more; None when every client is evaluated."""
-    pool = np.fromiter(clients, dtype=np.int64)
+    them (:data:`EVAL_ALL_UP_TO` when it is 0), the seen and the unseen drawn apart by (seed, its
+    own stream), each in proportion to its number, the smaller kind at least
+    :data:`EVAL_MIN_PER_KIND` (or all of it; at most half the sample); None when every client
+    is evaluated."""
+    groups = [sorted_ids(np.fromiter(group, dtype=np.int64)) for group in (seen, unseen)]
+    total = sum(len(g) for g in groups)
     wanted = eval_clients or EVAL_ALL_UP_TO
-    if wanted >= len(pool):
+    if wanted >= total:
         return None
-    pool.sort()
-    rng = np.random.default_rng([seed, EVAL_POPULATION_STREAM])
-    return sorted(int(c) for c in rng.choice(pool, size=wanted, replace=False))
+    least = min(EVAL_MIN_PER_KIND, wanted // 2)
+    take_unseen = min(len(groups[1]), max(round(wanted * len(groups[1]) / total), least))
+    take_seen = min(len(groups[0]), wanted - take_unseen)
+    take_unseen = min(len(groups[1]), wanted - take_seen)
+    drawn: list[int] = []
+    for kind, (group, take) in enumerate(zip(groups, (take_seen, take_unseen), strict=True)):
+        if take:
+            rng = np.random.default_rng([seed, EVAL_POPULATION_STREAM] + [kind] * (kind > 0))
+            drawn += rng.choice(group, size=take, replace=False).tolist()
+    return sorted(drawn)

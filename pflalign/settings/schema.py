@@ -145,13 +145,16 @@ class FederationConfig(Params):
         1.0,
         'Fraction of the clients evaluated in each evaluation round before the last (a sample '
         'of at least one, drawn reproducibly from seed and the round, as cross-device practice '
-        'does); the last round always evaluates every client, and the final metrics are its.',
+        'does); the last round evaluates every client (of eval-clients\'s sample, where it '
+        'draws one), and the final metrics are its.',
         minimum=0.0, maximum=1.0, exclusive_minimum=True, group='run', scope='run')
     eval_clients: int = param(
         0,
         'The clients the evaluations score: 0 = every client up to 10,000 and, above that, a '
         'sample of 10,000; N = a sample of N clients (every client when N is at least their '
-        'number). The sample is drawn once from the seed, the same for every method and engine, '
+        'number; seen and unseen clients drawn apart, in proportion, with at least 100 of each '
+        'kind where there are that many, and at most half the sample). The sample is drawn '
+        'once from the seed, the same for every method and engine, '
         'and eval-fraction draws from it; the final metrics then hold personal-acc (a '
         'regression\'s personal-mse) with its 95% confidence interval for the whole population '
         '(personal-acc-ci-low and -high, a ratio estimator with the finite-population '
@@ -1054,7 +1057,9 @@ ADDED_KEYS: dict[str, Value] = {"eval-at-start": False, "num-classes": 0,
                                  "ipm-epsilon": 0.5, "backdoor-target": 0, "backdoor-patch": 3,
                                  "backdoor-fraction": 0.3, "secure-aggregation": "off",
                                  "secagg-clip": 1.0, "secagg-neighbours": 0,
-                                 "secagg-threshold": 0}
+                                 "secagg-threshold": 0,
+                                 # exact up to 10,000 clients: above, an older run scored all
+                                 "eval-clients": 0}
 
 
 class Settings(Mapping[str, Value]):
