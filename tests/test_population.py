@@ -21,25 +21,21 @@ SYNTHETIC = {"dataset": "synthetic", "partition": "natural", "model": "mlp", "lo
 
 
 class _Walks(dict):
-    """The clients' record, counting each walk over all of them."""
+    """The clients' record, counting each walk over all of them (iteration, keys, values,
+    items)."""
 
     walks = 0
 
-    def __iter__(self):
-        _Walks.walks += 1
-        return super().__iter__()
 
-    def items(self):
+def _counted(name: str):
+    def walk(self):
         _Walks.walks += 1
-        return super().items()
+        return getattr(dict, name)(self)
+    return walk
 
-    def values(self):
-        _Walks.walks += 1
-        return super().values()
 
-    def keys(self):
-        _Walks.walks += 1
-        return super().keys()
+for _name in ("__iter__", "keys", "values", "items"):
+    setattr(_Walks, _name, _counted(_name))
 
 
 class _Counting(SequentialEngine):

@@ -62,7 +62,7 @@ def draw_eval_population(seen: Iterable[int], unseen: Iterable[int], eval_client
     own stream), each in proportion to its number, the smaller kind at least
     :data:`EVAL_MIN_PER_KIND` (or all of it; at most half the sample); None when every client
     is evaluated."""
-    groups = [sorted_ids(np.fromiter(group, dtype=np.int64)) for group in (seen, unseen)]
+    groups = [sorted_ids(group) for group in (seen, unseen)]
     total = sum(len(g) for g in groups)
     wanted = eval_clients or EVAL_ALL_UP_TO
     if wanted >= total:
@@ -73,7 +73,9 @@ def draw_eval_population(seen: Iterable[int], unseen: Iterable[int], eval_client
     take_unseen = min(len(groups[1]), wanted - take_seen)
     drawn: list[int] = []
     for kind, (group, take) in enumerate(zip(groups, (take_seen, take_unseen), strict=True)):
-        if take:
-            rng = np.random.default_rng([seed, EVAL_POPULATION_STREAM] + [kind] * (kind > 0))
+        if take:  # the seen clients' stream is (seed, stream), the unseen's one more entry
+            key = [seed, EVAL_POPULATION_STREAM] if kind == 0 else [seed, EVAL_POPULATION_STREAM,
+                                                                    kind]
+            rng = np.random.default_rng(key)
             drawn += rng.choice(group, size=take, replace=False).tolist()
     return sorted(drawn)
