@@ -59,6 +59,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: -HEAVY_FILES.get(item.path.name, 0))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _module_outputs_removed(request: pytest.FixtureRequest,
+                            tmp_path_factory: pytest.TempPathFactory):
+    """The runs' folders a test file made (its module fixtures' ``tmp_path_factory`` ones; a
+    passing test's ``tmp_path`` goes at once, by ``tmp_path_retention_policy``), removed when
+    the file has passed: a run saves its models by default, and the suite would otherwise hold
+    some 5 GB by its end. A failing file keeps them to look at."""
+    base = tmp_path_factory.getbasetemp()
+    before, failed = set(base.iterdir()), request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        for path in set(base.iterdir()) - before:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 HAS_FASHION_MNIST = (DEBIAN_FASHION_MNIST / "train-images-idx3-ubyte.gz").exists()
 needs_fashion_mnist = pytest.mark.skipif(
     not HAS_FASHION_MNIST,

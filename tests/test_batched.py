@@ -211,7 +211,10 @@ def test_a_stacked_run_equals_each_clients_own(optimizer):
     # GENIE's ratio r = mu^2 / (mu^2 + rho var) takes var from q - mu^2, which cancels where a
     # coordinate's gradients agree: there a gradient's last bit moves r, and the step, by up to
     # a few 1e-4 (seen on 3 of 512 values with torch on one thread); the others agree closely
-    rtol, atol, outliers = (1e-3, 5e-5, 0.01) if optimizer == "genie" else (1e-4, 1e-5, 0.0)
+    # Adam's step m / (sqrt(v) + eps) magnifies a gradient's last bit where v is near 0: on an
+    # AVX2 CPU (AMD EPYC) 1 of fc1's 524,288 weights lay outside 1e-4 (within the 1e-3 below)
+    rtol, atol, outliers = {"genie": (1e-3, 5e-5, 0.01), "adam": (1e-4, 1e-5, 1e-5)}.get(
+        optimizer, (1e-4, 1e-5, 0.0))
     _assert_runs_agree([c.execute(r, 2) for c, r in zip(clients, runs, strict=True)],
                        execute_together(clients, runs, 2), rtol, atol, outliers)
 

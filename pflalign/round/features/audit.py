@@ -67,8 +67,11 @@ TRAIN_AUDIT_STREAM = 9102
 #: how far a recomputed mean loss may lie from the claimed one, relative to it
 LOSS_TOLERANCE = 1e-5
 #: how far an uploaded array record may lie from the recomputed one (the norm of the
-#: difference, relative to the recomputed record's norm)
-ARRAY_TOLERANCE = 1e-5
+#: difference, relative to the recomputed record's norm): float32 rounding carried through a
+#: client's steps, where its kernels differ from the server's (the vmap backend's, on an AVX2
+#: CPU, put Per-FedAvg's scored model 1.09e-5 from the recomputation); a tampered record (a
+#: reversed or replaced update) lies at the order of 1
+ARRAY_TOLERANCE = 1e-4
 
 
 @dataclass
