@@ -25,10 +25,15 @@ interval holds 0) for every method and scenario, and that keeps every attack's m
 5 points at the largest attacker share; the report says which one, or that none does and which
 attack breaks which defence.
 
-    python benchmarks/attacks.py --out results/attacks
-    python benchmarks/attacks.py --out results/attacks --scenarios dir-0.1 --attackers 0.2 \\
+    python benchmarks/attacks.py
+    python benchmarks/attacks.py --scenarios dir-0.1 --attackers 0.2 \\
         --attacks alie,ipm --seeds 0,1,2      # one part of the grid
-    python benchmarks/attacks.py --out results/attacks --jobs 2 --runs-only   # two at a time
+    python benchmarks/attacks.py --jobs 2 --runs-only   # two at a time, no report
+
+The default ``--out`` is ``docs/experiments/attacks/grid``, whose studies' ``plan.json`` and
+seeds' ``results.json`` git keeps (.gitignore): committed as they finish, the grid continues
+from a fresh clone over several sessions (a seed's ``results.json`` is written after each method
+entry, so a commit loses at most the entry under way).
 
 ``--jobs N`` runs N studies at a time, each a process with one torch thread (the default
 ``client-resources-num-cpus = 1``); ``--runs-only`` stops before the report.
@@ -119,7 +124,7 @@ def paired(attacked: dict[int, dict], clean: dict[int, dict], key: str) -> list[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="results/attacks")
+    parser.add_argument("--out", default="docs/experiments/attacks/grid")
     parser.add_argument("--scenarios", default="dir-0.1,cross-device")
     parser.add_argument("--methods", default="fedavg,fedrep,ditto,pflalign")
     parser.add_argument("--attacks", default=ATTACKS)
