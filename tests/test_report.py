@@ -608,6 +608,47 @@ def test_a_suite_tuned_per_scenario_lists_every_methods_trials_per_scenario(tmp_
                 "pflalign-lr=1.0: 61.20; pflalign-lr=3.0: 65.50 ✓ |") in section
 
 
+def _tuned_at(chosen_lr: float) -> dict:
+    """A planted tuned suite: pflalign's trials at lr 0.01, 0.05 and 0.198 of log-uniform
+    [0.005, 0.2], the one at ``chosen_lr`` scoring best."""
+    doc = _synthetic_study()
+    trials = [{"params": {"lr": lr}, "score": 0.7 if lr == chosen_lr else 0.6 + lr,
+               "scores": [0.6, 0.6]} for lr in (0.05, 0.198, 0.01)]
+    doc["protocol"]["tune"]["scenarios"] = {scenario: {"pflalign": {
+        "space": {"lr": "log-uniform [0.005, 0.2]"}, "default": {"lr": 0.05},
+        "chosen": {"lr": chosen_lr}, "trials": trials}} for scenario in FINALS}
+    del doc["protocol"]["tune"]["methods"]
+    return doc
+
+
+def test_a_tuned_choice_at_its_ranges_edge_is_flagged_with_its_trials(tmp_path):
+    write_report(tmp_path / "edge", _tuned_at(0.198))
+    text = (tmp_path / "edge" / "report.md").read_text()
+    assert "**Choices at a range's edge** (within 5% of its width" in text
+    for scenario in FINALS:
+        assert (f"- pflalign on {scenario}: `lr` = 0.198, at the high end of log-uniform "
+                "[0.005, 0.2]; its trials (`lr`: validation `personal-acc`): 0.01: 61.00, "
+                "0.05: 65.00, 0.198: 70.00 ✓") in text
+        assert "| lr=0.198 ⚠ lr at the high end |" in _section(text, f"#### {scenario}")
+    write_report(tmp_path / "inside", _tuned_at(0.05))
+    text = (tmp_path / "inside" / "report.md").read_text()
+    assert "range's edge" not in text and "⚠" not in text
+
+
+def test_the_edge_of_a_search_range_by_hand():
+    from pflalign.settings.params import Search, edges, log_range, uniform_range
+
+    lr = log_range(0.005, 0.2)  # 5% of ln(40) is 0.1844: the ends 0.006013 and 0.1663
+    assert [lr.edge(v) for v in (0.005, 0.006, 0.0061, 0.05, 0.166, 0.167, 0.2)] == [
+        "low", "low", None, None, None, "high", "high"]
+    beta = uniform_range(0.8, 0.95)  # 5% of 0.15 is 0.0075: the ends 0.8075 and 0.9425
+    assert [beta.edge(v) for v in (0.807, 0.808, 0.942, 0.943)] == ["low", None, None, "high"]
+    assert Search(choices=(0.1, 1.0)).edge(1.0) is None
+    assert Search.parse(lr.describe()) == lr and Search.parse("{0.1, 1.0}") is None
+    assert edges({"lr": "log-uniform [0.005, 0.2]", "mu": "{0.0, 0.1}", "beta": [0.8, 0.9]},
+                 {"lr": 0.19, "mu": 0.1, "beta": 0.9}) == {"lr": "high"}  # a grid: no edge
+
+
 def test_versions_name_the_commit_that_ran():
     from pflalign.outputs.results import versions
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from pflalign.outputs import stats
 from pflalign.outputs.results import json_safe, sample_notes, slug
+from pflalign.settings.params import EDGE_MARGIN, edges
 
 #: (key in a run's "final" metrics, column label, scale, whether to show the std over runs)
 COLUMNS = (("personal-acc", "personal", 100, True), ("personal-acc-next", "next", 100, True),
@@ -551,6 +552,7 @@ def _protocol_section(summary: Mapping, doc: Mapping) -> list[str]:
         lines.append(f"- Trials: {tune['draw']}")
     scale = _scale(metric)  # the tuning's objective is the study's metric
     tables = tune.get("scenarios") or {}
+    lines += _edge_lines(tables or {"": tune.get("methods") or {}}, metric, scale)
     if len(tables) > 1:  # one compact table per scenario: a row per method
         for scenario, methods in tables.items():
             rows = []
@@ -563,9 +565,12 @@ def _protocol_section(summary: Mapping, doc: Mapping) -> list[str]:
                 best = max((trial.get("score") for trial in info.get("trials") or []
                             if trial.get("score") is not None and math.isfinite(trial["score"])
                             and (trial.get("params") or {}) == chosen), default=None)
+                at_edge = edges(info.get("space") or {}, chosen)
                 rows.append([label, "; ".join(f"`{k}` ∈ {_space(v)}" for k, v in
                                               (info.get("space") or {}).items()) or "-",
-                             _params(chosen), _num(best, scale), trials or "-"])
+                             _params(chosen) + "".join(f" ⚠ {k} at the {side} end"
+                                                       for k, side in at_edge.items()),
+                             _num(best, scale), trials or "-"])
             lines += ["", f"#### {scenario}", "",
                       f"Each method's trials on {scenario} (values: mean validation `{metric}` "
                       "over the tuning seeds; ✓ the chosen one, run on the evaluation seeds):",
@@ -578,7 +583,9 @@ def _protocol_section(summary: Mapping, doc: Mapping) -> list[str]:
                   "- Space: " + ("; ".join(f"`{k}` ∈ {_space(v)}"
                                            for k, v in space.items()) or "-"),
                   f"- Default: {_params(info.get('default') or {})}",
-                  f"- Chosen: {_params(info.get('chosen') or {})}", ""]
+                  f"- Chosen: {_params(info.get('chosen') or {})}"
+                  + "".join(f" ⚠ {k} at the {side} end of its range" for k, side in
+                            edges(space, info.get("chosen") or {}).items()), ""]
         chosen = info.get("chosen") or {}
         rows = []
         for i, trial in enumerate(info.get("trials") or [], start=1):
@@ -590,6 +597,30 @@ def _protocol_section(summary: Mapping, doc: Mapping) -> list[str]:
             lines.append(_markdown_table(["trial", "values", "validation score",
                                           "per tuning seed", "chosen"], rows, left=2))
     return lines
+
+
+def _edge_lines(tables: Mapping[str, Mapping[str, dict]], metric: str, scale: float,
+                ) -> list[str]:
+    """The tuned choices that lie at an end of their range (:data:`EDGE_MARGIN` of its width),
+    each with every trial's value of that key and score beside it, in the key's order."""
+    found = []
+    for scenario, methods in tables.items():
+        for label, info in methods.items():
+            chosen = info.get("chosen") or {}
+            for key, side in edges(info.get("space") or {}, chosen).items():
+                tried = sorted(((t.get("params") or {})[key], t.get("score"))
+                               for t in info.get("trials") or [] if key in (t.get("params") or {}))
+                scores = ", ".join(f"{value:.4g}: {_num(score, scale)}"
+                                   + (" ✓" if value == chosen[key] else "")
+                                   for value, score in tried)
+                found.append(f"- {label}" + (f" on {scenario}" if scenario else "")
+                             + f": `{key}` = {chosen[key]:.4g}, at the {side} end of "
+                             f"{_space(info['space'][key])}; its trials (`{key}`: validation "
+                             f"`{metric}`): {scores}")
+    if not found:
+        return []
+    return ["", f"**Choices at a range's edge** (within {EDGE_MARGIN:.0%} of its width; the "
+            "optimum may lie beyond the range, which then holds the method back):", "", *found]
 
 
 def _space(values: object) -> str:

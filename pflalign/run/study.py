@@ -59,7 +59,7 @@ from pflalign.run.config import (
     toml_literal,
 )
 from pflalign.settings.options import ConfigError, Value
-from pflalign.settings.params import Search
+from pflalign.settings.params import Search, edges
 from pflalign.settings.schema import Settings
 
 #: the version of the results.json layout (a single run's and a study's)
@@ -532,6 +532,12 @@ class Study:
                                    + (f", validation {plan.metric} "
                                       + _score_text(plan.metric, best["score"])
                                       if best["score"] is not None else ""))
+                for key, side in edges(row["space"], row["chosen"]).items():
+                    self.reporter.warn(
+                        f"tuned {label}" + (f" ({name})" if name else "") + f": {key} = "
+                        f"{row['chosen'][key]:.4g} lies at the {side} end of its range "
+                        f"{row['space'][key]}, so the optimum may lie beyond it; widen the "
+                        "range (report.md lists the trials beside it).")
             out[name] = table
         return out
 

@@ -11,10 +11,15 @@ and FedRep). Defaults, bounds, choices and help live on the field, and the run c
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
 from pflalign.settings.options import SCOPES, OnlyWith, Option, Value
+
+#: a tuned value this close to an end of its range, as a share of the range's width (log scale
+#: for a log range), is flagged: the optimum may lie beyond the range
+EDGE_MARGIN = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +60,53 @@ class Search:
             return "{" + ", ".join(map(str, self.choices)) + "}"
         return f"{'log-uniform' if self.log else 'uniform'} [{self.low:g}, {self.high:g}]"
 
+    def edge(self, value: Value, margin: float = EDGE_MARGIN) -> str | None:
+        """``'low'`` or ``'high'`` when ``value`` lies within ``margin`` of the range's width of
+        that end (the width in log scale for a log range), else None; a set of choices has no
+        edge. A tuned choice there may be held back by the range rather than by the method."""
+        if self.choices or not isinstance(value, int | float) or isinstance(value, bool):
+            return None
+        lo, hi, at = float(self.low), float(self.high), float(value)  # type: ignore[arg-type]
+        if self.log:
+            if at <= 0:
+                return None
+            lo, hi, at = math.log(lo), math.log(hi), math.log(at)
+        where = (at - lo) / (hi - lo)
+        return "low" if where <= margin else "high" if where >= 1 - margin else None
+
+    @classmethod
+    def parse(cls, text: str) -> Search | None:
+        """The range that :meth:`describe` wrote as ``text`` (``log-uniform [0.005, 0.2]``), or
+        None for a set of choices or anything else."""
+        scale, _, bounds = text.strip().partition(" ")
+        if scale not in ("uniform", "log-uniform") or not (
+                bounds.startswith("[") and bounds.endswith("]")):
+            return None
+        try:
+            low, high = (float(b) for b in bounds[1:-1].split(","))
+            return cls(low, high, log=scale == "log-uniform")
+        except ValueError:
+            return None
+
     def to_json(self) -> dict[str, object]:
         if self.choices:
             return {"choices": list(self.choices)}
         return {"low": self.low, "high": self.high, "log": self.log}
+
+
+def edges(space: Mapping[str, object], chosen: Mapping[str, Value]) -> dict[str, str]:
+    """Each tuned key whose chosen value lies at an end of its range (:meth:`Search.edge`):
+    key -> ``'low'`` or ``'high'``. ``space`` holds the searches or, as results record them,
+    their descriptions (a grid of values, as studies recorded before Optuna tuned, has no
+    edge)."""
+    found = {}
+    for key, search in space.items():
+        if not isinstance(search, Search):
+            search = Search.parse(search) if isinstance(search, str) else None
+        side = search.edge(chosen[key]) if search is not None and key in chosen else None
+        if side:
+            found[key] = side
+    return found
 
 
 def log_range(low: float, high: float) -> Search:
