@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -104,3 +105,54 @@ def test_the_written_data_keeps_each_clients_split_under_partition_natural(tmp_p
         assert [got[i] for i in range(20)] == counts[side] == RECORDED[side]
     client = federation.client_data(names.index(0))  # the images as PFLlib scales them
     assert float(client.train_x.min()) == -1.0
+
+
+# --- benchmarks/reproduce_pfllib.py: reading PFLlib's output, and the table ----------------------
+def _runner():
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import reproduce_pfllib
+
+    return reproduce_pfllib
+
+
+def test_pfllibs_printed_accuracy_is_read_per_round_the_last_of_a_round_kept():
+    runner = _runner()
+    ditto = ("-------------Round number: 0-------------\nEvaluate global model\n"
+             "Averaged Test Accuracy: 0.0584\nAveraged Test AUC: 0.5\n"
+             "Evaluate personalized model\nAveraged Test Accuracy: 0.0612\n"
+             "------------------------- time cost ------------------------- 1.0\n"
+             "-------------Round number: 5-------------\nAveraged Test Accuracy: 0.8000\n"
+             "Averaged Test Accuracy: 0.9034\n\nBest accuracy.\n0.9034\n")
+    assert runner.pfllib_accuracy(ditto, "ditto") == {"0": 0.0612, "5": 0.9034}
+    pfedme = "\n-------------Round number: 10-------------\nAverage Test Accuracy: 0.7512\n"
+    assert runner.pfllib_accuracy(pfedme, "pfedme") == {"10": 0.7512}
+
+
+def test_the_table_gives_each_sides_interval_and_the_welch_difference(tmp_path):
+    from scipy import stats
+
+    runner = _runner()
+    ours, theirs = [0.90, 0.92, 0.94], [0.80, 0.85, 0.90]
+    diff, low, high = runner.welch(ours, theirs)
+    se = math.sqrt(0.0004 / 3 + 0.0025 / 3)  # the variances by hand: 0.02^2 and 0.05^2
+    df = (0.0004 / 3 + 0.0025 / 3) ** 2 / ((0.0004 / 3) ** 2 / 2 + (0.0025 / 3) ** 2 / 2)
+    assert diff == pytest.approx(0.07) and df == pytest.approx(2.6240, abs=1e-4)
+    assert (low, high) == pytest.approx((0.07 - stats.t.ppf(0.975, df) * se,
+                                         0.07 + stats.t.ppf(0.975, df) * se))
+    for side, values in (("ours", ours), ("pfllib", theirs)):
+        for seed, value in enumerate(values):
+            path = runner.cell_path(tmp_path, side, "fedavg", seed)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"side": side, "method": "fedavg", "seed": seed,
+                                        "accuracy": {"10": value - 0.1, "25": value}}))
+    rows = {line.split("|")[2].strip(): line for line in runner.report(tmp_path).splitlines()
+            if line.startswith("| fedavg")}
+    assert set(rows) == {"10", "25"}
+    assert "92.00 [" in rows["25"] and "(3)" in rows["25"] and "85.00 [" in rows["25"]
+    excludes = not low <= 0 <= high
+    assert ("excludes 0" in rows["25"]) == excludes and f"{100 * diff:+.2f}" in rows["25"]
+    assert runner.cell_path(tmp_path, "ours", "fedavg", 0, 50).name == "fedavg-r50-seed-0.json"
