@@ -7,7 +7,8 @@ on the same 20 clients (:mod:`pflalign.data.pfllib`, byte for byte PFLlib's), wi
 setting: its CNN, batch 10, one local epoch, SGD lr 0.005, every client every round, and each
 method's hyperparameters as PFLlib's command line sets them by default (:data:`SHARED`). The
 accuracy is PFLlib's: all clients' correct test predictions over all their test samples (this
-project's ``personal-acc``, or the metric :data:`SHARED` names), after 10 and 25 aggregations.
+project's ``personal-acc``, or the metric :data:`SHARED` names), after 10 and 25 aggregations
+(and 50, for the methods run longer with ``--rounds 50``).
 
 A finished cell is a small JSON file in ``--cells`` (default
 ``docs/experiments/reproduce-pfllib/cells``, kept in git), so the table is built over several
@@ -95,7 +96,7 @@ def cell_path(cells: Path, side: str, method: str, seed: int, rounds: int = 25) 
 
 
 def commit() -> str:
-    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+    done = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
                           capture_output=True, text=True)
     return done.stdout.strip() or "unknown"
 
@@ -113,12 +114,13 @@ def machine() -> str:
 
 def run_ours(method: str, seed: int, args: argparse.Namespace) -> dict:
     entry, _, metric = SHARED[method]
-    out = Path(args.work) / "ours" / method / f"seed-{seed}"
+    out = Path(args.work) / "ours" / method / f"rounds-{args.rounds}-seed-{seed}"
     sets = {**SETTING, "dataset": f"npz:{args.data}", "partition": "natural",
             "methods": entry, "rounds": args.rounds, "eval-every": eval_gap(args.rounds),
             "seed": seed,
             "save-models": "none", "engine": "batched", "report": False}
-    command = [sys.executable, str(ROOT / "simulate.py"), "--quiet", "--out", str(out)]
+    command = [sys.executable, str(ROOT / "simulate.py"), "--quiet", "--overwrite", "--out",
+               str(out)]
     for key, value in sets.items():  # each value as a TOML literal
         literal = (json.dumps(value) if isinstance(value, str)
                    else str(value).lower() if isinstance(value, bool) else str(value))
@@ -132,6 +134,9 @@ def run_ours(method: str, seed: int, args: argparse.Namespace) -> dict:
     results = json.loads((out / "results.json").read_text())
     rows = next(iter(results["methods"].values()))["rounds"]
     accuracy = {str(row["round"]): row[metric] for row in rows if row.get(metric) is not None}
+    if str(args.rounds) not in accuracy:
+        raise RuntimeError(f"ours {method} seed {seed}: no {metric} after round {args.rounds} "
+                           f"in {out / 'results.json'}")
     return {"side": "ours", "method": method, "seed": seed, "metric": metric,
             "accuracy": accuracy, "seconds": round(time.monotonic() - started, 1),
             "command": " ".join(command[1:]), "commit": commit(), "machine": machine()}
@@ -139,18 +144,31 @@ def run_ours(method: str, seed: int, args: argparse.Namespace) -> dict:
 
 def write_pfllib_data(checkout: Path, data: Path) -> None:
     """PFLlib's client files (``dataset/FashionMNIST/{train,test}/<id>.npz``, each a pickled
-    dict of ``x`` and ``y``) from the npz data :mod:`pflalign.data.pfllib` wrote."""
+    dict of ``x`` and ``y``) from the npz data :mod:`pflalign.data.pfllib` wrote, unless the
+    folder already holds them from the same data (its ``pflalign-source.json`` names the data
+    file's SHA-256): any other partition there is replaced. Written into a new folder that then
+    takes the old one's place, before any PFLlib process starts."""
+    import hashlib
+    import shutil
+
     target = checkout / "dataset" / "FashionMNIST"
-    if (target / "test" / "19.npz").exists():
+    digest = hashlib.sha256(Path(data).read_bytes()).hexdigest()
+    marker = target / "pflalign-source.json"
+    if marker.exists() and json.loads(marker.read_text()).get("sha256") == digest:
         return
+    fresh = target.with_name("FashionMNIST.pflalign-new")
+    shutil.rmtree(fresh, ignore_errors=True)
     arrays = np.load(data)
     x, y, client, split = arrays["x"], arrays["y"], arrays["client"], arrays["split"]
     for side, code in (("train", 0), ("test", 1)):
-        (target / side).mkdir(parents=True, exist_ok=True)
+        (fresh / side).mkdir(parents=True)
         for i in range(int(client.max()) + 1):
             rows = (client == i) & (split == code)
-            with open(target / side / f"{i}.npz", "wb") as handle:
+            with open(fresh / side / f"{i}.npz", "wb") as handle:
                 np.savez_compressed(handle, data={"x": x[rows], "y": y[rows]})
+    (fresh / "pflalign-source.json").write_text(json.dumps({"data": str(data), "sha256": digest}))
+    shutil.rmtree(target, ignore_errors=True)
+    fresh.rename(target)
 
 
 def pfllib_accuracy(stdout: str, method: str) -> dict[str, float]:
@@ -160,8 +178,8 @@ def pfllib_accuracy(stdout: str, method: str) -> dict[str, float]:
     for line in stdout.splitlines():
         if (found := re.search(r"Round number: (\d+)", line)) is not None:
             current = found.group(1)
-        elif (found := re.match(r"Average[d]? Test Accuracy: ([0-9.]+)", line.strip())) and \
-                current is not None:
+        elif (found := re.match(r"Average[d]? Test Accuracy: ([0-9.]+|nan)", line.strip())) \
+                and current is not None:  # a diverged run prints nan
             accuracy[current] = float(found.group(1))
     return accuracy
 
@@ -169,7 +187,6 @@ def pfllib_accuracy(stdout: str, method: str) -> dict[str, float]:
 def run_pfllib(method: str, seed: int, args: argparse.Namespace) -> dict:
     _, (algo, *flags), _ = SHARED[method]
     checkout = Path(args.pfllib).resolve()
-    write_pfllib_data(checkout, Path(args.data))
     stubs = Path(args.work).resolve() / "pfllib-stubs"
     stubs.mkdir(parents=True, exist_ok=True)
     (stubs / "cvxpy.py").write_text('"""Empty: PFLlib imports cvxpy for FedPAC alone."""\n')
@@ -218,8 +235,8 @@ def welch(a: list[float], b: list[float]) -> tuple[float, float, float]:
     if len(a) < 2 or len(b) < 2:
         return diff, math.nan, math.nan
     va, vb = np.var(a, ddof=1) / len(a), np.var(b, ddof=1) / len(b)
-    if va + vb == 0:
-        return diff, diff, diff
+    if va + vb == 0:  # every run of each side alike: no interval to give
+        return diff, math.nan, math.nan
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     half = stats.t.ppf(0.975, df) * math.sqrt(va + vb)
     return diff, diff - half, diff + half
@@ -277,6 +294,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="cells at a time (processes)")
     parser.add_argument("--report", action="store_true", help="write table.md from the cells")
     args = parser.parse_args()
+    if args.rounds not in (25, 50):
+        parser.error("--rounds is 25 (the table) or 50 (its extension)")
+    args.data = str(Path(args.data).resolve())
     cells = Path(args.cells)
     if args.report:
         text = report(cells)
@@ -299,6 +319,8 @@ def main() -> None:
             for side in sides
             if not cell_path(cells, side, method, int(seed), args.rounds).exists()]
     print(f"{len(todo)} cells to run", flush=True)
+    if any(side == "pfllib" for side, _, _ in todo):
+        write_pfllib_data(Path(args.pfllib).resolve(), Path(args.data))
 
     def run(cell: tuple[str, str, int]) -> None:
         side, method, seed = cell

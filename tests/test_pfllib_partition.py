@@ -55,17 +55,20 @@ def test_another_seed_gives_other_clients(pooled):
     assert label_counts(labels, pfllib_clients(labels, seed=2))["train"] != RECORDED["train"]
 
 
-def test_the_dirichlet_draw_and_split_by_hand():
+@pytest.mark.parametrize("seed", [7, 8])
+def test_the_dirichlet_draw_and_split_by_hand(seed):
     """Two labels of 4 samples, 2 clients, alpha 1, batch 1, train ratio 0.5: the numbers drawn
-    from the state in PFLlib's order, repeated here by hand."""
+    from the state in PFLlib's order, repeated here by hand (seed 8 draws three times before
+    both clients hold 2 samples, seed 7 once)."""
     labels = np.array([0, 1, 0, 1, 0, 1, 0, 1])
-    rng = np.random.RandomState(7)
+    rng = np.random.RandomState(seed)
     shares = dirichlet_shares(labels, rng, clients=2, alpha=1.0, train_ratio=0.5, batch_size=1)
     split = train_test(shares[0], rng, train_ratio=0.5)
 
-    mirror = np.random.RandomState(7)
-    least, expected = int(min(1 / 0.5, 8 / 2 / 2)), None  # 2
+    mirror = np.random.RandomState(seed)
+    least, expected, draws = int(min(1 / 0.5, 8 / 2 / 2)), None, 0  # least 2
     while expected is None or min(len(s) for s in expected) < least:
+        draws += 1
         expected = [[], []]
         for k in (0, 1):
             members = np.array([i for i in range(8) if labels[i] == k])
@@ -74,7 +77,7 @@ def test_the_dirichlet_draw_and_split_by_hand():
             p = np.array([p[j] if len(expected[j]) < 4 else 0.0 for j in (0, 1)])
             cut = int(p[0] / p.sum() * len(members))
             expected = [expected[0] + list(members[:cut]), expected[1] + list(members[cut:])]
-    assert [s.tolist() for s in shares] == expected
+    assert [s.tolist() for s in shares] == expected and draws == {7: 1, 8: 3}[seed]
     order = mirror.permutation(len(expected[0]))
     test_size = len(order) - len(order) // 2
     assert split[0].tolist() == [expected[0][i] for i in order[test_size:]]

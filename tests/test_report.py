@@ -614,6 +614,7 @@ def _tuned_at(chosen_lr: float) -> dict:
     doc = _synthetic_study()
     trials = [{"params": {"lr": lr}, "score": 0.7 if lr == chosen_lr else 0.6 + lr,
                "scores": [0.6, 0.6]} for lr in (0.05, 0.198, 0.01)]
+    trials.append({"params": {"lr": 0.198}, "score": None, "scores": [None, 0.6]})  # failed
     doc["protocol"]["tune"]["scenarios"] = {scenario: {"pflalign": {
         "space": {"lr": "log-uniform [0.005, 0.2]"}, "default": {"lr": 0.05},
         "chosen": {"lr": chosen_lr}, "trials": trials}} for scenario in FINALS}
@@ -628,7 +629,7 @@ def test_a_tuned_choice_at_its_ranges_edge_is_flagged_with_its_trials(tmp_path):
     for scenario in FINALS:
         assert (f"- pflalign on {scenario}: `lr` = 0.198, at the high end of log-uniform "
                 "[0.005, 0.2]; its trials (`lr`: validation `personal-acc`): 0.01: 61.00, "
-                "0.05: 65.00, 0.198: 70.00 ✓") in text
+                "0.05: 65.00, 0.198: 70.00 ✓, 0.198: -") in text
         assert "| lr=0.198 ⚠ lr at the high end |" in _section(text, f"#### {scenario}")
     write_report(tmp_path / "inside", _tuned_at(0.05))
     text = (tmp_path / "inside" / "report.md").read_text()

@@ -44,7 +44,7 @@ def dirichlet_shares(labels: np.ndarray, rng: np.random.RandomState, clients: in
                      alpha: float = ALPHA, train_ratio: float = TRAIN_RATIO,
                      batch_size: int = BATCH_SIZE) -> list[np.ndarray]:
     """Each client's sample indices, drawn as step 2 of the module docstring describes."""
-    total, classes = len(labels), int(labels.max()) + 1
+    total, classes = len(labels), len(np.unique(labels))  # PFLlib counts the labels present
     least = int(min(batch_size / (1 - train_ratio), total / clients / 2))
     smallest = 0
     while smallest < least:

@@ -608,10 +608,13 @@ def _edge_lines(tables: Mapping[str, Mapping[str, dict]], metric: str, scale: fl
         for label, info in methods.items():
             chosen = info.get("chosen") or {}
             for key, side in edges(info.get("space") or {}, chosen).items():
-                tried = sorted(((t.get("params") or {})[key], t.get("score"))
-                               for t in info.get("trials") or [] if key in (t.get("params") or {}))
+                tried = sorted((((t.get("params") or {})[key], t.get("score"))
+                                for t in info.get("trials") or []
+                                if key in (t.get("params") or {})),
+                               key=lambda pair: pair[0])  # a failed trial's score is None
                 scores = ", ".join(f"{value:.4g}: {_num(score, scale)}"
-                                   + (" ✓" if value == chosen[key] else "")
+                                   + (" ✓" if value == chosen[key] and score is not None
+                                      else "")
                                    for value, score in tried)
                 found.append(f"- {label}" + (f" on {scenario}" if scenario else "")
                              + f": `{key}` = {chosen[key]:.4g}, at the {side} end of "
