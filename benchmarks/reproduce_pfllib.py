@@ -49,6 +49,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pflalign.outputs.results import source_commit  # noqa: E402
+from pflalign.outputs.stats import mean_ci, t_critical  # noqa: E402
+
 #: method -> (this project's entry at PFLlib's command-line defaults, PFLlib's ``-algo`` and its
 #: extra flags, the metric of ours that PFLlib's printed accuracy is). Read from PFLlib at
 #: d832e76 (system/main.py's argparse defaults; docs/experiments/reproduce-pfllib.md gives the
@@ -96,9 +99,7 @@ def cell_path(cells: Path, side: str, method: str, seed: int, rounds: int = 25) 
 
 
 def commit() -> str:
-    done = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                          capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    return source_commit() or "unknown"
 
 
 def machine() -> str:
@@ -217,20 +218,15 @@ def run_pfllib(method: str, seed: int, args: argparse.Namespace) -> dict:
 
 
 def t_interval(values: list[float]) -> tuple[float, float, float]:
-    from scipy import stats
-
-    mean = float(np.mean(values))
-    if len(values) < 2:
-        return mean, math.nan, math.nan
-    half = stats.t.ppf(0.975, len(values) - 1) * float(np.std(values, ddof=1)) / math.sqrt(
-        len(values))
-    return mean, mean - half, mean + half
+    """The mean and its 95% t-interval (:func:`mean_ci`); a diverged run's nan stays in the
+    mean rather than being left out."""
+    if not all(math.isfinite(v) for v in values):
+        return math.nan, math.nan, math.nan
+    return mean_ci(values)[:3]
 
 
 def welch(a: list[float], b: list[float]) -> tuple[float, float, float]:
     """The difference of means ``mean(a) - mean(b)`` with its 95% Welch interval."""
-    from scipy import stats
-
     diff = float(np.mean(a) - np.mean(b))
     if len(a) < 2 or len(b) < 2:
         return diff, math.nan, math.nan
@@ -238,7 +234,7 @@ def welch(a: list[float], b: list[float]) -> tuple[float, float, float]:
     if va + vb == 0:  # every run of each side alike: no interval to give
         return diff, math.nan, math.nan
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    half = stats.t.ppf(0.975, df) * math.sqrt(va + vb)
+    half = t_critical(df) * math.sqrt(va + vb)
     return diff, diff - half, diff + half
 
 

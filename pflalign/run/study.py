@@ -479,10 +479,8 @@ class Study:
             choices = method_choices(settings)
             table: dict[str, dict] = {}
             searches: dict[str, tuning.MethodSearch] = {}
-            space_of: dict[str, dict[str, Search]] = {}
             for choice in choices:
                 space, configured = method_space(choice, settings)
-                space_of[choice.label] = space
                 searches[choice.label] = tuning.MethodSearch(
                     folder / tuning.STORAGE_FILE, choice.label, space, configured,
                     method_budget(space, plan.tune), plan.tune_seeds[0],
@@ -534,7 +532,7 @@ class Study:
                                    + (f", validation {plan.metric} "
                                       + _score_text(plan.metric, best["score"])
                                       if best["score"] is not None else ""))
-                at_edge = edges(space_of[label], row["chosen"]) if best["score"] is not None \
+                at_edge = edges(searches[label].space, row["chosen"]) if best["score"] is not None \
                     else {}  # every trial failed: no choice to speak of
                 for key, side in at_edge.items():
                     self.reporter.warn(
